@@ -1,0 +1,32 @@
+# Quick start: `make demo` compiles the bundled PPO example and prints its plan; `make test` runs
+# the tests. Each creates .venv when missing (torch 2.13.0 first unless torch is importable, so
+# pip never pulls a multi-GB CUDA build on a CPU machine) and installs the project editable.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/planner compile examples/ppo_llama7b.py -o plans/ppo_llama7b.json
+	$(VENV)/bin/planner validate plans/ppo_llama7b.json
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/search.py
+	$(PY) bench/cost_accuracy.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,154 @@
+"""The GPU cluster a plan runs on: accelerator type, nodes, GPUs per node, link bandwidths.
+
+Global rank ``r`` sits on node ``r // gpus_per_node``. Bandwidths default to the accelerator's
+datasheet (`plans.hardware`) and may be overridden per cluster, e.g. a slower network:
+``a100-80gb:64x8,inter_node_gbps=800``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from plans.base import Strict
+from plans.errors import PlannerError, format_validation_error
+from plans.hardware import GIB, GpuSpec, gpu_catalog, gpu_spec
+
+
+class ClusterSpec(Strict):
+    """A homogeneous cluster of `nodes` x `gpus_per_node` accelerators."""
+
+    gpu: str = Field(description="Accelerator preset name (see `plans/data/gpus.json`).")
+    nodes: int = Field(ge=1, le=4096, description="Number of nodes.")
+    gpus_per_node: int = Field(ge=1, le=16, description="GPUs per node.")
+    intra_node_gbps: float | None = Field(
+        None, gt=0, description="Intra-node link bandwidth per GPU, one direction, Gbit/s (default: datasheet)."
+    )
+    inter_node_gbps: float | None = Field(
+        None, gt=0, description="Network bandwidth per node, one direction, Gbit/s (default: datasheet)."
+    )
+    mem_gib: float | None = Field(None, gt=0, description="Usable memory per GPU, GiB (default: datasheet).")
+
+    @field_validator("gpu")
+    @classmethod
+    def check_gpu_known(cls, name: str) -> str:
+        if name not in gpu_catalog():
+            raise ValueError(f"unknown GPU {name!r}; known GPUs: {', '.join(gpu_catalog())}")
+        return name
+
+    @model_validator(mode="after")
+    def fill_datasheet_defaults(self) -> ClusterSpec:
+        sheet = gpu_spec(self.gpu)
+        # Frozen model: defaults are resolved once so every plan states the figures it used.
+        if self.intra_node_gbps is None:
+            object.__setattr__(self, "intra_node_gbps", sheet.nvlink_gbps)
+        if self.inter_node_gbps is None:
+            object.__setattr__(self, "inter_node_gbps", sheet.nic_gbps_per_node)
+        if self.mem_gib is None:
+            object.__setattr__(self, "mem_gib", sheet.mem_gib)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def sheet(self) -> GpuSpec:
+        return gpu_spec(self.gpu)
+
+    @property
+    def mem_bytes(self) -> int:
+        assert self.mem_gib is not None
+        return int(self.mem_gib * GIB)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def short(self) -> str:
+        """The CLI shorthand that rebuilds this cluster."""
+        text = f"{self.gpu}:{self.nodes}x{self.gpus_per_node}"
+        sheet = self.sheet
+        for key, default in (
+            ("intra_node_gbps", sheet.nvlink_gbps),
+            ("inter_node_gbps", sheet.nic_gbps_per_node),
+            ("mem_gib", sheet.mem_gib),
+        ):
+            value = getattr(self, key)
+            if value != default:
+                text += f",{key}={value:g}"
+        return text
+
+
+_SHORTHAND = re.compile(r"^(?P<gpu>[A-Za-z0-9_.\-]+):(?P<nodes>\d+)x(?P<per>\d+)$")
+_OVERRIDES = ("intra_node_gbps", "inter_node_gbps", "mem_gib")
+
+
+def _validated(data: dict[str, Any], *, source: str) -> ClusterSpec:
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as e:
+        raise PlannerError(format_validation_error(e, source=source)) from None
+
+
+def parse_cluster(text: str) -> ClusterSpec:
+    """Parse ``GPU:NODESxPER_NODE[,key=value...]`` or a YAML/JSON file path."""
+    text = text.strip()
+    path = Path(text)
+    if path.suffix.lower() in (".json", ".yaml", ".yml"):
+        return load_cluster_file(path)
+    head, *overrides = text.split(",")
+    m = _SHORTHAND.match(head)
+    if not m:
+        raise PlannerError(
+            f"malformed cluster {text!r}",
+            hint="write GPU:NODESxGPUS_PER_NODE, e.g. h100-sxm:2x8 or a100-80gb:64x8,inter_node_gbps=800, "
+            "or give a .yaml/.json file",
+        )
+    data: dict[str, Any] = {"gpu": m["gpu"], "nodes": int(m["nodes"]), "gpus_per_node": int(m["per"])}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in _OVERRIDES:
+            raise PlannerError(
+                f"cluster {text!r}: cannot read override {item!r}",
+                hint=f"overrides are key=value with key in {', '.join(_OVERRIDES)}",
+            )
+        try:
+            data[key] = float(value)
+        except ValueError:
+            raise PlannerError(f"cluster {text!r}: {key} must be a number, got {value!r}") from None
+    if m["gpu"] not in gpu_catalog():
+        raise PlannerError(f"unknown GPU {m['gpu']!r} in cluster {text!r}", hint=f"known GPUs: {', '.join(gpu_catalog())}")
+    return _validated(data, source=f"cluster {text!r}")
+
+
+def load_cluster_file(path: Path) -> ClusterSpec:
+    """Read a cluster from YAML or JSON (the fields of `ClusterSpec`)."""
+    if not path.is_file():
+        raise PlannerError(f"cluster file {str(path)!r} does not exist")
+    try:
+        raw = path.read_text()
+        if path.suffix.lower() == ".json":
+            data = json.loads(raw)
+        else:
+            import yaml
+
+            data = yaml.safe_load(raw)
+    except Exception as e:  # JSON or YAML syntax: report it as the user's file being unreadable
+        raise PlannerError(f"cluster file {str(path)!r} is not readable: {e}") from None
+    if not isinstance(data, dict):
+        raise PlannerError(f"cluster file {str(path)!r} must hold a mapping of ClusterSpec fields")
+    return _validated(data, source=f"cluster file {str(path)!r}")
+
+
+def resolve_cluster(cluster: str | ClusterSpec | dict[str, Any]) -> ClusterSpec:
+    """Accept a shorthand string, a file path, a dict or a spec."""
+    if isinstance(cluster, ClusterSpec):
+        return cluster
+    if isinstance(cluster, dict):
+        return _validated(cluster, source="cluster")
+    return parse_cluster(cluster)

@@ -1,0 +1,245 @@
+"""The dataflow graph of one training iteration: models, the calls made on them, data edges.
+
+A call reads named data handles and writes new ones; an edge runs from the call that writes a
+handle to every call that reads it. Handles no call writes must be graph inputs (what the data
+loader provides, e.g. ``prompts``). The graph is built with `planner.Graph` or an algorithm from
+`planner.algorithms`; this module only holds its validated, serialisable form.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from plans.base import Strict
+from plans.model import Head, ModelSpec
+
+CallKind = Literal["generate", "inference", "train"]
+Loss = Literal["sft", "dpo", "ppo_policy", "ppo_value", "grpo", "rloo", "remax"]
+Returns = Literal["logprobs", "values", "scores"]
+AlgorithmName = Literal["sft", "dpo", "ppo", "grpo", "remax", "rloo", "custom"]
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+
+
+def check_name(kind: str, name: str) -> str:
+    if not _NAME.match(name):
+        raise ValueError(f"{kind} name {name!r} must start with a letter or '_' and use letters, digits, '_', '.', '-'")
+    return name
+
+
+class ModelDecl(Strict):
+    """A model of the graph: its architecture, whether it trains, and its output head."""
+
+    spec: ModelSpec
+    trainable: bool = Field(False, description="Holds optimizer state and may be the target of a train call.")
+    head: Head = Field("lm", description="'lm' (next-token logits) or 'value' (one scalar per token).")
+
+
+class Call(Strict):
+    """One generate, inference or train call on a model, with the work it does per iteration."""
+
+    name: str = Field(description="Unique call name.")
+    model: str = Field(description="Name of the model the call runs on.")
+    kind: CallKind
+    inputs: list[str] = Field(default_factory=list, description="Data handles read.")
+    outputs: list[str] = Field(default_factory=list, description="Data handles written.")
+    seqs: int = Field(ge=1, description="Sequences processed per iteration.")
+    seq_len: int = Field(ge=1, description="Tokens per sequence (prompt + generated for generate).")
+    gen_len: int = Field(0, ge=0, description="generate: new tokens per sequence.")
+    samples_per_prompt: int = Field(1, ge=1, description="generate: samples drawn per prompt (seqs counts samples).")
+    temperature: float = Field(1.0, ge=0, description="generate: sampling temperature; 0 is greedy.")
+    returns: Returns | None = Field(None, description="inference: per-token logprobs, per-token values, or one score per sequence.")
+    loss: Loss | None = Field(None, description="train: the loss optimised.")
+    minibatches: int = Field(1, ge=1, description="train: optimizer steps per call (the batch splits evenly).")
+    lr: float | None = Field(None, gt=0, description="train: learning rate (default: the algorithm's).")
+
+    @model_validator(mode="after")
+    def check_names(self) -> Call:
+        check_name("call", self.name)
+        for h in (*self.inputs, *self.outputs):
+            check_name("data handle", h)
+        return self
+
+    @model_validator(mode="after")
+    def check_generate_fields(self) -> Call:
+        if self.kind == "generate":
+            if not 0 < self.gen_len < self.seq_len:
+                raise ValueError(f"call {self.name!r}: generate needs 0 < gen_len < seq_len")
+            if self.seqs % self.samples_per_prompt:
+                raise ValueError(f"call {self.name!r}: seqs {self.seqs} is not a multiple of samples_per_prompt")
+        elif self.gen_len or self.samples_per_prompt != 1:
+            raise ValueError(f"call {self.name!r}: gen_len and samples_per_prompt apply to generate calls only")
+        return self
+
+    @model_validator(mode="after")
+    def check_train_fields(self) -> Call:
+        if self.kind == "train":
+            if self.loss is None:
+                raise ValueError(f"call {self.name!r}: a train call needs a loss")
+            if self.seqs % self.minibatches:
+                raise ValueError(f"call {self.name!r}: seqs {self.seqs} does not split into {self.minibatches} minibatches")
+        elif self.loss is not None or self.minibatches != 1 or self.lr is not None:
+            raise ValueError(f"call {self.name!r}: loss, minibatches and lr apply to train calls only")
+        return self
+
+    @model_validator(mode="after")
+    def check_returns_on_inference(self) -> Call:
+        if (self.returns is None) != (self.kind != "inference"):
+            raise ValueError(f"call {self.name!r}: 'returns' is required on inference calls and only there")
+        return self
+
+    @property
+    def prompt_len(self) -> int:
+        return self.seq_len - self.gen_len
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per iteration (prompt and generated)."""
+        return self.seqs * self.seq_len
+
+
+class AlgorithmConfig(Strict):
+    """Which algorithm the graph implements and the hyperparameters of its host-side glue."""
+
+    name: AlgorithmName = "custom"
+    lr: float = Field(1e-5, gt=0, description="Default learning rate of train calls.")
+    kl_coef: float = Field(0.05, ge=0, description="PPO/GRPO: weight of the KL penalty to the reference.")
+    clip_eps: float = Field(0.2, gt=0, description="PPO/GRPO: policy ratio clip.")
+    value_clip_eps: float = Field(0.2, gt=0, description="PPO: value clip.")
+    gamma: float = Field(1.0, ge=0, le=1, description="PPO: discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE lambda.")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO: inverse temperature.")
+    reward_fn: str | None = Field(None, description="'module:function' scoring generated tokens instead of a reward model.")
+    task: str | None = Field(None, description="Runtime data source, e.g. a toy task name; None is random prompts.")
+
+
+class DataInput(Strict):
+    """A handle the data loader provides each iteration."""
+
+    name: str
+    seqs: int = Field(ge=1, description="Sequences per iteration.")
+    seq_len: int = Field(ge=1, description="Tokens per sequence.")
+
+
+class Graph(Strict):
+    """A validated dataflow graph of one iteration."""
+
+    name: str
+    models: dict[str, ModelDecl]
+    inputs: list[DataInput] = Field(default_factory=list)
+    calls: list[Call] = Field(min_length=1)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+
+    @model_validator(mode="after")
+    def check_dataflow(self) -> Graph:
+        problems = graph_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def call(self, name: str) -> Call:
+        for c in self.calls:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def producers(self) -> dict[str, str]:
+        """Handle -> name of the call that writes it."""
+        return {h: c.name for c in self.calls for h in c.outputs}
+
+    def edges(self) -> list[tuple[str, str, str]]:
+        """(producer call, consumer call, handle) for every data edge, in call order."""
+        prod = self.producers()
+        return [(prod[h], c.name, h) for c in self.calls for h in c.inputs if h in prod]
+
+    def topo_order(self) -> list[str]:
+        """Call names in a dependency order; ties keep the declared order."""
+        return _topo_order(self) or []
+
+
+def _topo_order(g: Graph) -> list[str] | None:
+    """Kahn's algorithm with declared-order tie breaks; None if there is a cycle."""
+    names = [c.name for c in g.calls]
+    preds: dict[str, set[str]] = {n: set() for n in names}
+    for src, dst, _ in g.edges():
+        preds[dst].add(src)
+    done: list[str] = []
+    remaining = list(names)
+    while remaining:
+        ready = next((n for n in remaining if preds[n] <= set(done)), None)
+        if ready is None:
+            return None
+        done.append(ready)
+        remaining.remove(ready)
+    return done
+
+
+def graph_problems(g: Graph) -> list[str]:
+    """Every rule the graph breaks, as messages naming the call, model or handle involved."""
+    problems: list[str] = []
+    check_name("graph", g.name)
+    seen: set[str] = set()
+    for c in g.calls:
+        if c.name in seen:
+            problems.append(f"two calls are named {c.name!r}")
+        seen.add(c.name)
+    for name in g.models:
+        check_name("model", name)
+    for c in g.calls:
+        if c.model not in g.models:
+            problems.append(f"call {c.name!r} runs on unknown model {c.model!r} (models: {', '.join(g.models) or 'none'})")
+            continue
+        decl = g.models[c.model]
+        if c.kind == "train" and not decl.trainable:
+            problems.append(f"call {c.name!r} trains model {c.model!r}, which is frozen (declare it trainable=True)")
+        if c.kind == "generate" and decl.head != "lm":
+            problems.append(f"call {c.name!r} generates with model {c.model!r}, which has a value head, not an LM head")
+        if c.returns == "logprobs" and decl.head != "lm":
+            problems.append(f"call {c.name!r} asks log-probs of {c.model!r}, which has a value head")
+        if c.returns in ("values", "scores") and decl.head != "value":
+            problems.append(f"call {c.name!r} asks {c.returns} of {c.model!r}, which has an LM head")
+    writers: dict[str, str] = {}
+    input_names = {i.name for i in g.inputs}
+    for c in g.calls:
+        for h in c.outputs:
+            if h in writers or h in input_names:
+                problems.append(f"data handle {h!r} is written twice ({writers.get(h, 'graph input')!r} and {c.name!r})")
+            writers[h] = c.name
+    for c in g.calls:
+        for h in c.inputs:
+            if h not in writers and h not in input_names:
+                problems.append(
+                    f"call {c.name!r} reads {h!r}, which no call writes and the batch does not provide "
+                    f"(inputs: {', '.join(sorted(input_names)) or 'none'})"
+                )
+    if not problems and _topo_order(g) is None:
+        problems.append("the calls form a cycle: " + _cycle_text(g))
+    return problems
+
+
+def _cycle_text(g: Graph) -> str:
+    succ: dict[str, list[str]] = {c.name: [] for c in g.calls}
+    for src, dst, _ in g.edges():
+        succ[src].append(dst)
+    state: dict[str, int] = {}  # 1 on the DFS stack, 2 finished
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in succ[node]:
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (loop := visit(nxt)):
+                return loop
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for name in succ:
+        if name not in state and (loop := visit(name)):
+            return " -> ".join(loop)
+    return "(not found)"

@@ -1,0 +1,136 @@
+"""Hybrid-parallel layouts and device meshes.
+
+A `Layout` gives the parallel degrees of one call; a `Mesh` the global ranks it runs on. Ranks of
+a mesh map to layout coordinates in one fixed order, tensor parallel fastest (so a tensor-parallel
+group is adjacent ranks, inside a node) and pipeline parallel slowest (Megatron-LM's
+``tp-cp-dp-pp`` order)::
+
+    local = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+from pydantic import Field, model_validator
+
+from plans.base import Strict
+
+Recompute = Literal["none", "selective", "full"]
+
+
+class Coord(NamedTuple):
+    """Where one rank of a mesh sits in the layout grid."""
+
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+
+
+class Layout(Strict):
+    """Parallel degrees and memory-saving options of one call."""
+
+    dp: int = Field(1, ge=1, description="Data-parallel degree.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree (inside a node).")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel stages.")
+    cp: int = Field(1, ge=1, description="Context-parallel degree (sequence split across ranks for attention).")
+    zero: int = Field(0, ge=0, le=3, description="ZeRO stage over the data-parallel group: 0 none, 1 optimizer, 2 +gradients, 3 +parameters.")
+    micro_batches: int = Field(1, ge=1, description="Micro-batches per data-parallel rank per optimizer step (pipeline fill, gradient accumulation).")
+    recompute: Recompute = Field("none", description="Activation recomputation: none, selective (attention core), full (whole layer).")
+    sequence_parallel: bool = Field(False, description="Shard LayerNorm/dropout activations along the sequence across the tensor-parallel group.")
+    interleave: int = Field(1, ge=1, description="Virtual pipeline stages per rank (interleaved 1F1B); 1 means plain 1F1B.")
+
+    @model_validator(mode="after")
+    def check_sequence_parallel_needs_tp(self) -> Layout:
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1")
+        return self
+
+    @model_validator(mode="after")
+    def check_zero_needs_dp(self) -> Layout:
+        if self.zero and self.dp == 1:
+            raise ValueError("a ZeRO stage needs dp > 1 (there is nothing to shard over)")
+        return self
+
+    @model_validator(mode="after")
+    def check_interleave_needs_pp(self) -> Layout:
+        if self.interleave > 1 and self.pp == 1:
+            raise ValueError("interleave > 1 needs pp > 1")
+        return self
+
+    @property
+    def size(self) -> int:
+        """Ranks the layout occupies: dp * tp * pp * cp."""
+        return self.dp * self.tp * self.pp * self.cp
+
+    def coord(self, local: int) -> Coord:
+        """Layout coordinates of the `local`-th rank of the mesh."""
+        tp_rank = local % self.tp
+        cp_rank = (local // self.tp) % self.cp
+        dp_rank = (local // (self.tp * self.cp)) % self.dp
+        pp_rank = local // (self.tp * self.cp * self.dp)
+        return Coord(pp_rank, dp_rank, cp_rank, tp_rank)
+
+    def local_rank(self, c: Coord) -> int:
+        return ((c.pp * self.dp + c.dp) * self.cp + c.cp) * self.tp + c.tp
+
+    def short(self) -> str:
+        """Compact text, e.g. ``dp2 tp4 pp2 z1 mb8 rc:sel sp``."""
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.interleave > 1:
+            parts.append(f"v{self.interleave}")
+        if self.zero:
+            parts.append(f"z{self.zero}")
+        if self.micro_batches > 1:
+            parts.append(f"mb{self.micro_batches}")
+        if self.recompute != "none":
+            parts.append("rc:" + {"selective": "sel", "full": "full"}[self.recompute])
+        if self.sequence_parallel:
+            parts.append("sp")
+        return " ".join(parts)
+
+
+class Mesh(Strict):
+    """The global ranks a call runs on: a contiguous, aligned block of the cluster."""
+
+    ranks: tuple[int, ...] = Field(min_length=1, description="Global ranks, ascending and contiguous.")
+
+    @model_validator(mode="after")
+    def check_contiguous(self) -> Mesh:
+        first = self.ranks[0]
+        if first < 0 or self.ranks != tuple(range(first, first + len(self.ranks))):
+            raise ValueError("mesh ranks must be ascending, contiguous and non-negative")
+        return self
+
+    @classmethod
+    def block(cls, first: int, size: int) -> Mesh:
+        return cls(ranks=tuple(range(first, first + size)))
+
+    @property
+    def first(self) -> int:
+        return self.ranks[0]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def alignment_error(self, gpus_per_node: int) -> str | None:
+        """Why this mesh is not an aligned block for nodes of `gpus_per_node`, or None if it is.
+
+        Aligned blocks are a divisor of the node size starting at a multiple of their size, or
+        whole nodes starting at a node boundary.
+        """
+        n, first = self.size, self.first
+        if n <= gpus_per_node:
+            if gpus_per_node % n or first % n:
+                return f"a block of {n} GPUs must divide the node ({gpus_per_node}) and start at a multiple of {n}"
+            return None
+        if n % gpus_per_node or first % gpus_per_node:
+            return f"a block of {n} GPUs must be whole nodes of {gpus_per_node} starting at a node boundary"
+        return None
+
+    def short(self) -> str:
+        return f"[{self.first}]" if self.size == 1 else f"[{self.first}-{self.ranks[-1]}]"

@@ -1,0 +1,255 @@
+"""Model architectures by their Hugging Face config fields, with exact parameter counts.
+
+Two families cover the Llama/GPT lineage:
+
+- ``llama``: RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, no biases except the
+  optional q/k/v bias (``attention_bias``, as in Qwen2), untied LM head by default.
+- ``gpt``: LayerNorm with bias, learned positions, multi-head attention with biases, GELU MLP
+  (4x hidden by default), tied LM head by default (GPT-2/GPT-3, Megatron-LM's GPT).
+
+A spec can be a preset name (`PRESETS`), a local HF ``config.json`` path, or inline fields
+(``model_type=gpt,hidden_size=2048,...``); `resolve_model` accepts all three. The parameter catalog
+(names, shapes, how each tensor shards) lives in `plans.sharding`; `ModelSpec.num_params` sums it,
+so the count the cost model uses is the count the runtime allocates.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from plans.base import Strict
+from plans.errors import PlannerError, format_validation_error
+
+ModelType = Literal["llama", "gpt"]
+Head = Literal["lm", "value"]
+
+
+class ModelSpec(Strict):
+    """A decoder-only transformer, described by HF config field names."""
+
+    name: str | None = Field(None, description="Preset name or file the spec came from (display only).")
+    model_type: ModelType = Field(description="Architecture family: 'llama' or 'gpt'.")
+    hidden_size: int = Field(ge=1, description="Model width h.")
+    num_hidden_layers: int = Field(ge=1, description="Number of decoder layers L.")
+    num_attention_heads: int = Field(ge=1, description="Query heads.")
+    num_key_value_heads: int | None = Field(
+        None, ge=1, description="Key/value heads (grouped-query attention); defaults to num_attention_heads."
+    )
+    intermediate_size: int | None = Field(
+        None, ge=1, description="MLP inner width; required for llama, defaults to 4*hidden_size for gpt."
+    )
+    vocab_size: int = Field(ge=1, description="Vocabulary size V.")
+    max_position_embeddings: int = Field(2048, ge=1, description="Longest sequence; gpt learns this many positions.")
+    tie_word_embeddings: bool | None = Field(
+        None, description="LM head shares the embedding matrix; defaults to False for llama, True for gpt."
+    )
+    attention_bias: bool = Field(False, description="llama only: q/k/v projections carry a bias (Qwen2).")
+    rms_norm_eps: float = Field(1e-5, gt=0, description="llama RMSNorm epsilon.")
+    layer_norm_epsilon: float = Field(1e-5, gt=0, description="gpt LayerNorm epsilon.")
+    rope_theta: float = Field(10000.0, gt=0, description="llama rotary base.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def fill_family_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("num_key_value_heads") is None and "num_attention_heads" in data:
+            data["num_key_value_heads"] = data["num_attention_heads"]
+        family = data.get("model_type")
+        if data.get("intermediate_size") is None and family == "gpt" and "hidden_size" in data:
+            data["intermediate_size"] = 4 * int(data["hidden_size"])
+        if data.get("tie_word_embeddings") is None and family in ("llama", "gpt"):
+            data["tie_word_embeddings"] = family == "gpt"
+        return data
+
+    @model_validator(mode="after")
+    def check_heads_divide_width(self) -> ModelSpec:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def check_kv_heads_group_queries(self) -> ModelSpec:
+        kv = self.num_key_value_heads
+        if kv is None or self.num_attention_heads % kv:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {kv}"
+            )
+        if self.model_type == "gpt" and kv != self.num_attention_heads:
+            raise ValueError("gpt models use multi-head attention: num_key_value_heads must equal num_attention_heads")
+        return self
+
+    @model_validator(mode="after")
+    def check_intermediate_given(self) -> ModelSpec:
+        if self.intermediate_size is None:
+            raise ValueError("intermediate_size is required for llama models")
+        return self
+
+    @model_validator(mode="after")
+    def check_bias_family(self) -> ModelSpec:
+        if self.attention_bias and self.model_type != "llama":
+            raise ValueError("attention_bias applies to llama models only (gpt always has biases)")
+        return self
+
+    # Derived sizes -------------------------------------------------------------------------
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        assert self.num_key_value_heads is not None  # filled by the validator
+        return self.num_key_value_heads
+
+    @property
+    def ffn_size(self) -> int:
+        assert self.intermediate_size is not None  # filled by the validator
+        return self.intermediate_size
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.tie_word_embeddings)
+
+    def num_params(self, head: Head = "lm") -> int:
+        """Exact parameter count: the sum of `plans.sharding.parameters` over the catalog."""
+        from plans.sharding import parameters  # local: sharding imports this module
+
+        return sum(p.numel for p in parameters(self, head=head))
+
+    def display_name(self) -> str:
+        if self.name:
+            return self.name
+        return f"{self.model_type}-h{self.hidden_size}-l{self.num_hidden_layers}"
+
+
+def _llama(name: str, h: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, pos: int, **kw: Any) -> ModelSpec:
+    return ModelSpec(
+        name=name, model_type="llama", hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=pos, **kw,
+    )
+
+
+def _gpt(name: str, h: int, layers: int, heads: int, vocab: int = 50257, pos: int = 2048) -> ModelSpec:
+    return ModelSpec(
+        name=name, model_type="gpt", hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+        vocab_size=vocab, max_position_embeddings=pos,
+    )
+
+
+# Published configurations (HF config.json of each model; GPT-3 from Brown et al. 2020, Table 2.1,
+# with the head count that divides the width where the table's d_head does not).
+PRESETS: dict[str, ModelSpec] = {
+    s.name: s  # type: ignore[misc]
+    for s in [
+        _llama("llama-2-7b", 4096, 32, 32, 32, 11008, 32000, 4096),
+        _llama("llama-2-13b", 5120, 40, 40, 40, 13824, 32000, 4096),
+        _llama("llama-2-70b", 8192, 80, 64, 8, 28672, 32000, 4096),
+        _llama("codellama-34b", 8192, 48, 64, 8, 22016, 32000, 16384, rope_theta=1e6),
+        _llama("llama-3-8b", 4096, 32, 32, 8, 14336, 128256, 8192, rope_theta=5e5),
+        _llama("llama-3-70b", 8192, 80, 64, 8, 28672, 128256, 8192, rope_theta=5e5),
+        _llama("llama-3-405b", 16384, 126, 128, 8, 53248, 128256, 131072, rope_theta=5e5),
+        _llama("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064, 32768, attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6),
+        _llama("qwen2.5-32b", 5120, 64, 40, 8, 27648, 152064, 32768, attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6),
+        _llama("qwen2.5-72b", 8192, 80, 64, 8, 29568, 152064, 32768, attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6),
+        _gpt("gpt3-1.3b", 2048, 24, 16),
+        _gpt("gpt3-2.7b", 2560, 32, 32),
+        _gpt("gpt3-6.7b", 4096, 32, 32),
+        _gpt("gpt3-13b", 5120, 40, 40),
+        _gpt("gpt3-175b", 12288, 96, 96),
+        # Tiny models for CPU tests and examples: every degree up to 4 divides their heads,
+        # kv heads, layers and vocabulary.
+        _llama("tiny-llama", 64, 4, 8, 4, 128, 256, 128),
+        _gpt("tiny-gpt", 64, 4, 4, vocab=256, pos=128),
+    ]
+}
+
+
+# HF model_type -> (our family, field renames, fixed values)
+_HF_FAMILIES: dict[str, tuple[ModelType, dict[str, str], dict[str, Any]]] = {
+    "llama": ("llama", {}, {}),
+    "mistral": ("llama", {}, {}),
+    "qwen2": ("llama", {}, {"attention_bias": True}),
+    "gpt2": (
+        "gpt",
+        {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+         "n_inner": "intermediate_size", "n_positions": "max_position_embeddings"},
+        {},
+    ),
+    "gpt": ("gpt", {}, {}),
+}
+
+
+def spec_from_hf_config(config: dict[str, Any], *, source: str) -> ModelSpec:
+    """Build a spec from an HF ``config.json`` dict, keeping only the fields the planner models."""
+    hf_type = config.get("model_type")
+    if hf_type not in _HF_FAMILIES:
+        raise PlannerError(
+            f"{source}: model_type {hf_type!r} is not supported",
+            hint=f"supported model_type values: {', '.join(sorted(_HF_FAMILIES))}",
+        )
+    family, renames, fixed = _HF_FAMILIES[hf_type]
+    fields = set(ModelSpec.model_fields) - {"name", "model_type"}
+    data: dict[str, Any] = {"model_type": family, "name": source}
+    for key, value in config.items():
+        key = renames.get(key, key)
+        if key in fields and value is not None:
+            data[key] = value
+    data.update(fixed)
+    return _validated(data, source=source)
+
+
+def _validated(data: dict[str, Any], *, source: str) -> ModelSpec:
+    try:
+        return ModelSpec.model_validate(data)
+    except ValidationError as e:
+        raise PlannerError(format_validation_error(e, source=source)) from None
+
+
+def _parse_inline(text: str) -> ModelSpec:
+    data: dict[str, Any] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise PlannerError(f"model spec {text!r}: {item!r} is not key=value")
+        v = value.strip()
+        data[key.strip()] = {"true": True, "false": False}.get(v.lower(), v)
+    return _validated(data, source=f"model spec {text!r}")
+
+
+def resolve_model(spec: str | ModelSpec | dict[str, Any]) -> ModelSpec:
+    """Turn a preset name, a config.json path, inline ``key=value`` fields or a dict into a spec."""
+    if isinstance(spec, ModelSpec):
+        return spec
+    if isinstance(spec, dict):
+        return _validated(spec, source="model spec")
+    text = spec.strip()
+    if text in PRESETS:
+        return PRESETS[text]
+    if "=" in text:
+        return _parse_inline(text)
+    path = Path(text)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise PlannerError(f"model config file {text!r} does not exist")
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PlannerError(f"model config {text!r} is not readable JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise PlannerError(f"model config {text!r} must hold a JSON object")
+        return spec_from_hf_config(config, source=text)
+    raise PlannerError(
+        f"unknown model {text!r}",
+        hint=f"use a preset ({', '.join(PRESETS)}), a config.json path, or inline fields "
+        "like model_type=llama,hidden_size=4096,...",
+    )

@@ -1,0 +1,220 @@
+"""The plan: the only contract between the compiler and the runtime.
+
+A plan is the graph (models, calls, inputs, algorithm) plus, for every call, the mesh and layout it
+runs with and its estimated start, duration and peak memory per rank; the parameter reallocations
+between consecutive calls on a model; whole-iteration estimates; and how the plan was found.
+`PLAN_VERSION` changes whenever a reader of an older plan would misread a newer one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from plans.base import Strict
+from plans.cluster import ClusterSpec
+from plans.errors import PlannerError, format_validation_error
+from plans.graph import AlgorithmConfig, Call, DataInput, Graph, ModelDecl
+from plans.layout import Layout, Mesh
+from plans.sharding import layout_problems
+
+PLAN_VERSION = 1
+
+
+class PlanCall(Call):
+    """A call with its placement and estimates."""
+
+    mesh: Mesh
+    layout: Layout
+    decode_layout: Layout | None = Field(
+        None, description="generate: layout for the decode phase when it differs from prefill (same mesh)."
+    )
+    est_start_s: float = Field(ge=0, description="Estimated start within the steady-state iteration, s.")
+    est_time_s: float = Field(ge=0, description="Estimated duration, s.")
+    est_peak_mem_bytes: int = Field(ge=0, description="Estimated peak memory per rank during the call, bytes.")
+
+    @model_validator(mode="after")
+    def check_layout_fills_mesh(self) -> PlanCall:
+        if self.layout.size != self.mesh.size:
+            raise ValueError(
+                f"call {self.name!r}: dp*tp*pp*cp = {self.layout.size} but the mesh has {self.mesh.size} ranks"
+            )
+        if self.decode_layout is not None:
+            if self.kind != "generate":
+                raise ValueError(f"call {self.name!r}: decode_layout applies to generate calls only")
+            if self.decode_layout.size != self.mesh.size:
+                raise ValueError(f"call {self.name!r}: decode_layout does not fill the mesh")
+        return self
+
+
+class Reallocation(Strict):
+    """Parameters of `model` moving from the layout of `from_call` to that of `to_call`."""
+
+    model: str
+    from_call: str
+    to_call: str
+    bytes: int = Field(ge=0, description="Bytes sent between distinct ranks (local copies excluded).")
+    est_start_s: float = Field(0.0, ge=0)
+    est_time_s: float = Field(ge=0)
+
+
+class DataTransfer(Strict):
+    """A data handle moving from the call that writes it to one that reads it."""
+
+    handle: str
+    from_call: str
+    to_call: str
+    bytes: int = Field(ge=0)
+    est_time_s: float = Field(ge=0)
+
+
+class Estimate(Strict):
+    """Whole-iteration estimates of the plan."""
+
+    iteration_s: float = Field(ge=0, description="Steady-state time of one iteration, s.")
+    tokens_per_s: float = Field(ge=0, description="Tokens processed by all calls per second.")
+    mfu: float = Field(ge=0, description="Model FLOPs utilisation over the cluster (6N+attention convention).")
+    peak_mem_bytes: int = Field(ge=0, description="Highest estimated memory on any rank, bytes.")
+
+
+class SearchInfo(Strict):
+    """How the plan was found."""
+
+    method: str = Field(description="Search method or baseline name.")
+    wall_s: float | None = Field(None, ge=0, description="Search wall time, s (not reproducible; excluded from comparisons).")
+    lower_bound_s: float | None = Field(None, ge=0, description="Proven lower bound on iteration_s, when known.")
+    gap: float | None = Field(None, ge=0, description="(iteration_s - lower_bound_s) / iteration_s, when known.")
+    candidates: int | None = Field(None, ge=0, description="(call, candidate) pairs considered.")
+    status: str | None = Field(None, description="Solver status, e.g. OPTIMAL or FEASIBLE.")
+
+
+class Plan(Strict):
+    """A compiled execution plan."""
+
+    version: int = Field(PLAN_VERSION, description=f"Schema version; this planner reads and writes {PLAN_VERSION}.")
+    name: str
+    cluster: ClusterSpec
+    models: dict[str, ModelDecl]
+    inputs: list[DataInput] = Field(default_factory=list)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    calls: list[PlanCall] = Field(min_length=1, description="Calls in execution order.")
+    reallocations: list[Reallocation] = Field(default_factory=list)
+    transfers: list[DataTransfer] = Field(default_factory=list)
+    estimate: Estimate
+    search: SearchInfo
+
+    @field_validator("version")
+    @classmethod
+    def check_version(cls, v: int) -> int:
+        if v != PLAN_VERSION:
+            raise ValueError(f"plan version {v} is not supported (this planner reads version {PLAN_VERSION}); recompile it")
+        return v
+
+    @model_validator(mode="after")
+    def check_graph(self) -> Plan:
+        self.graph()  # raises with the graph's own messages
+        return self
+
+    @model_validator(mode="after")
+    def check_placements(self) -> Plan:
+        problems = placement_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def graph(self) -> Graph:
+        """The dataflow graph this plan places."""
+        calls = [Call(**{k: getattr(c, k) for k in Call.model_fields}) for c in self.calls]
+        return Graph(name=self.name, models=self.models, inputs=self.inputs, calls=calls, algorithm=self.algorithm)
+
+    def call(self, name: str) -> PlanCall:
+        for c in self.calls:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+
+def placement_problems(plan: Plan) -> list[str]:
+    """Placement rules a plan breaks: ranks outside the cluster, misaligned meshes, layouts that
+    do not shard the model, tensor parallel across nodes, dangling reallocations."""
+    problems = []
+    cl = plan.cluster
+    calls = {c.name: c for c in plan.calls}
+    for c in plan.calls:
+        if c.mesh.ranks[-1] >= cl.world_size:
+            problems.append(f"call {c.name!r}: mesh {c.mesh.short()} exceeds the cluster's {cl.world_size} GPUs")
+        if (why := c.mesh.alignment_error(cl.gpus_per_node)) is not None:
+            problems.append(f"call {c.name!r}: mesh {c.mesh.short()} is not aligned: {why}")
+        for lay in (c.layout, c.decode_layout):
+            if lay is None:
+                continue
+            if cl.gpus_per_node % lay.tp:
+                problems.append(f"call {c.name!r}: tp={lay.tp} does not fit inside a node of {cl.gpus_per_node} GPUs")
+            if c.model in plan.models:
+                for p in layout_problems(plan.models[c.model].spec, lay):
+                    problems.append(f"call {c.name!r}: {p}")
+    for r in plan.reallocations:
+        for end in (r.from_call, r.to_call):
+            if end not in calls:
+                problems.append(f"reallocation of {r.model!r} names unknown call {end!r}")
+            elif calls[end].model != r.model:
+                problems.append(f"reallocation of {r.model!r} names call {end!r}, which runs on {calls[end].model!r}")
+    return problems
+
+
+def plan_to_json(plan: Plan) -> str:
+    """Canonical JSON text of a plan (stable key order, two-space indent, trailing newline)."""
+    return json.dumps(plan.model_dump(mode="json"), indent=2) + "\n"
+
+
+def parse_plan(text: str, *, source: str = "plan") -> Plan:
+    """Validate plan JSON text, turning any problem into a `PlannerError` naming `source`."""
+    try:
+        data: Any = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlannerError(f"{source} is not valid JSON: {e}") from None
+    if isinstance(data, dict) and "version" in data and data["version"] != PLAN_VERSION:
+        raise PlannerError(
+            f"{source} has plan version {data['version']!r}; this planner reads version {PLAN_VERSION}",
+            hint="recompile the plan with this version of planner",
+        )
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as e:
+        raise PlannerError(format_validation_error(e, source=source)) from None
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise PlannerError(f"cannot read plan {str(path)!r}: {e.strerror}") from None
+    return parse_plan(text, source=str(path))
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` so readers see the old file or the whole new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    """Write a plan atomically as canonical JSON."""
+    write_text_atomic(path, plan_to_json(plan))
