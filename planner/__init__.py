@@ -1,0 +1,1 @@
+"""planner: compile LLM training and RLHF workloads into execution plans."""

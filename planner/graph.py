@@ -1,0 +1,178 @@
+"""The graph-building API: declare models, make calls on them, and let the data define the edges.
+
+    g = Graph("ppo", batch=512, prompt_len=1024, gen_len=1024)
+    actor = g.model("actor", "llama-2-7b", trainable=True)
+    ref = g.model("ref", "llama-2-7b")
+    prompts = g.input("prompts")
+    samples = actor.generate(prompts)              # -> handle "actor_generate.samples"
+    ref_lp = ref.inference(samples)                # -> handle "ref_inference.logprobs"
+    actor.train(samples, ref_lp, loss="grpo")
+    graph = g.build()                              # a validated plans.Graph
+
+Each call takes data handles (or handle names) and returns a new handle; sequence counts and
+lengths flow from the inputs (a generate call appends ``gen_len`` tokens and multiplies the
+sequences by ``samples_per_prompt``). `build` validates everything and raises a `PlannerError`
+that names the call, model or handle at fault.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from plans.errors import PlannerError, format_validation_error
+from plans.graph import AlgorithmConfig, Call, CallKind, DataInput, Head, Loss, Returns
+from plans.graph import Graph as GraphSpec
+from plans.graph import ModelDecl
+from plans.model import ModelSpec, resolve_model
+
+
+@dataclass(frozen=True)
+class Data:
+    """A named data handle and the shape of what it holds."""
+
+    name: str
+    seqs: int
+    seq_len: int
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Graph:
+    """Builder of one iteration's dataflow graph."""
+
+    def __init__(self, name: str, *, batch: int, prompt_len: int | None = None, gen_len: int | None = None,
+                 seq_len: int | None = None, algorithm: AlgorithmConfig | dict[str, Any] | None = None) -> None:
+        if batch < 1:
+            raise PlannerError(f"graph {name!r}: batch must be at least 1, got {batch}")
+        self.name = name
+        self.batch = batch
+        self.prompt_len = prompt_len
+        self.gen_len = gen_len
+        self.seq_len = seq_len
+        self.algorithm = algorithm if isinstance(algorithm, AlgorithmConfig) else AlgorithmConfig(**(algorithm or {}))
+        self._models: dict[str, ModelDecl] = {}
+        self._inputs: dict[str, DataInput] = {}
+        self._calls: list[Call] = []
+        self._handles: dict[str, Data] = {}
+
+    # Declarations -------------------------------------------------------------------------
+
+    def model(self, name: str, spec: str | ModelSpec | dict[str, Any], *, trainable: bool = False,
+              head: Head = "lm") -> ModelHandle:
+        """Declare a model; `spec` is a preset name, a config.json path, inline fields or a spec."""
+        if name in self._models:
+            raise PlannerError(f"graph {self.name!r}: model {name!r} is declared twice")
+        if head not in ("lm", "value"):
+            raise PlannerError(f"model {name!r}: head must be 'lm' or 'value', got {head!r}")
+        self._models[name] = ModelDecl(spec=resolve_model(spec), trainable=trainable, head=head)
+        return ModelHandle(self, name)
+
+    def input(self, name: str, *, seqs: int | None = None, seq_len: int | None = None) -> Data:
+        """A handle the data loader provides: `seqs` sequences (default: batch) of `seq_len` tokens
+        (default: prompt_len, else seq_len)."""
+        length = seq_len or self.prompt_len or self.seq_len
+        if length is None:
+            raise PlannerError(f"input {name!r}: give seq_len= (the graph has neither prompt_len nor seq_len)")
+        if name in self._inputs or name in self._handles:
+            raise PlannerError(f"graph {self.name!r}: data handle {name!r} is defined twice")
+        self._inputs[name] = DataInput(name=name, seqs=seqs or self.batch, seq_len=length)
+        data = Data(name, seqs or self.batch, length)
+        self._handles[name] = data
+        return data
+
+    def handle(self, name: str) -> Data:
+        if name not in self._handles:
+            raise PlannerError(f"graph {self.name!r}: no data handle named {name!r} yet")
+        return self._handles[name]
+
+    # Calls (used through ModelHandle) ------------------------------------------------------
+
+    def _unique_call_name(self, base: str) -> str:
+        names = {c.name for c in self._calls}
+        if base not in names:
+            return base
+        k = 2
+        while f"{base}_{k}" in names:
+            k += 1
+        return f"{base}_{k}"
+
+    def _add_call(self, *, model: str, kind: CallKind, inputs: tuple[Data | str, ...], name: str | None,
+                  output: str | None, default_output: str, seqs: int | None = None, seq_len: int | None = None,
+                  **fields: Any) -> Data:
+        call_name = name or self._unique_call_name(f"{model}_{kind}")
+        in_names = [str(d) for d in inputs]
+        first = next((d for d in inputs if isinstance(d, Data)), None)
+        if first is None and in_names and in_names[0] in self._handles:
+            first = self._handles[in_names[0]]
+        if seqs is None or seq_len is None:
+            if first is None:
+                raise PlannerError(f"call {call_name!r}: its first input must be a data handle with a known shape")
+            seqs = seqs or first.seqs
+            seq_len = seq_len or first.seq_len
+        out_name = output or f"{call_name}.{default_output}"
+        try:
+            call = Call(name=call_name, model=model, kind=kind, inputs=in_names, outputs=[out_name],
+                        seqs=seqs, seq_len=seq_len, **fields)
+        except ValidationError as e:
+            raise PlannerError(format_validation_error(e, source=f"call {call_name!r}")) from None
+        self._calls.append(call)
+        data = Data(out_name, call.seqs if kind != "train" else 1, call.seq_len)
+        self._handles[out_name] = data
+        return data
+
+    # Result ---------------------------------------------------------------------------------
+
+    def build(self) -> GraphSpec:
+        """The validated graph; a `PlannerError` names every problem found."""
+        if not self._calls:
+            raise PlannerError(f"graph {self.name!r} has no calls")
+        try:
+            return GraphSpec(name=self.name, models=self._models, inputs=list(self._inputs.values()),
+                             calls=self._calls, algorithm=self.algorithm)
+        except ValidationError as e:
+            raise PlannerError(format_validation_error(e, source=f"graph {self.name!r}")) from None
+
+
+class ModelHandle:
+    """A declared model; its methods record calls on the graph."""
+
+    def __init__(self, graph: Graph, name: str) -> None:
+        self.graph = graph
+        self.name = name
+
+    @property
+    def decl(self) -> ModelDecl:
+        return self.graph._models[self.name]
+
+    def generate(self, prompts: Data | str, *, gen_len: int | None = None, samples_per_prompt: int = 1,
+                 temperature: float = 1.0, name: str | None = None, output: str | None = None) -> Data:
+        """Sample `gen_len` tokens (default: the graph's) for each prompt, `samples_per_prompt` times.
+
+        The output handle holds the full sequences and the log-probs of the sampled tokens."""
+        g = self.graph
+        gen = gen_len or g.gen_len
+        if gen is None:
+            raise PlannerError(f"generate on {self.name!r}: give gen_len= (the graph has no gen_len)")
+        src = prompts if isinstance(prompts, Data) else g.handle(prompts)
+        return g._add_call(model=self.name, kind="generate", inputs=(src,), name=name, output=output,
+                           default_output="samples", seqs=src.seqs * samples_per_prompt,
+                           seq_len=src.seq_len + gen, gen_len=gen, samples_per_prompt=samples_per_prompt,
+                           temperature=temperature)
+
+    def inference(self, *inputs: Data | str, returns: Returns | None = None, name: str | None = None,
+                  output: str | None = None) -> Data:
+        """A forward pass over the first input's sequences: per-token log-probs (LM head), values
+        (value head) or one score per sequence (``returns="scores"``)."""
+        ret: Returns = returns or ("logprobs" if self.decl.head == "lm" else "values")
+        return self.graph._add_call(model=self.name, kind="inference", inputs=inputs, name=name, output=output,
+                                    default_output=ret, returns=ret)
+
+    def train(self, *inputs: Data | str, loss: Loss, minibatches: int = 1, lr: float | None = None,
+              name: str | None = None, output: str | None = None) -> Data:
+        """One iteration's optimizer steps (`minibatches` of them) over the first input's sequences."""
+        return self.graph._add_call(model=self.name, kind="train", inputs=inputs, name=name, output=output,
+                                    default_output="stats", loss=loss, minibatches=minibatches, lr=lr)
