@@ -14,7 +14,7 @@ from plans.cluster import ClusterSpec
 from plans.graph import Call, ModelDecl
 from plans.layout import Layout, Mesh
 from plans.model import ModelSpec
-from plans.sharding import transfer_volume
+from cost_models.transfer import rank_volumes
 
 BYTES_PARAM = 2  # bf16 weights
 BYTES_GRAD = 2
@@ -143,15 +143,10 @@ class CostModel:
 
 @lru_cache(maxsize=65536)
 def _realloc_cost(cm: CostModel, decl: ModelDecl, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout]) -> ReallocCost:
-    vol = transfer_volume(decl.spec, head=decl.head, src=src, dst=dst, gpus_per_node=cm.cluster.gpus_per_node)
-    if not vol.by_pair:
+    vol = rank_volumes(decl.spec, head=decl.head, src=src, dst=dst, gpus_per_node=cm.cluster.gpus_per_node)
+    if vol.moved_numel == 0:
         return ReallocCost(0, 0.0)
-    out_bytes: dict[int, int] = {}
-    in_bytes: dict[int, int] = {}
-    for (s, d), numel in vol.by_pair.items():
-        out_bytes[s] = out_bytes.get(s, 0) + numel * BYTES_PARAM
-        in_bytes[d] = in_bytes.get(d, 0) + numel * BYTES_PARAM
-    busiest = max(max(out_bytes.values()), max(in_bytes.values()))
-    cross = any(cm.cluster.node_of(s) != cm.cluster.node_of(d) for s, d in vol.by_pair)
-    bw = cm.inter_bytes_s if cross else cm.intra_bytes_s
-    return ReallocCost(vol.moved_numel * BYTES_PARAM, busiest / (bw * LINK_EFFICIENCY))
+    intra, inter = cm.intra_bytes_s * LINK_EFFICIENCY, cm.inter_bytes_s * LINK_EFFICIENCY
+    send = vol.send_intra * BYTES_PARAM / intra + vol.send_inter * BYTES_PARAM / inter
+    recv = vol.recv_intra * BYTES_PARAM / intra + vol.recv_inter * BYTES_PARAM / inter
+    return ReallocCost(vol.moved_numel * BYTES_PARAM, float(max(send.max(), recv.max())))

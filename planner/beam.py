@@ -30,7 +30,7 @@ def symmetric_cluster(problem: Problem) -> bool:
     return pow2(cl.gpus_per_node) and pow2(cl.nodes)
 
 
-def beam_search(problem: Problem, *, width: int = 16, allowed: Allowed | None = None
+def beam_search(problem: Problem, *, width: int = 16, allowed: Allowed | None = None, exact: bool = True
                 ) -> list[int] | None:
     """The best complete assignment the beam finds, or None if nothing fits in memory."""
     cap = problem.cluster.mem_bytes
@@ -49,7 +49,7 @@ def beam_search(problem: Problem, *, width: int = 16, allowed: Allowed | None = 
                 _, peak = op_memory(problem, ext)
                 if max(peak) > cap:
                     continue
-                sched = simulate(problem, ext)
+                sched = simulate(problem, ext, exact=exact)
                 scored.append((sched.makespan_s, tuple(-1 if c is None else c for c in ext), ext))
         if not scored:
             return None

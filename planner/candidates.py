@@ -163,8 +163,24 @@ def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpa
             if cost.peak_mem_bytes <= cap:
                 costed.append(Candidate(mesh, lay, cost))
         if costed:
-            out[size] = pareto(costed)[: space.keep_per_size]
+            out[size] = diverse(pareto(costed), space.keep_per_size)
     return out
+
+
+def diverse(front: list[Candidate], keep: int) -> list[Candidate]:
+    """`keep` candidates of a Pareto front: the leanest in resident and in peak memory (which may
+    be what lets other calls fit beside them), then the fastest."""
+    if len(front) <= keep:
+        return front
+    picks = [min(front, key=lambda c: (c.state_bytes, c.time_s)),
+             min(front, key=lambda c: (c.cost.peak_mem_bytes, c.time_s))]
+    chosen: list[Candidate] = []
+    for c in [*picks, *front]:  # front is fastest first
+        if c not in chosen:
+            chosen.append(c)
+        if len(chosen) == keep:
+            break
+    return sorted(chosen, key=lambda c: (c.time_s, c.state_bytes, c.work_bytes, c.layout.short()))
 
 
 def twin_layout(call: Call, home: Layout) -> Layout | None:

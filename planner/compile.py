@@ -34,6 +34,7 @@ from planner.problem import Problem, build_problem
 from planner.simulate import Schedule, simulate
 
 Progress = Callable[[str], None]
+MAX_CPSAT_ROUNDS = 3  # re-solves after costing reallocations CP-SAT saw only as lower bounds
 
 
 def _no_fit_error(graph: Graph, cm: CostModel, call_name: str, space: SearchSpace) -> PlannerError:
@@ -95,15 +96,29 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
     sched = simulate(problem, choice)
     method, status = ("beam" if baseline is None else baseline), None
     bound = trivial_lower_bound(problem)
-    if time_limit_s > 0:
-        say(f"CP-SAT (time limit {time_limit_s:g} s), beam plan {sched.iteration_s:.3f} s")
-        result = solve_cpsat(problem, hint=choice, time_limit_s=time_limit_s, workers=workers, allowed=rule)
+    deadline = t0 + time_limit_s
+    rounds = 0
+    while time_limit_s > 0 and rounds < MAX_CPSAT_ROUNDS:
+        left = deadline - time.perf_counter()
+        if left < 0.2:
+            break
+        rounds += 1
+        say(f"CP-SAT round {rounds} ({left:.1f} s left), best plan {sched.iteration_s:.3f} s, bound {bound:.3f} s")
+        result = solve_cpsat(problem, hint=choice, time_limit_s=left, workers=workers, allowed=rule)
         status = result.status
         bound = max(bound, result.lower_bound_s)
-        if result.choice is not None:
-            cp_sched = simulate(problem, result.choice, result.order)
-            if cp_sched.mem_ok and cp_sched.makespan_s < sched.makespan_s:
-                choice, sched = result.choice, cp_sched
+        if result.choice is None:
+            break
+        # Reallocations CP-SAT only knew a lower bound for are costed exactly by this simulation;
+        # if any was on its chosen path, solve again with the exact figures.
+        assumed_exact = all(problem.is_exact(i, result.choice[s.home], result.choice[i])
+                            for i, s in enumerate(problem.slots) if s.home is not None)
+        cp_sched = simulate(problem, result.choice, result.order)
+        if cp_sched.mem_ok and cp_sched.makespan_s < sched.makespan_s:
+            choice, sched = result.choice, cp_sched
+        if assumed_exact:
+            break
+    if rounds:
         method = "beam+cpsat" if baseline is None else f"{baseline} (beam+cpsat)"
     bound = min(bound, sched.iteration_s)
     wall = time.perf_counter() - t0

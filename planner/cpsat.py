@@ -67,6 +67,7 @@ class _Model:
         self.S = {(u, i): m.new_int_var(0, self.horizon, f"S_{u}_{i}") for u in range(p.unroll) for i in range(len(p.slots))}
         self.E = {(u, i): m.new_int_var(0, self.horizon, f"E_{u}_{i}") for u in range(p.unroll) for i in range(len(p.slots))}
         self.delay = {}
+        self.src_lit: dict[tuple[int, int], cp_model.IntVar] = {}
         self.L = [m.new_int_var(0, self.horizon, f"L_{i}") for i in range(len(p.slots))]
 
     def _choice_constraints(self) -> None:
@@ -91,7 +92,7 @@ class _Model:
                 m.add(self.L[s.index] == dur)
                 continue
             home = p.slots[s.home]
-            table = [[self.ticks(p.realloc(s.index, h, k)[1]) for k in range(len(s.cands))]
+            table = [[self.ticks(p.realloc_s(s.index, h, k)) for k in range(len(s.cands))]
                      for h in range(len(home.cands))]
             top = max((max(row) for row in table), default=0)
             d = m.new_int_var(0, top, f"delay_{s.index}")
@@ -102,17 +103,29 @@ class _Model:
             m.add(self.L[s.index] == d + dur)
 
     def _intervals(self) -> None:
+        """One optional interval per (op, atom), present when the chosen candidate covers the atom,
+        and one per (op, atom) for the sending side of the reallocation: atoms of the home mesh
+        the call itself does not cover."""
         p, m = self.p, self.m
+        self.cov: list[dict[int, cp_model.IntVar]] = []
+        for s in p.slots:
+            cover: dict[int, list] = {}
+            for k, cand in enumerate(s.cands):
+                for a in p.atoms(cand):
+                    cover.setdefault(a, []).append(self.x[s.index][k])
+            lits = {}
+            for a, xs in cover.items():
+                lit = m.new_bool_var(f"cov_{s.index}_{a}")
+                m.add(lit == sum(xs))
+                lits[a] = lit
+            self.cov.append(lits)
         per_atom: list[list] = [[] for _ in range(p.n_atoms)]
-        self.p_src: dict[tuple[int, int, int], cp_model.IntVar] = {}
         for u in range(p.unroll):
             for s in p.slots:
                 i = s.index
                 m.add(self.E[u, i] == self.S[u, i] + self.L[i])
-                for k, cand in enumerate(s.cands):
-                    iv = m.new_optional_interval_var(self.S[u, i], self.L[i], self.E[u, i], self.x[i][k], f"I_{u}_{i}_{k}")
-                    for a in p.atoms(cand):
-                        per_atom[a].append(iv)
+                for a, lit in self.cov[i].items():
+                    per_atom[a].append(m.new_optional_interval_var(self.S[u, i], self.L[i], self.E[u, i], lit, f"I_{u}_{i}_{a}"))
                 if i not in self.delay:
                     continue
                 d, table = self.delay[i]
@@ -120,18 +133,14 @@ class _Model:
                     continue
                 R = m.new_int_var(0, self.horizon, f"R_{u}_{i}")
                 m.add(R == self.S[u, i] + d)
-                for h, hcand in enumerate(p.slots[s.home].cands):
-                    if not any(table[h]):
-                        continue
-                    for a in p.atoms(hcand):
-                        key = (i, h, a)
-                        if key not in self.p_src:
-                            cov = [self.x[i][k] for k, c in enumerate(s.cands) if a in p.atoms(c)]
-                            lit = m.new_bool_var(f"src_{i}_{h}_{a}")
-                            m.add(lit >= self.x[s.home][h] - sum(cov))
-                            self.p_src[key] = lit
-                        iv = m.new_optional_interval_var(self.S[u, i], d, R, self.p_src[key], f"Rsrc_{u}_{i}_{h}_{a}")
-                        per_atom[a].append(iv)
+                for a, home_lit in self.cov[s.home].items():
+                    key = (i, a)
+                    if key not in self.src_lit:
+                        lit = m.new_bool_var(f"src_{i}_{a}")
+                        own = self.cov[i].get(a, 0)
+                        m.add(lit >= home_lit - own)
+                        self.src_lit[key] = lit
+                    per_atom[a].append(m.new_optional_interval_var(self.S[u, i], d, R, self.src_lit[key], f"R_{u}_{i}_{a}"))
         for ivs in per_atom:
             if len(ivs) > 1:
                 m.add_no_overlap(ivs)
@@ -155,6 +164,8 @@ class _Model:
             m.add(self.S[b] >= self.E[a] + lag)
 
     def _memory(self) -> None:
+        """Per atom: resident state of the models homed on it plus the chosen op's transient need
+        (with a parameter copy unless the call is its home's twin) fits in the GPU."""
         p, m = self.p, self.m
         cap = p.cluster.mem_bytes
         resident: list[list] = [[] for _ in range(p.n_atoms)]
@@ -165,26 +176,35 @@ class _Model:
                         resident[a].append(c.state_bytes * self.x[s.index][k])
         self.y: dict[tuple[int, int], cp_model.IntVar] = {}
         for s in p.slots:
+            need: dict[int, list] = {}
             for k, c in enumerate(s.cands):
-                need = c.work_bytes
-                expr_extra = 0
+                term = c.work_bytes * self.x[s.index][k]
                 if s.home is not None:
+                    term = term + c.state_bytes * self.x[s.index][k]
                     h = p.twin(s.index, k)
-                    if h is None:
-                        need += c.state_bytes
-                    else:
+                    if h is not None:  # no copy when the home holds the very same slices
                         y = m.new_bool_var(f"twin_{s.index}_{k}")
+                        m.add_implication(y, self.x[s.index][k])
                         m.add_implication(y, self.x[s.home][h])
                         self.y[s.index, k] = y
-                        need += c.state_bytes
-                        expr_extra = -c.state_bytes * y
+                        term = term - c.state_bytes * y
                 for a in p.atoms(c):
-                    m.add(sum(resident[a]) + need + expr_extra <= cap).only_enforce_if(self.x[s.index][k])
+                    need.setdefault(a, []).append(term)
+            for a, terms in need.items():
+                m.add(sum(resident[a]) + sum(terms) <= cap)
 
     def _objective(self) -> None:
-        self.makespan = self.m.new_int_var(0, self.horizon, "makespan")
-        self.m.add_max_equality(self.makespan, list(self.E.values()))
-        self.m.minimize(self.makespan)
+        p, m = self.p, self.m
+        self.makespan = m.new_int_var(0, self.horizon, "makespan")
+        m.add_max_equality(self.makespan, list(self.E.values()))
+        # Redundant energy cuts: every atom runs all its ops one after another. Implied by the
+        # no-overlap constraints, but linear, so they tighten the bound CP-SAT can prove.
+        for a in range(p.n_atoms):
+            work = [self.ticks(c.time_s) * self.x[s.index][k] for s in p.slots for k, c in enumerate(s.cands)
+                    if a in p.atoms(c)]
+            if work:
+                m.add(p.unroll * sum(work) <= self.makespan)
+        m.minimize(self.makespan)
 
     # Hint and solve -------------------------------------------------------------------------
 
@@ -197,6 +217,10 @@ class _Model:
             m.add_hint(y, int(p.twin(i, k) == choice[p.slots[i].home]))
         for op, t in sched.start.items():
             m.add_hint(self.S[op], min(self.horizon, self.ticks(t)))
+        for i, lits in enumerate(self.cov):
+            chosen = set(p.atoms(p.slots[i].cands[choice[i]]))
+            for a, lit in lits.items():
+                m.add_hint(lit, int(a in chosen))
 
     def solve(self, *, time_limit_s: float, workers: int) -> CpsatResult:
         solver = cp_model.CpSolver()
@@ -207,6 +231,8 @@ class _Model:
         prm.num_workers = workers
         prm.interleave_search = workers > 1
         prm.random_seed = 0
+        prm.relative_gap_limit = 0.002
+        prm.log_search_progress = bool(__import__('os').environ.get('PLANNER_CPSAT_LOG'))
         status = solver.solve(self.m)
         name = solver.status_name(status)
         n_ops = len(self.p.slots) * self.p.unroll
@@ -229,7 +255,7 @@ def solve_cpsat(problem: Problem, *, hint: list[int], time_limit_s: float, worke
                 allowed=None) -> CpsatResult:  # noqa: ANN001
     """Optimise jointly from the `hint` assignment; the result's order re-simulates to at most
     the CP-SAT objective."""
-    sched = simulate(problem, hint)
+    sched = simulate(problem, hint, exact=False)
     model = _Model(problem, horizon_s=sched.makespan_s * 1.0001 + 1e-9, allowed=allowed)
     model.hint(hint, sched)
     return model.solve(time_limit_s=time_limit_s, workers=workers)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from cost_models import CostModel
 from plans.graph import Call, Graph
+from plans.layout import Mesh
 from planner.candidates import Candidate, SearchSpace, graph_candidates, home_calls, mesh_positions, placed
 
 TOKEN_BYTES = 4  # int32 token ids
@@ -96,16 +97,53 @@ class Problem:
         src, dst = self.slots[s.home].cands[h], s.cands[k]
         if src.param_key() == dst.param_key():
             return 0, 0.0
-        gpn = self.cluster.gpus_per_node
-        # Shifting both meshes by whole nodes changes nothing: key by the offset from the first node.
-        base = min(src.mesh.first, dst.mesh.first) // gpn * gpn
-        key = (s.call.model, src.layout, dst.layout, src.mesh.first - base, src.mesh.size,
-               dst.mesh.first - base, dst.mesh.size)
+        key = (s.call.model, src.layout, dst.layout, *self._relation(src.mesh, dst.mesh))
         if key not in self._realloc:
             decl = self.graph.models[s.call.model]
             cost = self.cm.realloc_cost(decl, (src.mesh, src.layout), (dst.mesh, dst.layout))
             self._realloc[key] = (cost.bytes, cost.time_s)
         return self._realloc[key]
+
+    def realloc_s(self, slot: int, h: int, k: int) -> float:
+        """Reallocation time for searching: exact when already computed, else a cheap lower bound.
+
+        The bound: nothing when the meshes overlap (ranks may hold what they need), else every
+        destination rank receives all its parameter bytes at no more than the fastest link into it
+        (the node's NVLink when both meshes share the node, the node's whole network otherwise).
+        Search results are re-simulated with exact times, and bounds stay valid."""
+        s = self.slots[slot]
+        assert s.home is not None
+        src, dst = self.slots[s.home].cands[h], s.cands[k]
+        if src.param_key() == dst.param_key():
+            return 0.0
+        key = (s.call.model, src.layout, dst.layout, *self._relation(src.mesh, dst.mesh))
+        if key in self._realloc:
+            return self._realloc[key][1]
+        rel = self._relation(src.mesh, dst.mesh)
+        if rel[2] == 0:
+            return 0.0
+        cl = self.cluster
+        assert cl.intra_node_gbps is not None and cl.inter_node_gbps is not None
+        link_gbps = cl.intra_node_gbps if rel[3] else cl.inter_node_gbps
+        return dst.state_bytes * 8 / (link_gbps * 1e9)
+
+    def is_exact(self, slot: int, h: int, k: int) -> bool:
+        s = self.slots[slot]
+        assert s.home is not None
+        src, dst = self.slots[s.home].cands[h], s.cands[k]
+        key = (s.call.model, src.layout, dst.layout, *self._relation(src.mesh, dst.mesh))
+        return src.param_key() == dst.param_key() or key in self._realloc
+
+    def _relation(self, a: Mesh, b: Mesh) -> tuple[int, ...]:
+        """What a reallocation's cost depends on in the placement of two aligned blocks: their
+        sizes, and where the smaller sits in the larger when nested, or whether they share a node
+        when disjoint (aligned blocks never partly overlap; `plans.sharding` picks senders by
+        position in the destination mesh, so moving both by whole nodes changes nothing)."""
+        if a.first <= b.first < a.first + a.size or b.first <= a.first < b.first + b.size:
+            return (a.size, b.size, 0, b.first - a.first)
+        gpn = self.cluster.gpus_per_node
+        same_node = a.first // gpn == b.first // gpn
+        return (a.size, b.size, 1, int(same_node))
 
     def transfer(self, edge: int, ki: int, kj: int) -> float:
         """Seconds to move the handle of `edge` between the chosen candidates."""
@@ -133,6 +171,9 @@ def build_problem(graph: Graph, cm: CostModel, space: SearchSpace, *, unroll: in
                  for m in mesh_positions(cm.cluster, size)]
         home = None if home_name[call.model] == name else index[home_name[call.model]]
         slots.append(Slot(index[name], call, cands, home))
-    edges = [(index[p], index[c], handle_bytes(graph.call(p))) for p, c, _ in graph.edges()]
+    edge_bytes: dict[tuple[int, int], int] = {}
+    for p, c, _ in graph.edges():  # one edge per call pair, even when it carries several handles
+        edge_bytes[index[p], index[c]] = edge_bytes.get((index[p], index[c]), 0) + handle_bytes(graph.call(p))
+    edges = [(i, j, b) for (i, j), b in edge_bytes.items()]
     sizes = {c.mesh.size for s in slots for c in s.cands} | {cm.cluster.world_size}
     return Problem(graph, cm, slots, edges, atom_size=math.gcd(*sizes), unroll=unroll)

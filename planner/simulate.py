@@ -15,40 +15,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.lowering import augmented_graph
 from planner.problem import Problem
 
 Op = tuple[int, int]  # (iteration, slot)
 
 
 def precedences(problem: Problem) -> list[tuple[Op, Op, int | None]]:
-    """(before, after, data edge index or None) for every ordering constraint of the unrolled graph.
+    """(before, after, data edge index or None) between calls of the unrolled graph
+    (`planner.lowering.augmented_graph`; a reallocation node belongs to the op of its call)."""
 
-    Data edges hold within an iteration. A model's calls in an iteration read the parameters its
-    train call then updates, so they precede it; its calls in the next iteration read the update,
-    so they follow it.
-    """
-    out: list[tuple[Op, Op, int | None]] = []
-    homes = problem.homes()
-    for u in range(problem.unroll):
-        for e, (i, j, _) in enumerate(problem.edges):
-            out.append(((u, i), (u, j), e))
-        for s in problem.slots:
-            h = homes[s.call.model]
-            if problem.slots[h].call.kind != "train" or s.index == h:
+    def make() -> list[tuple[Op, Op, int | None]]:
+        index = {s.call.name: s.index for s in problem.slots}
+        edge_of = {(i, j): e for e, (i, j, _) in enumerate(problem.edges)}
+        aug = augmented_graph(problem.graph, unroll=problem.unroll)
+        out = []
+        for (a_kind, ua, a), (b_kind, ub, b), data in aug.edges(data=True):
+            if a_kind != "call" or b_kind != "call":
                 continue
-            if s.index < h:  # reads this iteration's parameters, which the train call then updates
-                out.append(((u, s.index), (u, h), None))
-                if u + 1 < problem.unroll:
-                    out.append(((u, h), (u + 1, s.index), None))
-            else:  # declared after the train call: reads the update, before the next one
-                out.append(((u, h), (u, s.index), None))
-                if u + 1 < problem.unroll:
-                    out.append(((u, s.index), (u + 1, h), None))
-        if u + 1 < problem.unroll:
-            for s in problem.slots:
-                if s.home is None and s.call.kind == "train":
-                    out.append(((u, s.index), (u + 1, s.index), None))
-    return out
+            i, j = index[a], index[b]
+            out.append(((ua, i), (ub, j), edge_of[i, j] if data["kind"] == "data" else None))
+        return sorted(out, key=lambda t: (t[1], t[0], -1 if t[2] is None else t[2]))
+
+    return problem.cached("precedences", make)
 
 
 @dataclass
@@ -100,8 +89,12 @@ def default_order(problem: Problem) -> list[Op]:
     return [(u, s.index) for u in range(problem.unroll) for s in problem.slots]
 
 
-def simulate(problem: Problem, choice: list[int | None], order: list[Op] | None = None) -> Schedule:
-    """Schedule an assignment (candidate index per slot; None leaves a slot out)."""
+def simulate(problem: Problem, choice: list[int | None], order: list[Op] | None = None, *,
+             exact: bool = True) -> Schedule:
+    """Schedule an assignment (candidate index per slot; None leaves a slot out).
+
+    With ``exact=False`` reallocations not yet costed use `Problem.realloc_s`'s lower bound
+    (search scoring); plans are always simulated exactly."""
     order = order or default_order(problem)
     preds = problem.cached("preds", lambda: _pred_map(problem))
     free = [0.0] * problem.n_atoms
@@ -127,7 +120,10 @@ def simulate(problem: Problem, choice: list[int | None], order: list[Op] | None 
         r_bytes, r_time, src_atoms = 0, 0.0, set()
         if slot.home is not None and choice[slot.home] is not None:
             h = choice[slot.home]
-            r_bytes, r_time = problem.realloc(i, h, k)
+            if exact:
+                r_bytes, r_time = problem.realloc(i, h, k)
+            else:
+                r_bytes, r_time = -1, problem.realloc_s(i, h, k)
             if r_time > 0:
                 src_atoms = set(problem.atoms(problem.slots[slot.home].cands[h])) - atoms
         realloc[i] = (r_bytes, r_time)
