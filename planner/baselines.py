@@ -1,6 +1,8 @@
 """Baselines as restrictions of the search domain, each given its best plan within its rule.
 
-- ``colocate``: every call on all GPUs, one layout per model (DeepSpeed-Chat, verl's default).
+- ``colocate``: every call on all GPUs, one layout per model (DeepSpeed-Chat, verl's default):
+  the same data/tensor/pipeline degrees for all calls of a model; its train call may add ZeRO
+  (with ZeRO-3 the other calls gather the parameters, as FSDP does), micro-batches and recompute.
 - ``split``: the policy and its reference on one half of the cluster, the other models (critic,
   reward) on the other half, as OpenRLHF places them; each call its best layout in its half.
 - ``heuristic``: a Megatron-style layout per model on all GPUs, shared by all its calls (ReaLHF's
@@ -8,8 +10,8 @@
   over data parallel; micro-batches and recompute the best for it.
 
 A restriction filters candidates (`static`, and the `SearchSpace` it builds) and, for one layout
-per model, ties every call to its home call's placement (`joint`); beam search and CP-SAT apply
-the same rule, so a baseline is searched exactly like a plan.
+per model, ties every call to its home call's mesh and degrees (`add_joint`); beam search and
+CP-SAT apply the same rule, so a baseline is searched exactly like a plan.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class Restriction:
 
     name: str
     space: SearchSpace
-    same_placement: bool = False  # every call of a model uses its home call's placement
+    same_degrees: bool = False  # every call of a model uses its home call's mesh and dp/tp/pp
     half_of: dict[str, int] = field(default_factory=dict)  # model -> 0 (first half) or 1
 
     def static(self, p: Problem, i: int, k: int) -> bool:
@@ -45,29 +47,41 @@ class Restriction:
             lo = self.half_of[model] * half
             if not (lo <= cand.mesh.first and cand.mesh.first + cand.mesh.size <= lo + half):
                 return False
-        if self.same_placement and p.slots[i].home is not None and p.twin(i, k) is None:
+        if self.same_degrees and p.slots[i].home is not None and not self._matches(p, i, k):
             return False
         return True
+
+    @staticmethod
+    def degrees(c) -> tuple[int, ...]:  # noqa: ANN001 - a Candidate
+        lay = c.layout
+        return (c.mesh.first, c.mesh.size, lay.dp * lay.cp, lay.tp, lay.pp)
+
+    def _matches(self, p: Problem, i: int, k: int, h: int | None = None) -> bool:
+        key = self.degrees(p.slots[i].cands[k])
+        home = p.slots[p.slots[i].home]  # type: ignore[index]
+        if h is not None:
+            return self.degrees(home.cands[h]) == key
+        return any(self.degrees(hc) == key for hc in home.cands)
 
     def __call__(self, p: Problem, i: int, k: int, choice: list[int | None]) -> bool:
         """Beam-search check against the choices made so far."""
         if not self.static(p, i, k):
             return False
         home = p.slots[i].home
-        if self.same_placement and home is not None and choice[home] is not None:
-            return p.twin(i, k) == choice[home]
+        if self.same_degrees and home is not None and choice[home] is not None:
+            return self._matches(p, i, k, choice[home])
         return True
 
     def add_joint(self, model, p: Problem) -> None:  # noqa: ANN001 - planner.cpsat._Model
-        if not self.same_placement:
+        if not self.same_degrees:
             return
         for s in p.slots:
             if s.home is None:
                 continue
-            for k in range(len(s.cands)):
-                h = p.twin(s.index, k)
-                if h is not None:
-                    model.m.add_implication(model.x[s.index][k], model.x[s.home][h])
+            home = p.slots[s.home]
+            for k, c in enumerate(s.cands):
+                same = [model.x[s.home][h] for h, hc in enumerate(home.cands) if self.degrees(hc) == self.degrees(c)]
+                model.m.add(model.x[s.index][k] <= sum(same))
 
 
 def _full_mesh_only(graph: Graph, cm: CostModel) -> SearchSpace:
@@ -113,9 +127,9 @@ def _heuristic_space(graph: Graph, cm: CostModel) -> SearchSpace:
 def restriction(name: str, graph: Graph, cm: CostModel) -> Restriction:
     """The restriction implementing baseline `name`."""
     if name == "colocate":
-        return Restriction(name, _full_mesh_only(graph, cm), same_placement=True)
+        return Restriction(name, _full_mesh_only(graph, cm), same_degrees=True)
     if name == "heuristic":
-        return Restriction(name, _heuristic_space(graph, cm), same_placement=True)
+        return Restriction(name, _heuristic_space(graph, cm), same_degrees=True)
     if name == "split":
         if cm.cluster.world_size < 2:
             raise PlannerError("baseline split needs at least 2 GPUs")

@@ -27,7 +27,7 @@ def symmetric_cluster(problem: Problem) -> bool:
     placement can be mirrored to put the first home call at rank 0."""
     cl = problem.cluster
     pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
-    return pow2(cl.gpus_per_node) and pow2(cl.nodes)
+    return problem.symmetric and pow2(cl.gpus_per_node) and pow2(cl.nodes)
 
 
 def beam_search(problem: Problem, *, width: int = 16, allowed: Allowed | None = None, exact: bool = True

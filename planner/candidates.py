@@ -183,11 +183,10 @@ def diverse(front: list[Candidate], keep: int) -> list[Candidate]:
     return sorted(chosen, key=lambda c: (c.time_s, c.state_bytes, c.work_bytes, c.layout.short()))
 
 
-def twin_layout(call: Call, home: Layout) -> Layout | None:
-    """The layout of `call` that holds parameters exactly as `home` does (no reallocation), or
-    None when the home shards parameters over data-parallel ranks (ZeRO-3)."""
-    if home.zero == 3:
-        return None
+def twin_layout(call: Call, home: Layout) -> Layout:
+    """The layout of `call` with the home's degrees; it holds parameters exactly as the home does
+    (no reallocation) unless the home shards them over data-parallel ranks (ZeRO-3), in which
+    case the call gathers them first, as FSDP does."""
     if call.kind == "train":
         return home
     mb = home.micro_batches if call.kind == "inference" and home.pp > 1 else 1
@@ -201,14 +200,17 @@ def placed(cand: Candidate, mesh: Mesh) -> Candidate:
 
 
 def min_memory_needed(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpace) -> tuple[int, int]:
-    """(smallest peak bytes per GPU over all layouts on the largest mesh, that mesh's size)."""
+    """(smallest peak bytes per GPU over the layouts on the largest mesh the space allows, that
+    mesh's size); -1 bytes when no layout is valid there."""
     cluster = cm.cluster
-    size = cluster.world_size
+    size = max(mesh_sizes(cluster, space))
     view = decl if call.kind == "train" else decl.model_copy(update={"trainable": False})
     best = None
     for lay in layouts_for(call, decl, size, cluster):
-        cost = cm.call_cost(call, view, Mesh.block(0, size), lay)
-        best = cost.peak_mem_bytes if best is None else min(best, cost.peak_mem_bytes)
+        if space.layout_ok is not None and not space.layout_ok(call, decl, lay):
+            continue
+        peak = cm.call_cost(call, view, Mesh.block(0, size), lay).peak_mem_bytes
+        best = peak if best is None else min(best, peak)
     return (best if best is not None else -1), size
 
 
@@ -227,7 +229,7 @@ def graph_candidates(graph: Graph, cm: CostModel, space: SearchSpace) -> dict[st
             have = {x.layout for x in out[c.name].get(size, [])}
             for hc in hcands:
                 lay = twin_layout(c, hc.layout)
-                if lay is None or lay in have or (c.seqs // c.minibatches) % (lay.dp * lay.micro_batches):
+                if lay in have or (c.seqs // c.minibatches) % (lay.dp * lay.micro_batches):
                     continue
                 cost = cm.call_cost(c, view, hc.mesh, lay)
                 if cost.peak_mem_bytes <= cap:

@@ -35,12 +35,15 @@ from planner.simulate import Schedule, simulate
 
 Progress = Callable[[str], None]
 MAX_CPSAT_ROUNDS = 3  # re-solves after costing reallocations CP-SAT saw only as lower bounds
+POST_RESERVE_S = 0.3  # of the time limit, kept for building and writing the plan
 
 
-def _no_fit_error(graph: Graph, cm: CostModel, call_name: str, space: SearchSpace) -> PlannerError:
+def _no_fit_error(graph: Graph, cm: CostModel, call_name: str, space: SearchSpace,
+                  baseline: str | None) -> PlannerError:
     call = graph.call(call_name)
     decl = graph.models[call.model]
     need, size = min_memory_needed(call, decl, cm, space)
+    within = f" (baseline {baseline} allows meshes of up to {size} GPUs)" if baseline else ""
     cl = cm.cluster
     have = cl.mem_bytes / GIB
     spec = decl.spec.display_name()
@@ -50,9 +53,24 @@ def _no_fit_error(graph: Graph, cm: CostModel, call_name: str, space: SearchSpac
             hint="check that the batch splits over data-parallel ranks and the model's heads over tensor parallel",
         )
     return PlannerError(
-        f"call {call_name!r} ({spec}, {call.kind}) does not fit: its best layout on all {size} GPUs needs "
-        f"{need / GIB:.1f} GiB per GPU, and a {cl.gpu} has {have:.0f} GiB",
+        f"call {call_name!r} ({spec}, {call.kind}) does not fit: its best layout on {size} GPUs needs "
+        f"{need / GIB:.1f} GiB per GPU, and a {cl.gpu} has {have:.0f} GiB{within}",
         hint="use more or larger GPUs, a smaller batch or sequence length, or a smaller model",
+    )
+
+
+def _no_joint_fit_error(problem: Problem, baseline: str | None) -> PlannerError:
+    """Every call fits alone, but not beside the states that stay resident between calls."""
+    cl = problem.cluster
+    resident = sum(min(c.state_bytes for c in s.cands if c.mesh.size == max(x.mesh.size for x in s.cands))
+                   for s in problem.slots if s.home is None)
+    work = max(min(c.work_bytes + (c.state_bytes if s.home is not None else 0) for c in s.cands) for s in problem.slots)
+    rule = f" under baseline {baseline}" if baseline else ""
+    return PlannerError(
+        f"graph {problem.graph.name!r} does not fit on {cl.short()}{rule}: each call fits alone, but the models' "
+        f"resident states need at least {resident / GIB:.1f} GiB per GPU even spread over the largest meshes, and "
+        f"the leanest call needs {work / GIB:.1f} GiB more while it runs, against {cl.mem_bytes / GIB:.0f} GiB per GPU",
+        hint="use more GPUs or GPUs with more memory, a smaller batch or sequence length, or smaller models",
     )
 
 
@@ -82,29 +100,41 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
     per_size = graph_candidates(graph, cm, space)
     for name, sizes in per_size.items():
         if not sizes:
-            raise _no_fit_error(graph, cm, name, space)
+            raise _no_fit_error(graph, cm, name, space, baseline)
     problem = build_problem(graph, cm, space, candidates=per_size)
     n_cands = sum(len(s.cands) for s in problem.slots)
-    say(f"beam search over {n_cands} placed candidates")
+    found = search(problem, rule=rule, deadline=t0 + time_limit_s - POST_RESERVE_S, beam_width=beam_width,
+                   workers=workers, use_cpsat=time_limit_s > 0, say=say)
+    if found is None:
+        raise _no_joint_fit_error(problem, baseline)
+    choice, sched, bound, status, used_cpsat = found
+    method = ("beam+cpsat" if used_cpsat else "beam") if baseline is None else \
+        f"{baseline} ({'beam+cpsat' if used_cpsat else 'beam'})"
+    wall = time.perf_counter() - t0
+    search_info = SearchInfo(method=method, wall_s=round(wall, 3), lower_bound_s=bound,
+                        gap=(sched.iteration_s - bound) / sched.iteration_s if sched.iteration_s > 0 else 0.0,
+                        candidates=n_cands, status=status)
+    return build_plan(problem, choice, sched, search_info)
+
+
+def search(problem: Problem, *, rule: Restriction | None = None, deadline: float, beam_width: int = 16,
+           workers: int = 1, use_cpsat: bool = True, say: Progress | None = None
+           ) -> tuple[list[int], Schedule, float, str | None, bool] | None:
+    """(assignment, its exact schedule, lower bound on iteration_s, CP-SAT status, whether CP-SAT
+    ran) for the best plan found by beam search then CP-SAT, or None when nothing fits."""
+    say = say or (lambda _msg: None)
+    say(f"beam search over {sum(len(s.cands) for s in problem.slots)} placed candidates")
     choice = beam_search(problem, width=beam_width, allowed=rule)
-    if choice is None:
-        raise PlannerError(
-            f"no assignment of graph {graph.name!r} fits in memory on {cluster.short()}: every call fits alone, "
-            "but not together with the parameters that stay resident between calls",
-            hint="use more GPUs, or fewer/smaller models",
-        )
-    sched = simulate(problem, choice)
-    method, status = ("beam" if baseline is None else baseline), None
-    bound = trivial_lower_bound(problem)
-    deadline = t0 + time_limit_s
-    rounds = 0
-    while time_limit_s > 0 and rounds < MAX_CPSAT_ROUNDS:
+    sched = simulate(problem, choice) if choice is not None else None
+    bound, status, rounds = trivial_lower_bound(problem), None, 0
+    while use_cpsat and rounds < MAX_CPSAT_ROUNDS:
         left = deadline - time.perf_counter()
-        if left < 0.2:
+        if left < 0.2 and rounds:
             break
         rounds += 1
-        say(f"CP-SAT round {rounds} ({left:.1f} s left), best plan {sched.iteration_s:.3f} s, bound {bound:.3f} s")
-        result = solve_cpsat(problem, hint=choice, time_limit_s=left, workers=workers, allowed=rule)
+        best = f"best plan {sched.iteration_s:.3f} s" if sched else "no plan yet"
+        say(f"CP-SAT round {rounds} ({max(left, 0):.1f} s left), {best}, bound {bound:.3f} s")
+        result = solve_cpsat(problem, hint=choice, time_limit_s=max(left, 0.5), workers=workers, allowed=rule)
         status = result.status
         bound = max(bound, result.lower_bound_s)
         if result.choice is None:
@@ -114,18 +144,13 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
         assumed_exact = all(problem.is_exact(i, result.choice[s.home], result.choice[i])
                             for i, s in enumerate(problem.slots) if s.home is not None)
         cp_sched = simulate(problem, result.choice, result.order)
-        if cp_sched.mem_ok and cp_sched.makespan_s < sched.makespan_s:
+        if cp_sched.mem_ok and (sched is None or cp_sched.makespan_s < sched.makespan_s):
             choice, sched = result.choice, cp_sched
         if assumed_exact:
             break
-    if rounds:
-        method = "beam+cpsat" if baseline is None else f"{baseline} (beam+cpsat)"
-    bound = min(bound, sched.iteration_s)
-    wall = time.perf_counter() - t0
-    search = SearchInfo(method=method, wall_s=round(wall, 3), lower_bound_s=bound,
-                        gap=(sched.iteration_s - bound) / sched.iteration_s if sched.iteration_s > 0 else 0.0,
-                        candidates=n_cands, status=status)
-    return build_plan(problem, choice, sched, search)
+    if choice is None or sched is None:
+        return None
+    return choice, sched, min(bound, sched.iteration_s), status, rounds > 0
 
 
 def build_plan(problem: Problem, choice: list[int], sched: Schedule, search: SearchInfo) -> Plan:

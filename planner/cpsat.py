@@ -45,7 +45,7 @@ class _Model:
         self.p = problem
         self.allowed = allowed
         n_ops = len(problem.slots) * problem.unroll
-        self.tick_s = max(horizon_s, 1e-9) / 20000.0
+        self.tick_s = max(horizon_s, 1e-9) / 1_000_000.0
         self.horizon = int(math.ceil(horizon_s / self.tick_s)) + 4 * n_ops + 1
         self.m = cp_model.CpModel()
         self._variables()
@@ -231,7 +231,7 @@ class _Model:
         prm.num_workers = workers
         prm.interleave_search = workers > 1
         prm.random_seed = 0
-        prm.relative_gap_limit = 0.002
+        prm.relative_gap_limit = 1e-4
         prm.log_search_progress = bool(__import__('os').environ.get('PLANNER_CPSAT_LOG'))
         status = solver.solve(self.m)
         name = solver.status_name(status)
@@ -251,11 +251,21 @@ class _Model:
         return CpsatResult(choice, order, name, bound, solver.objective_value * self.tick_s / self.p.unroll)
 
 
-def solve_cpsat(problem: Problem, *, hint: list[int], time_limit_s: float, workers: int = 1,
+def solve_cpsat(problem: Problem, *, hint: list[int] | None, time_limit_s: float, workers: int = 1,
                 allowed=None) -> CpsatResult:  # noqa: ANN001
-    """Optimise jointly from the `hint` assignment; the result's order re-simulates to at most
-    the CP-SAT objective."""
-    sched = simulate(problem, hint, exact=False)
-    model = _Model(problem, horizon_s=sched.makespan_s * 1.0001 + 1e-9, allowed=allowed)
-    model.hint(hint, sched)
+    """Optimise jointly, from the `hint` assignment when there is one; the result's order
+    re-simulates to at most the CP-SAT objective (reallocations it knew exactly)."""
+    if hint is not None:
+        sched = simulate(problem, hint, exact=False)
+        horizon = sched.makespan_s * 1.0001 + 1e-9
+    else:  # no plan to start from: everything one after another bounds any sensible schedule
+        worst = sum(max(c.time_s for c in s.cands) for s in problem.slots)
+        realloc = sum(max(problem.realloc_s(s.index, h, k) for h in range(len(problem.slots[s.home].cands))
+                          for k in range(len(s.cands))) for s in problem.slots if s.home is not None)
+        transfer = sum(max(problem.transfer(e, a, b) for a in range(len(problem.slots[i].cands))
+                           for b in range(len(problem.slots[j].cands))) for e, (i, j, _) in enumerate(problem.edges))
+        horizon = (worst + realloc + transfer) * problem.unroll * 1.0001 + 1e-9
+    model = _Model(problem, horizon_s=horizon, allowed=allowed)
+    if hint is not None:
+        model.hint(hint, sched)
     return model.solve(time_limit_s=time_limit_s, workers=workers)

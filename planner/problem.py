@@ -56,6 +56,7 @@ class Problem:
     edges: list[tuple[int, int, int]]  # (producer slot, consumer slot, bytes)
     atom_size: int
     unroll: int = 2
+    symmetric: bool = False  # candidates sit at every aligned position (mirror symmetry holds)
     _realloc: dict[tuple, tuple[int, float]] = field(default_factory=dict, repr=False)
     _transfer: dict[tuple, float] = field(default_factory=dict, repr=False)
     _cache: dict[str, object] = field(default_factory=dict, repr=False)
@@ -176,4 +177,4 @@ def build_problem(graph: Graph, cm: CostModel, space: SearchSpace, *, unroll: in
         edge_bytes[index[p], index[c]] = edge_bytes.get((index[p], index[c]), 0) + handle_bytes(graph.call(p))
     edges = [(i, j, b) for (i, j), b in edge_bytes.items()]
     sizes = {c.mesh.size for s in slots for c in s.cands} | {cm.cluster.world_size}
-    return Problem(graph, cm, slots, edges, atom_size=math.gcd(*sizes), unroll=unroll)
+    return Problem(graph, cm, slots, edges, atom_size=math.gcd(*sizes), unroll=unroll, symmetric=True)

@@ -1,0 +1,165 @@
+"""The search on problems whose optimum is known: derived by hand, or by brute force.
+
+The solver sees arrays (candidate times and memory, reallocation and transfer times), so these
+tests build problems from hand-set costs with a small table-driven cost model.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from cost_models import CallCost, ReallocCost
+from plans.cluster import parse_cluster
+from plans.errors import PlannerError
+from plans.graph import Call, Graph, ModelDecl
+from plans.layout import Layout, Mesh
+from plans.model import PRESETS
+from planner.beam import beam_search
+from planner.candidates import Candidate
+from planner.compile import compile_graph, search
+from planner.exhaustive import exhaustive
+from planner.problem import Problem, Slot
+from planner.simulate import simulate
+
+GIB = 1024**3
+
+
+@dataclass
+class TableCosts:
+    """Reallocation and transfer times given by hand (seconds); what a CostModel provides."""
+
+    cluster: object
+    realloc_s: float = 1.0
+    transfer_s: float = 0.0
+
+    def realloc_cost(self, decl, src, dst) -> ReallocCost:  # noqa: ANN001
+        return ReallocCost(1000, self.realloc_s)
+
+    def data_transfer_s(self, nbytes, src, dst) -> float:  # noqa: ANN001
+        return self.transfer_s
+
+
+def cand(first: int, size: int, time_s: float, *, state_gib: float = 1, work_gib: float = 1, tp: int | None = None) -> Candidate:
+    lay = Layout(dp=size // (tp or 1), tp=tp or 1)
+    cost = CallCost(time_s, int(state_gib * GIB), int((state_gib + work_gib) * GIB), 1e12)
+    return Candidate(Mesh.block(first, size), lay, cost)
+
+
+def problem(calls: list[tuple[str, str, str, list[str]]], cands: dict[str, list[Candidate]], *, gpus: int = 2,
+            realloc_s: float = 1.0, transfer_s: float = 0.0, trainable=()) -> Problem:
+    """calls: (name, model, kind, inputs); each call writes '<name>.out'."""
+    models = {m: ModelDecl(spec=PRESETS["tiny-llama"], trainable=m in trainable) for _, m, _, _ in calls}
+    spec_calls = []
+    for name, model, kind, inputs in calls:
+        extra = {"loss": "sft"} if kind == "train" else {"returns": "logprobs"}
+        spec_calls.append(Call(name=name, model=model, kind=kind, inputs=inputs, outputs=[f"{name}.out"], seqs=4,
+                               seq_len=8, **extra))
+    graph = Graph(name="t", models=models, calls=spec_calls,
+                  inputs=[{"name": "x", "seqs": 4, "seq_len": 8}])
+    cluster = parse_cluster(f"cpu:1x{gpus}")
+    order = graph.topo_order()
+    home: dict[str, str] = {}
+    for n in order:
+        c = graph.call(n)
+        if c.kind == "train" or c.model not in home:
+            home[c.model] = n
+    index = {n: i for i, n in enumerate(order)}
+    slots = [Slot(index[n], graph.call(n), cands[n], None if home[graph.call(n).model] == n else index[home[graph.call(n).model]])
+             for n in order]
+    edges = [(index[p], index[c], 100) for p, c, _ in graph.edges()]
+    return Problem(graph, TableCosts(cluster, realloc_s, transfer_s), slots, edges, atom_size=1)  # type: ignore[arg-type]
+
+
+def best_plan_s(p: Problem, *, time_limit_s: float = 5.0) -> tuple[float | None, float, float]:
+    """(beam iteration or None, final iteration, lower bound), found as compile_graph finds them."""
+    beam = beam_search(p, width=8)
+    beam_s = simulate(p, beam).iteration_s if beam is not None else None
+    found = search(p, deadline=time.perf_counter() + time_limit_s)
+    assert found is not None
+    choice, sched, bound, status, _ = found
+    assert sched.iteration_s == pytest.approx(simulate(p, choice).iteration_s) or sched.iteration_s <= simulate(p, choice).iteration_s
+    return beam_s, sched.iteration_s, bound
+
+
+def test_independent_calls_run_side_by_side():
+    # Two frozen models, one inference each: both on all GPUs take 10 s each, one GPU each 12 s.
+    cands = {n: [cand(0, 2, 10.0), cand(0, 1, 12.0), cand(1, 1, 12.0)] for n in ("a", "b")}
+    p = problem([("a", "m1", "inference", ["x"]), ("b", "m2", "inference", ["x"])], cands)
+    beam_s, final, bound = best_plan_s(p)
+    assert final == pytest.approx(12.0)  # side by side, not 20 s one after the other
+    assert bound <= final + 1e-9 and (final - bound) / final < 0.01
+
+
+def test_generate_then_train_shares_the_placement():
+    # Actor generate -> train. Sharing the train placement costs no reallocation (twins).
+    # The tp=2 generate layout is faster, but a reallocation of 2 s away from the train layout.
+    cands = {"gen": [cand(0, 2, 4.0), cand(0, 2, 3.0, tp=2)], "train": [cand(0, 2, 10.0), cand(0, 1, 16.0)]}
+    p = problem([("gen", "actor", "inference", ["x"]), ("train", "actor", "train", ["gen.out"])], cands,
+                realloc_s=2.0, trainable=("actor",))
+    _, final, _ = best_plan_s(p)
+    # Options per iteration: twin generate 4 + train 10 = 14; tp=2 generate 3 + realloc 2 + 10 = 15.
+    assert final == pytest.approx(14.0)
+
+
+def test_memory_forces_the_slower_candidate():
+    # The fast inference layout needs 3 GiB of work on GPU 0, where the trainable model's 2 GiB
+    # stay resident: 5 GiB does not fit the 4 GiB of a cpu GPU, so the 1 GiB layout must be used.
+    cands = {"inf": [cand(0, 2, 5.0, state_gib=0.5, work_gib=3), cand(0, 2, 7.0, state_gib=0.5, work_gib=1)],
+             "train": [cand(0, 2, 10.0, state_gib=2, work_gib=0.5)]}
+    p = problem([("inf", "ref", "inference", ["x"]), ("train", "actor", "train", ["inf.out"])], cands,
+                trainable=("actor",))
+    _, final, _ = best_plan_s(p)
+    assert final == pytest.approx(17.0)
+
+
+def random_problem(rng: random.Random) -> Problem:
+    calls = [("g", "actor", "inference", ["x"]), ("r", "ref", "inference", ["g.out"]),
+             ("c", "critic", "inference", ["g.out"]), ("t", "actor", "train", ["g.out", "r.out", "c.out"])]
+    calls = calls[: rng.choice([3, 4])]
+    if len(calls) == 3:
+        calls[2] = ("t", "actor", "train", ["g.out", "r.out"])
+    cands = {}
+    for name, *_ in calls:
+        opts = []
+        for _ in range(rng.choice([2, 3])):
+            size = rng.choice([1, 2, 4])
+            first = rng.choice(range(0, 4, size))
+            opts.append(cand(first, size, round(rng.uniform(1, 10) * (4 / size) ** 0.7, 3),
+                             state_gib=rng.choice([0.5, 1.0]), work_gib=rng.choice([0.5, 1.0, 2.0])))
+        cands[name] = opts
+    return problem(calls, cands, gpus=4, realloc_s=round(rng.uniform(0, 2), 3),
+                   transfer_s=round(rng.uniform(0, 0.5), 3), trainable=("actor",))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_small_instances_match_brute_force(seed):
+    p = random_problem(random.Random(seed))
+    truth = exhaustive(p)
+    if truth is None:
+        assert search(p, deadline=time.perf_counter() + 2) is None
+        return
+    beam_s, final, bound = best_plan_s(p)
+    assert final == pytest.approx(truth[0], rel=1e-3)  # the search finds the optimum
+    assert bound <= truth[0] * (1 + 1e-9)  # and its bound is a true lower bound
+    assert beam_s is None or final <= beam_s + 1e-9  # never worse than the beam plan it was hinted with
+
+
+def test_infeasible_memory_is_a_clear_error():
+    from planner.algorithms import ppo
+
+    graph = ppo("llama-2-70b", batch=64, prompt_len=512, gen_len=512)
+    with pytest.raises(PlannerError, match="'actor_train' .* does not fit: its best layout on 8 GPUs needs .* GiB per "
+                                           "GPU, and a a100-40gb has 40 GiB"):
+        compile_graph(graph, parse_cluster("a100-40gb:1x8"), time_limit_s=1)
+
+
+def test_calls_that_fit_alone_but_not_together():
+    from planner.algorithms import ppo
+
+    graph = ppo("llama-2-13b", batch=64, prompt_len=512, gen_len=512)
+    with pytest.raises(PlannerError, match="each call fits alone, but the models' resident states need at least"):
+        compile_graph(graph, parse_cluster("a100-40gb:1x8"), time_limit_s=1)
