@@ -9,7 +9,10 @@ second one, so reductions and the optimizer work on a few large tensors (the buc
 - ZeRO 2: as 1, but gradients are reduce-scattered, each rank receiving only its part.
 - ZeRO 3: parameters are split further along dim 0 across the group (the boxes of
   `plans.sharding.shard_box`); `Zero3Gather` all-gathers a layer's parameters when it runs and
-  reduce-scatters their gradients in backward, so each rank only ever stores its own slices.
+  reduce-scatters their gradients in backward, so each rank stores only its own slices at rest
+  (and gradients and optimizer state for them). Autograd keeps a gathered weight until its
+  layer's backward unless recompute is ``full`` (the gather is then inside the checkpointed
+  layer and redone in backward, as FSDP does); generation gathers a stage once per call.
 
 Gradients are sums, not means: losses are normalised by the global token (or sequence) count
 of the minibatch, so the summed gradient over ranks and micro-batches equals the gradient of the

@@ -135,3 +135,18 @@ def test_checkpoint_round_trip_is_bit_exact_and_checks_names(tmp_path: Path) -> 
     save_file({n: t for n, t in state.items() if n != "score.weight"}, str(tmp_path / "model.safetensors"))
     with pytest.raises(PlannerError, match="lacks"):
         load_checkpoint(tmp_path, head="value")
+
+
+def test_bfloat16_autocast_stays_close_to_float32() -> None:
+    from runtime.engine import ModelRunner
+    from runtime.groups import solo_groups
+
+    def runner(dtype: torch.dtype) -> ModelRunner:
+        return ModelRunner(LLAMA, head="lm", trainable=False, groups=solo_groups(Layout()),
+                           state=lambda p: init_tensor(p, seed=7), device=torch.device("cpu"), dtype=dtype)
+
+    tokens = torch.randint(0, LLAMA.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    lp32 = runner(torch.float32).forward(tokens, what="logprobs")
+    lp16 = runner(torch.bfloat16).forward(tokens, what="logprobs")
+    assert lp16.dtype == torch.float32
+    assert 0 < (lp16 - lp32).abs().max().item() < 0.05  # bf16 rounding, nothing worse
