@@ -87,6 +87,7 @@ class PlanRunner:
         self.plan, self.rank, self.world, self.seed = plan, rank, world_size, seed
         self.reference, self.device = reference, device
         self.where = placements(plan, reference=reference)
+        _check_batches(plan, self.where)
         self.glue = Glue(plan, reward_fn=load_reward_fn(plan.algorithm))
         groups = Groups(distributed=not reference and world_size > 1)
         self.models: dict[str, ModelRunner] = {}
@@ -197,3 +198,16 @@ class PlanRunner:
         metrics["time_s"] = time.perf_counter() - t0
         return metrics
 
+
+
+def _check_batches(plan: Plan, where: dict[str, Placement]) -> None:
+    """Every data-parallel replica of every call gets at least one sequence (checked on every
+    rank before any collective, so a bad plan fails everywhere instead of hanging)."""
+    for c in plan.calls:
+        dp = where[c.model].layout.dp
+        group = 2 if c.loss == "dpo" else 1
+        rows = c.seqs // c.minibatches if c.kind == "train" else c.seqs
+        if rows // group < dp:
+            what = "each minibatch of" if c.kind == "train" else "the batch of"
+            raise PlannerError(f"call {c.name!r}: {what} {rows} sequences cannot split over dp={dp}",
+                               hint="use a larger batch, fewer minibatches or a smaller data-parallel degree")
