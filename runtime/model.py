@@ -102,7 +102,8 @@ def build_shard(spec: ModelSpec, *, head: Head, layout: Layout, local: int, laye
         if tuple(whole.shape) != p.shape:
             raise PlannerError(f"parameter {p.name}: shape {tuple(whole.shape)} does not match the model's {p.shape}")
         piece = whole[tuple(slice(lo, hi) for lo, hi in box)]
-        params[p.name] = torch.nn.Parameter(piece.to(device=device, dtype=torch.float32).contiguous())
+        # copy: a view would keep the whole tensor alive on every rank
+        params[p.name] = torch.nn.Parameter(piece.to(device=device, dtype=torch.float32, copy=True).contiguous())
     return Shard(spec=spec, head=head, layers=layers, first=c.pp == 0, last=c.pp == layout.pp - 1, params=params)
 
 
