@@ -1,0 +1,13 @@
+"""The torch runtime: executes a compiled plan under torchrun (gloo on CPU, NCCL on GPUs).
+
+Imports `plans/` only (never `planner/`, `cost_models/` or ortools). Read in this order:
+
+- `model`: the decoder (llama / gpt, LM or value head) over one rank's parameter slices, HF names
+  and HF-format safetensors checkpoints;
+- one module per parallel technique: `tensor_parallel`, `pipeline_parallel`, `data_parallel`
+  (ZeRO 0-3), `recompute`; `groups` builds their process groups from a plan's mesh and layout;
+- `engine`: `parallelize` composes them in one documented order; `ModelRunner` runs train /
+  inference / generate (`generate`) on a shard;
+- `losses` and `algorithms` (PPO, GRPO, RLOO, ReMax, DPO, SFT glue), `tasks` (toy data and
+  rewards), `executor` (walks the plan's calls), `__main__` (the command line).
+"""

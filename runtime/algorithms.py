@@ -1,0 +1,186 @@
+"""Algorithm glue: from the data handles a train call reads to the rows its loss needs.
+
+Runs on every rank on data every rank holds in full, so it needs no communication and gives
+the same numbers under every layout. A train call's inputs are recognised by what produced them:
+a generate call's samples, an inference call's log-probs (the frozen reference), values (the
+critic) or scores (the reward model), or a graph input (SFT tokens, DPO pairs). With
+``algorithm.reward_fn`` the rewards come from that function of the generated tokens instead.
+
+Per-token tensors are aligned to the s-1 predicted positions of a sequence (position t holds
+the log-prob of token t+1); ``mask`` marks the response tokens.
+
+- PPO (Ouyang et al. 2022): per-token reward -kl_coef * (log pi_old - log pi_ref), plus the
+  sequence score on its last token; GAE (Schulman et al. 2016) with the critic's values;
+  advantages whitened over the batch's response tokens; returns = GAE advantages + values.
+- GRPO (Shao et al. 2024): advantage of a sample = (score - group mean) / (group std + eps)
+  over the samples of its prompt; RLOO: score - mean of the other samples; ReMax: score - the
+  greedy sample's score. Their KL to the reference is in the loss (`runtime.losses`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from plans.errors import PlannerError
+from plans.graph import AlgorithmConfig
+from plans.plan import Plan, PlanCall
+from plans.sharding import split_range
+
+Rows = dict[str, Tensor]
+RewardFn = Callable[[Tensor, Tensor], Tensor]
+ADV_EPS = 1e-6  # keeps whitening and group normalisation finite when all rewards are equal
+
+
+@dataclass
+class TrainBatch:
+    """What a train call optimises: rows, the normaliser of each minibatch, the row group size
+    that must stay on one rank (2 for DPO pairs), and statistics for the metrics."""
+
+    rows: Rows
+    denoms: list[float]
+    group: int
+    stats: dict[str, float]
+
+
+def aligned(samples: Rows, key: str) -> Tensor:
+    """A [B, gen_len] generate output placed at the response positions of [B, s-1]."""
+    t = samples[key]
+    b, s = samples["tokens"].shape
+    out = torch.zeros((b, s - 1), dtype=t.dtype)
+    out[:, s - 1 - t.shape[1]:] = t
+    return out
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float) -> Tensor:
+    """Generalised advantage estimates [B, T] for per-token rewards and values; the episode ends
+    after the last masked-in token (its next value is 0)."""
+    b, t_len = rewards.shape
+    adv = torch.zeros_like(rewards)
+    running = torch.zeros(b, dtype=rewards.dtype)
+    m = mask.to(rewards.dtype)
+    for t in reversed(range(t_len)):
+        cont = m[:, t + 1] if t + 1 < t_len else torch.zeros(b, dtype=rewards.dtype)
+        next_v = values[:, t + 1] * cont if t + 1 < t_len else torch.zeros(b, dtype=rewards.dtype)
+        delta = rewards[:, t] + gamma * next_v - values[:, t]
+        running = delta + gamma * lam * cont * running
+        adv[:, t] = running * m[:, t]
+    return adv
+
+
+def whiten(x: Tensor, mask: Tensor) -> Tensor:
+    m = mask.to(x.dtype)
+    n = m.sum().clamp(min=1)
+    mean = (x * m).sum() / n
+    var = (((x - mean) * m) ** 2).sum() / n
+    return (x - mean) * torch.rsqrt(var + ADV_EPS) * m
+
+
+def last_index(mask: Tensor) -> Tensor:
+    """Index of the last True per row of `mask` [B, T] (0 when none)."""
+    t = torch.arange(mask.shape[1]).expand_as(mask)
+    return torch.where(mask, t, torch.zeros_like(t)).max(dim=1).values
+
+
+def group_advantages(scores: Tensor, *, kind: str, group: int, baseline: Tensor | None = None) -> Tensor:
+    """Per-sequence advantages of GRPO, RLOO or ReMax [B]."""
+    if kind == "remax":
+        assert baseline is not None
+        return scores - baseline
+    g = scores.view(-1, group)
+    if kind == "grpo":
+        return ((g - g.mean(dim=1, keepdim=True)) / (g.std(dim=1, keepdim=True) + ADV_EPS)).reshape(-1)
+    if kind == "rloo":
+        return (g - (g.sum(dim=1, keepdim=True) - g) / (group - 1)).reshape(-1)
+    raise ValueError(kind)
+
+
+def _denoms(counts: Tensor, minibatches: int, group: int) -> list[float]:
+    units = counts.shape[0] // group
+    out = []
+    for k in range(minibatches):
+        lo, hi = split_range(units, minibatches, k)
+        out.append(max(1.0, float(counts[lo * group:hi * group].sum())))
+    return out
+
+
+class Glue:
+    """Builds each train call's batch from the step's data handles."""
+
+    def __init__(self, plan: Plan, *, reward_fn: RewardFn | None) -> None:
+        self.plan, self.algo, self.reward_fn = plan, plan.algorithm, reward_fn
+        self.producer = {h: c for c in plan.calls for h in c.outputs}
+
+    def _inputs(self, call: PlanCall, store: dict[str, Rows]) -> dict[str, list[Rows]]:
+        """The call's inputs by role: samples, logprobs, values, scores, data."""
+        roles: dict[str, list[Rows]] = {"samples": [], "logprobs": [], "values": [], "scores": [], "data": []}
+        for h in call.inputs:
+            src = self.producer.get(h)
+            if src is None:
+                roles["data"].append(store[h])
+            elif src.kind == "generate":
+                roles["samples"].append(store[h])
+            elif src.kind == "inference":
+                roles[str(src.returns)].append(store[h])
+        return roles
+
+    def _scores(self, samples: Rows, given: list[Rows], index: int) -> Tensor:
+        if index < len(given):
+            return given[index]["scores"]
+        if self.reward_fn is None:
+            raise PlannerError("the plan has no reward model call and no algorithm.reward_fn",
+                               hint="give the graph a reward model or reward_fn='module:function'")
+        tokens, gen_len = samples["tokens"], samples["mask"].shape[1]
+        return self.reward_fn(tokens[:, :-gen_len], tokens[:, -gen_len:]).float()
+
+    def train_batch(self, call: PlanCall, store: dict[str, Rows]) -> TrainBatch:
+        """The rows, minibatch normalisers and statistics of train call `call`."""
+        kind, algo = call.loss, self.algo
+        roles = self._inputs(call, store)
+        if kind in ("sft", "dpo"):
+            data = roles["data"][0] if roles["data"] else roles["samples"][0]
+            rows = {"tokens": data["tokens"], "mask": data["mask"]}
+            if kind == "sft":
+                return TrainBatch(rows, _denoms(data["mask"].sum(1), call.minibatches, 1), 1, {})
+            rows["ref_logprobs"] = roles["logprobs"][0]["logprobs"]
+            pairs = torch.ones(data["tokens"].shape[0] // 2)
+            return TrainBatch(rows, _denoms(pairs.repeat_interleave(2) / 2, call.minibatches, 2), 2, {})
+        samples = roles["samples"][0]
+        mask = aligned(samples, "mask")
+        old_lp = aligned(samples, "logprobs")
+        scores = self._scores(samples, roles["scores"], 0)
+        ref_lp = roles["logprobs"][0]["logprobs"] if roles["logprobs"] else old_lp
+        stats = {"reward_mean": float(scores.mean()), "response_len": float(mask.sum(1).float().mean())}
+        rows: Rows = {"tokens": samples["tokens"], "mask": mask, "old_logprobs": old_lp, "ref_logprobs": ref_lp}
+        if kind in ("ppo_policy", "ppo_value"):
+            values = roles["values"][0]["values"][:, :-1] * mask
+            kl = (old_lp - ref_lp) * mask
+            rewards = -algo.kl_coef * kl
+            rewards[torch.arange(rewards.shape[0]), last_index(mask)] += scores
+            adv = gae(rewards, values, mask, gamma=algo.gamma, lam=algo.lam)
+            rows.update(advantages=whiten(adv, mask), returns=(adv + values) * mask, old_values=values)
+            stats["kl_mean"] = float(kl.sum() / mask.sum().clamp(min=1))
+        else:
+            gen_call = self.producer[call.inputs[0]]
+            baseline = self._scores(roles["samples"][1], roles["scores"], 1) if kind == "remax" else None
+            adv = group_advantages(scores, kind=str(kind), group=gen_call.samples_per_prompt, baseline=baseline)
+            rows["advantages"] = adv[:, None] * mask
+        return TrainBatch(rows, _denoms(mask.sum(1), call.minibatches, 1), 1, stats)
+
+
+def load_reward_fn(algo: AlgorithmConfig) -> RewardFn | None:
+    """Import ``algorithm.reward_fn`` ('module:function'), or None when the plan has none."""
+    if algo.reward_fn is None:
+        return None
+    import importlib
+
+    module, _, name = algo.reward_fn.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise PlannerError(f"cannot load reward function {algo.reward_fn!r}: {e}",
+                           hint="write it as 'package.module:function', importable on every rank") from None
+    return fn

@@ -1,0 +1,211 @@
+"""One model on one rank: the parallel techniques composed, and train / forward / generate on it.
+
+`parallelize` applies the techniques in one fixed order (torchtitan's):
+
+1. pipeline parallel: the stage's layers (`plans.sharding.stage_layers`);
+2. tensor parallel (and the ZeRO-3 row split): each tensor's slice is its
+   `plans.sharding.shard_box`, plus the rank's tensor-parallel context (sequence parallel on/off);
+3. activation recompute (none, selective, full);
+4. data parallel: the ZeRO-3 gather, flat buffers, gradient reduction and optimizer partition.
+
+`ModelRunner` then runs the three call kinds on the rank's data-parallel rows of a batch that
+every rank holds in full. Outputs are complete on the last pipeline stage (every tensor-parallel
+rank there holds the same values); the plan executor collects them from there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from plans.errors import PlannerError
+from plans.layout import Layout
+from plans.model import Head, ModelSpec
+from plans.sharding import Param, split_range
+from runtime import generate as gen
+from runtime.data_parallel import AdamConfig, DataParallel, apply_data_parallel
+from runtime.groups import RankGroups
+from runtime.model import Shard, build_shard, stage_forward, token_logprobs, token_values
+from runtime.pipeline_parallel import Pipeline, apply_pipeline_parallel, forward_only, train_1f1b
+from runtime.recompute import apply_recompute
+from runtime.tensor_parallel import apply_tensor_parallel
+
+Rows = dict[str, Tensor]  # per-sequence tensors, all with the batch as dim 0
+LossFn = Callable[[Tensor, Rows, float], tuple[Tensor, dict[str, Tensor]]]
+
+
+def parallelize(spec: ModelSpec, *, head: Head, trainable: bool, groups: RankGroups,
+                state: Callable[[Param], Tensor], device: torch.device,
+                adam: AdamConfig | None = None) -> tuple[Shard, Pipeline, DataParallel | None]:
+    """Build this rank's shard of a model under `groups.layout`, in the documented order."""
+    layout, c = groups.layout, groups.coord
+    if layout.cp != 1:
+        raise PlannerError(f"layout {layout.short()}: context parallel (cp > 1) is not supported by the runtime yet",
+                           hint="compile the plan without context parallelism")
+    if layout.interleave != 1:
+        raise PlannerError(f"layout {layout.short()}: interleaved pipelines are not supported by the runtime yet",
+                           hint="compile the plan with interleave 1")
+    layers, pipe = apply_pipeline_parallel(spec.num_hidden_layers, layout=layout, pp=groups.pp, stage=c.pp)
+    shard = build_shard(spec, head=head, layout=layout, local=groups.local, layers=layers, state=state, device=device)
+    shard.tp = apply_tensor_parallel(group=groups.tp.group, size=groups.tp.size, rank=groups.tp.index,
+                                     sequence_parallel=layout.sequence_parallel)
+    apply_recompute(shard, mode=layout.recompute)
+    dp = apply_data_parallel(shard, groups=groups, zero=layout.zero, trainable=trainable, adam=adam)
+    return shard, pipe, dp
+
+
+@dataclass(frozen=True)
+class Split:
+    """Rows [start, stop) of the batch this rank's data-parallel replica handles, by micro-batch."""
+
+    start: int
+    stop: int
+    micro: tuple[tuple[int, int], ...]
+
+
+def split_rows(rows: int, *, dp: int, dp_index: int, micro_batches: int, group: int = 1) -> Split:
+    """Contiguous data-parallel and micro-batch splits of `rows`, never cutting a group of
+    `group` rows (a DPO pair, a prompt's samples). Fewer micro-batches are used when the replica
+    has fewer groups than `micro_batches` (the math does not depend on the split)."""
+    units = rows // group
+    if units < dp:
+        raise PlannerError(f"a batch of {rows} sequences ({units} groups of {group}) cannot split over dp={dp}",
+                           hint="use a larger batch or a smaller data-parallel degree")
+    lo, hi = split_range(units, dp, dp_index)
+    n = min(micro_batches, hi - lo)
+    micro = tuple(((lo + a) * group, (lo + b) * group) for a, b in (split_range(hi - lo, n, k) for k in range(n)))
+    return Split(lo * group, hi * group, micro)
+
+
+class ModelRunner:
+    """A model shard on this rank with the calls it can run."""
+
+    def __init__(self, spec: ModelSpec, *, head: Head, trainable: bool, groups: RankGroups,
+                 state: Callable[[Param], Tensor], device: torch.device, dtype: torch.dtype = torch.float32,
+                 adam: AdamConfig | None = None) -> None:
+        self.spec, self.head, self.groups, self.device, self.dtype = spec, head, groups, device, dtype
+        self.layout: Layout = groups.layout
+        self.shard, self.pipe, self.dp = parallelize(spec, head=head, trainable=trainable, groups=groups,
+                                                     state=state, device=device, adam=adam)
+
+    # Helpers --------------------------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def _padded_len(self, s: int) -> int:
+        """Sequence length the model runs at: a multiple of tp under sequence parallel (the extra
+        positions are padding after the real ones, so causal attention never sees them)."""
+        tp = self.shard.tp
+        if not tp.sequence_parallel:
+            return s
+        return -(-s // tp.size) * tp.size
+
+    def _run_stage(self, tokens: Tensor, x: Tensor | None) -> Tensor:
+        s = self._padded_len(tokens.shape[1])
+        positions = torch.arange(s, device=self.device).clamp(max=self.spec.max_position_embeddings - 1)
+        if self.pipe.first:
+            x = torch.nn.functional.pad(tokens, (0, s - tokens.shape[1]))
+        assert x is not None
+        with self._autocast():
+            return stage_forward(self.shard, x, positions=positions)
+
+    def _outputs(self, h: Tensor, tokens: Tensor, what: str) -> Tensor:
+        s = tokens.shape[1]
+        with self._autocast():
+            if what == "logprobs":
+                padded = torch.nn.functional.pad(tokens, (0, h.shape[1] * self._sp_factor() - s))
+                return token_logprobs(self.shard, h, padded)[:, :s - 1]
+            return token_values(self.shard, h)[:, :s]
+
+    def _sp_factor(self) -> int:
+        return self.shard.tp.size if self.shard.tp.sequence_parallel else 1
+
+    def _act_shape(self, b: int, s: int) -> tuple[int, ...]:
+        return (b, self._padded_len(s) // self._sp_factor(), self.spec.hidden_size)
+
+    def split(self, rows: int, *, group: int = 1) -> Split:
+        return split_rows(rows, dp=self.groups.dp.size, dp_index=self.groups.dp.index,
+                          micro_batches=self.layout.micro_batches, group=group)
+
+    # Calls ----------------------------------------------------------------------------------
+
+    def forward(self, tokens: Tensor, *, what: str) -> Tensor | None:
+        """Per-token log-probs [b, s-1] (``what="logprobs"``) or values [b, s] of this replica's
+        rows of `tokens` [B, s]; None except on the last stage."""
+        split = self.split(tokens.shape[0])
+        s = tokens.shape[1]
+
+        def fwd(i: int, x: Tensor | None) -> Tensor:
+            lo, hi = split.micro[i]
+            h = self._run_stage(tokens[lo:hi], x)
+            return self._outputs(h, tokens[lo:hi], what) if self.pipe.last else h
+
+        with torch.no_grad():
+            outs = forward_only(self.pipe, len(split.micro), forward=fwd, device=self.device,
+                                act_shape=lambda i: self._act_shape(split.micro[i][1] - split.micro[i][0], s))
+        return torch.cat(outs) if self.pipe.last else None
+
+    def train(self, batch: Rows, *, loss: LossFn, denoms: list[float], lr: float, group: int = 1) -> dict[str, float]:
+        """One optimizer step per minibatch (`len(denoms)` consecutive minibatches of `batch`).
+
+        `loss(out, rows, denom)` turns the per-token output of a micro-batch into its share of
+        the minibatch loss (sums divided by the minibatch's global `denom`) and its statistics.
+        Returns each statistic averaged over minibatches (valid on the last stage)."""
+        if self.dp is None:
+            raise PlannerError("a train call ran on a model that is not trainable")
+        tokens = batch["tokens"]
+        rows, s = tokens.shape
+        what = "logprobs" if self.head == "lm" else "values"
+        totals: dict[str, Tensor] = {}
+        for k, denom in enumerate(denoms):
+            mb_lo, mb_hi = (x * group for x in split_range(rows // group, len(denoms), k))
+            mb = {name: t[mb_lo:mb_hi] for name, t in batch.items()}
+            split = self.split(mb_hi - mb_lo, group=group)
+            stats: dict[str, Tensor] = {}
+
+            def fwd(i: int, x: Tensor | None) -> Tensor:
+                lo, hi = split.micro[i]
+                h = self._run_stage(mb["tokens"][lo:hi], x)
+                return self._outputs(h, mb["tokens"][lo:hi], what) if self.pipe.last else h
+
+            def loss_of(i: int, out: Tensor) -> Tensor:
+                lo, hi = split.micro[i]
+                value, parts = loss(out, {n: t[lo:hi] for n, t in mb.items()}, denom)
+                for name, v in {"loss": value, **parts}.items():
+                    stats[name] = stats.get(name, 0.0) + v.detach().float()
+                return value
+
+            self.dp.zero_grad()
+            train_1f1b(self.pipe, len(split.micro), forward=fwd, loss=loss_of, device=self.device,
+                       act_shape=lambda i: self._act_shape(split.micro[i][1] - split.micro[i][0], s))
+            self.dp.reduce_gradients()
+            self.dp.step(lr=lr)
+            if self.pipe.last:
+                packed = torch.stack([stats[n] for n in sorted(stats)])
+                if self.groups.dp.size > 1:
+                    torch.distributed.all_reduce(packed, group=self.groups.dp.group)
+                for n, v in zip(sorted(stats), packed):
+                    totals[n] = totals.get(n, 0.0) + v / len(denoms)
+        return {n: float(v) for n, v in sorted(totals.items())}
+
+    def generate(self, prompts: Tensor, *, gen_len: int, temperature: float, seed: int,
+                 stop_token: int | None = None) -> dict[str, Tensor] | None:
+        """Continue this replica's rows of `prompts` [B, p] by `gen_len` tokens (see
+        `runtime.generate`); the result (tokens, log-probs, mask) is on the last stage."""
+        split = self.split(prompts.shape[0])
+        rows = torch.arange(split.start, split.stop, device=self.device)
+        with torch.no_grad(), self._autocast():
+            return gen.generate(self.shard, self.pipe, prompts[split.start:split.stop].to(self.device),
+                                seq_ids=rows, gen_len=gen_len, temperature=temperature, seed=seed,
+                                stop_token=stop_token, device=self.device)
+
+    def local_parameters(self) -> dict[str, Tensor]:
+        """This rank's parameter slices (detached), by HF name."""
+        return {n: p.detach() for n, p in self.shard.params.items()}

@@ -1,0 +1,123 @@
+"""Batched generation with a KV cache, greedy or sampled, identical under every layout.
+
+A prefill runs the prompts [b, p] through the stage's layers, filling the cache; each decode
+step then runs one position. The last stage picks the next token and sends it to the first.
+
+Sampling uses the Gumbel-max trick (``argmax(logits / T + g)`` with g ~ Gumbel(0, 1) is a draw
+from softmax(logits / T)) with noise from a counter-based hash of (seed, sequence id, position,
+vocabulary id). A token therefore depends only on the sequence's own logits and its global
+index in the batch, not on how the batch or the vocabulary is split across ranks, and the
+vocabulary-parallel argmax needs no gathered logits. Temperature 0 is greedy.
+
+The returned log-probs are those of the chosen tokens under the model's own distribution
+(temperature 1), the quantity PPO's ratio compares against. After a sequence emits
+`stop_token`, its later positions hold `stop_token` and are masked out; decoding runs the full
+`gen_len` steps (no early exit yet).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from runtime import tensor_parallel as tpx
+from runtime.model import KVCache, Shard, last_logits, stage_forward
+from runtime.pipeline_parallel import Pipeline
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) on int64 tensors holding values < 2**32;
+    multipliers stay below 2**31 so no product overflows int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x68E31DA5) & _M32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seed: int, seq_ids: Tensor, position: int, vocab: tuple[int, int]) -> Tensor:
+    """Gumbel(0, 1) noise [b, hi - lo] for vocabulary ids [lo, hi), a pure function of its arguments."""
+    device = seq_ids.device
+    x = _mix32(torch.tensor(seed & _M32, dtype=torch.int64, device=device))
+    x = _mix32(x ^ (seq_ids.long() & _M32))[:, None]
+    x = _mix32(x ^ (position & _M32))
+    x = _mix32(x ^ torch.arange(*vocab, dtype=torch.int64, device=device)[None, :])
+    u = (x.double() + 0.5) / 2.0**32
+    return -torch.log(-torch.log(u))
+
+
+def _choose(shard: Shard, logits: Tensor, *, temperature: float, seed: int, seq_ids: Tensor,
+            position: int) -> tuple[Tensor, Tensor]:
+    """Next token [b] and its log-prob [b] from vocabulary-sharded logits [b, V/tp]."""
+    tp, vocab = shard.tp, shard.spec.vocab_size
+    if temperature == 0:
+        scores = logits.double()
+    else:
+        scores = logits.double() / temperature + gumbel_noise(seed, seq_ids, position, tp.vocab_range(vocab))
+    token = tpx.vocab_choose(scores, tp, vocab_size=vocab)
+    logprob = tpx.vocab_logprobs(logits[:, None], token[:, None], tp, vocab_size=vocab)[:, 0]
+    return token, logprob
+
+
+def new_cache(shard: Shard, *, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+    """An empty KV cache for this stage's layers (this rank's key/value heads)."""
+    kv_local = shard.spec.kv_heads // shard.tp.size
+    shape = (batch, kv_local, max_len, shard.spec.head_dim)
+    return KVCache(kv={i: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                       for i in shard.layers})
+
+
+def _whole(shard: Shard) -> Shard:
+    """Under ZeRO-3, a transient copy of the stage with gathered parameters (one gather per call
+    instead of one per decode step); freed when generation returns."""
+    if shard.gather is None:
+        return shard
+    names = list(shard.params)
+    whole = dict(zip(names, shard.gather(names)))
+    return Shard(spec=shard.spec, head=shard.head, layers=shard.layers, first=shard.first, last=shard.last,
+                 params=whole, tp=shard.tp)  # type: ignore[arg-type]
+
+
+def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, gen_len: int, temperature: float,
+             seed: int, stop_token: int | None, device: torch.device) -> dict[str, Tensor] | None:
+    """Generate `gen_len` tokens after `prompts` [b, p]; on the last stage returns ``tokens``
+    [b, p + gen_len], ``logprobs`` [b, gen_len] (fp32) and ``mask`` [b, gen_len] (bool)."""
+    shard = _whole(shard)
+    b, p = prompts.shape
+    h_size = shard.spec.hidden_size
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
+    cache = new_cache(shard, batch=b, max_len=p + gen_len, dtype=dtype, device=device)
+    tokens, logprobs = [], []
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    mask = []
+    step_in: Tensor = prompts
+    for k in range(gen_len):
+        s = step_in.shape[1] if pipe.first else (p if k == 0 else 1)
+        positions = torch.arange(cache.length, cache.length + s, device=device)
+        x = step_in if pipe.first else pipe.recv((b, s, h_size), pipe.prev, device=device)
+        h = stage_forward(shard, x, positions=positions, cache=cache)
+        cache.length += s
+        if not pipe.last:
+            pipe.send(h.float(), pipe.next)
+        else:
+            token, logprob = _choose(shard, last_logits(shard, h), temperature=temperature, seed=seed,
+                                     seq_ids=seq_ids, position=p + k)
+            if stop_token is not None:
+                token = token.masked_fill(done, stop_token)
+            mask.append(~done)
+            tokens.append(token)
+            logprobs.append(logprob.masked_fill(done, 0.0))
+            if stop_token is not None:
+                done = done | (token == stop_token)
+            if pipe.stages > 1 and k + 1 < gen_len:
+                pipe.send(token, pipe.ranks[0])
+        if pipe.first and k + 1 < gen_len:
+            step_in = tokens[-1][:, None] if pipe.last else pipe.recv((b,), pipe.ranks[-1], dtype=torch.int64,
+                                                                      device=device)[:, None]
+    pipe.flush()
+    if not pipe.last:
+        return None
+    return {"tokens": torch.cat([prompts, torch.stack(tokens, dim=1)], dim=1),
+            "logprobs": torch.stack(logprobs, dim=1).float(), "mask": torch.stack(mask, dim=1)}

@@ -1,0 +1,120 @@
+"""Process groups of a (mesh, layout): one per mesh axis a rank belongs to.
+
+`torch.distributed.new_group` must be called by every rank of the world, in the same order, for
+every group, members or not. `Groups` therefore enumerates all groups of every (mesh, layout) a
+plan uses on every rank, in plan order, and caches them by their rank tuple so a group shared by
+two layouts (or two models) is created once. DeviceMesh is not used: plan meshes are sub-blocks
+of the world and ZeRO-3 splits with numpy ``array_split`` bounds (`plans.sharding`), which
+DTensor's even ``Shard`` placements do not express.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from plans.layout import Coord, Layout, Mesh
+
+
+@dataclass(frozen=True)
+class Axis:
+    """A rank's group along one mesh axis: the global ranks in it and the rank's index there."""
+
+    ranks: tuple[int, ...]
+    index: int
+    group: Any = None  # None when the axis has one rank (nothing to communicate)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+SOLO = Axis(ranks=(0,), index=0)
+
+
+@dataclass(frozen=True)
+class RankGroups:
+    """Where one rank sits in a (mesh, layout) and its groups along each axis."""
+
+    layout: Layout
+    local: int  # index of the rank in mesh.ranks
+    coord: Coord
+    tp: Axis
+    dp: Axis
+    pp: Axis  # the rank's pipeline: one rank per stage, same (dp, cp, tp) coordinates
+    tied: Axis | None  # first and last stage sharing a tied embedding (pp > 1), else None
+
+
+class Groups:
+    """Creates and caches process groups; `None` world means a single process (the reference)."""
+
+    def __init__(self, *, distributed: bool) -> None:
+        self.distributed = distributed
+        self._cache: dict[tuple[int, ...], Any] = {}
+
+    def _group(self, ranks: tuple[int, ...]) -> Any:
+        if len(ranks) == 1 or not self.distributed:
+            return None
+        if ranks not in self._cache:
+            self._cache[ranks] = dist.new_group(list(ranks))
+        return self._cache[ranks]
+
+    def build(self, mesh: Mesh, layout: Layout, *, rank: int, tied: bool) -> RankGroups | None:
+        """Create every group of `layout` on `mesh` (collectively: call on every rank) and return
+        this rank's, or None when the rank is outside the mesh."""
+        def ranks_where(fixed: dict[str, int]) -> tuple[int, ...]:
+            out = []
+            for local in range(mesh.size):
+                c = layout.coord(local)
+                if all(getattr(c, k) == v for k, v in fixed.items()):
+                    out.append(mesh.ranks[local])
+            return tuple(out)
+
+        axes = {"tp": ("pp", "dp", "cp"), "dp": ("pp", "cp", "tp"), "pp": ("dp", "cp", "tp")}
+        mine: dict[str, Axis] = {}
+        for name, fixed_axes in axes.items():
+            seen: set[tuple[int, ...]] = set()
+            for local in range(mesh.size):  # every group of this axis, in a fixed order
+                c = layout.coord(local)
+                ranks = ranks_where({k: getattr(c, k) for k in fixed_axes})
+                if ranks in seen:
+                    continue
+                seen.add(ranks)
+                group = self._group(ranks) if name != "pp" else None  # stages talk point to point
+                if rank in ranks:
+                    mine[name] = Axis(ranks=ranks, index=ranks.index(rank), group=group)
+        tied_axis = None
+        if tied and layout.pp > 1:
+            for local in range(mesh.size):
+                c = layout.coord(local)
+                if c.pp != 0:
+                    continue
+                last = mesh.ranks[layout.local_rank(c._replace(pp=layout.pp - 1))]
+                pair = (mesh.ranks[local], last)
+                group = self._group(pair)
+                if rank in pair:
+                    tied_axis = Axis(ranks=pair, index=pair.index(rank), group=group)
+        if rank not in mesh.ranks:
+            return None
+        local = mesh.ranks.index(rank)
+        return RankGroups(layout=layout, local=local, coord=layout.coord(local), tp=mine["tp"], dp=mine["dp"],
+                          pp=mine["pp"], tied=tied_axis)
+
+
+def solo_groups(layout: Layout) -> RankGroups:
+    """The groups of a single process running the whole model (the reference)."""
+    return RankGroups(layout=layout, local=0, coord=layout.coord(0), tp=SOLO, dp=SOLO, pp=SOLO, tied=None)
+
+
+def all_gather_into(out: Any, inp: Any, *, group: Any) -> None:
+    """All-gather `inp` from every rank of `group` into `out`, concatenated along dim 0."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    fn(out, inp, group=group)
+
+
+def reduce_scatter_into(out: Any, inp: Any, *, group: Any) -> None:
+    """Sum `inp` over `group` and keep this rank's dim-0 block of it in `out`."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
+    fn(out, inp, group=group)

@@ -1,0 +1,309 @@
+"""The decoder both families share, written over one rank's parameter shard.
+
+Parameters live in a flat dict keyed by their Hugging Face names (`plans.sharding.parameters`),
+each holding the slice `plans.sharding.shard_box` gives the rank, so a checkpoint, a layout and
+(next) a reallocation all speak the same names and boxes. The forward pass is a handful of plain
+functions a reader can follow top to bottom:
+
+    tokens [b, s] -> embed -> layers of this pipeline stage -> final norm -> LM head or value head
+
+- llama: RMSNorm (fp32 statistics, as HF), rotary positions (HF's rotate-half convention),
+  grouped-query attention, SwiGLU MLP, optional q/k/v bias; matches transformers'
+  `LlamaForCausalLM` on the same weights (tests/test_runtime_model.py).
+- gpt: LayerNorm with bias, learned positions, multi-head attention and MLP with biases, GELU with
+  the tanh approximation (GPT-2's ``gelu_new``), LM head tied to the embedding by default.
+- value head: ``score.weight`` [1, h], one scalar per position (HF's sequence-classification
+  head with one label).
+
+Tensor-parallel collectives come from `runtime.tensor_parallel`; under ZeRO-3 a shard's
+`gather` turns dp-split parameters into whole tensor-parallel slices for the duration of a use.
+With one rank everything reduces to the plain single-process model: that is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from plans.errors import PlannerError
+from plans.layout import Layout
+from plans.model import Head, ModelSpec, spec_from_hf_config
+from plans.sharding import Param, parameters, shard_box
+from runtime import tensor_parallel as tpx
+from runtime.recompute import Recompute, checkpointed
+from runtime.tensor_parallel import TensorParallel
+
+INIT_STD = 0.02  # GPT-2 / Llama initializer_range
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer of a stage: layer -> ([b, kv/tp, max_len, d], same)."""
+
+    kv: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    length: int = 0  # positions already cached
+
+
+@dataclass
+class Shard:
+    """The part of one model a rank holds, and how it talks to the other ranks.
+
+    `params` maps HF names to this rank's slice (`shard_box`); `gather`, when set (ZeRO-3),
+    returns the whole tensor-parallel slices of the named parameters for one use."""
+
+    spec: ModelSpec
+    head: Head
+    layers: tuple[int, ...]
+    first: bool  # holds the embeddings (pipeline stage 0)
+    last: bool  # holds the final norm and the head (last pipeline stage)
+    params: dict[str, torch.nn.Parameter]
+    tp: TensorParallel = field(default_factory=TensorParallel)
+    recompute: Recompute = "none"
+    gather: Callable[[list[str]], list[Tensor]] | None = None
+
+    def fetch(self, prefix: str) -> dict[str, Tensor]:
+        """Every parameter whose name starts with `prefix`, keyed by the rest of its name."""
+        names = [n for n in self.params if n.startswith(prefix)]
+        tensors = self.gather(names) if self.gather is not None else [self.params[n] for n in names]
+        return {n[len(prefix):]: t for n, t in zip(names, tensors)}
+
+
+# Building a shard ------------------------------------------------------------------------
+
+
+def init_tensor(param: Param, *, seed: int) -> Tensor:
+    """Deterministic initial value of a whole parameter: a function of (seed, name) only, so every
+    layout (and the reference) starts from the same weights."""
+    if param.name.endswith(".bias"):
+        return torch.zeros(param.shape)
+    if "norm" in param.name.rsplit(".", 2)[-2]:  # RMSNorm / LayerNorm scales
+        return torch.ones(param.shape)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(param.name.encode())) % 2**62)
+    return torch.randn(param.shape, generator=gen) * INIT_STD
+
+
+def build_shard(spec: ModelSpec, *, head: Head, layout: Layout, local: int, layers: tuple[int, ...],
+                state: Callable[[Param], Tensor], device: torch.device) -> Shard:
+    """The slices rank `local` of a mesh holds under `layout`, taken from whole tensors `state(param)`."""
+    c = layout.coord(local)
+    params: dict[str, torch.nn.Parameter] = {}
+    for p in parameters(spec, head=head):
+        box = shard_box(p, spec, layout, local)
+        if box is None:
+            continue
+        whole = state(p)
+        if tuple(whole.shape) != p.shape:
+            raise PlannerError(f"parameter {p.name}: shape {tuple(whole.shape)} does not match the model's {p.shape}")
+        piece = whole[tuple(slice(lo, hi) for lo, hi in box)]
+        # copy: a view would keep the whole tensor alive on every rank
+        params[p.name] = torch.nn.Parameter(piece.to(device=device, dtype=torch.float32, copy=True).contiguous())
+    return Shard(spec=spec, head=head, layers=layers, first=c.pp == 0, last=c.pp == layout.pp - 1, params=params)
+
+
+# The forward pass ------------------------------------------------------------------------
+
+
+def _norm(spec: ModelSpec, w: dict[str, Tensor], name: str, x: Tensor) -> Tensor:
+    """LayerNorm with bias (gpt) or RMSNorm with fp32 statistics (llama) of the weights `{name}weight` (and `{name}bias`) in `w`."""
+    if spec.model_type == "gpt":
+        return F.layer_norm(x, (x.shape[-1],), w[f"{name}weight"], w[f"{name}bias"], spec.layer_norm_epsilon)
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + spec.rms_norm_eps)
+    return w[f"{name}weight"] * x32.to(dtype)
+
+
+def _rope(spec: ModelSpec, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    d = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d))
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [s, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _attention_core(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+    """softmax(q k^T / sqrt(d)) v with the key/value heads repeated over their query group."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        b, kvh, s, d = k.shape
+        k = k[:, :, None].expand(b, kvh, rep, s, d).reshape(b, kvh * rep, s, d)
+        v = v[:, :, None].expand(b, kvh, rep, s, d).reshape(b, kvh * rep, s, d)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor, cache: KVCache | None,
+               layer: int, sp: bool) -> Tensor:
+    spec, d = shard.spec, shard.spec.head_dim
+    x = tpx.enter(x, shard.tp, sp=sp)  # [b, s, h]
+    b, s, _ = x.shape
+    q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(b, s, -1, d).transpose(1, 2)  # [b, H/tp, s, d]
+    k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias")).view(b, s, -1, d).transpose(1, 2)  # [b, KV/tp, s, d]
+    v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(b, s, -1, d).transpose(1, 2)
+    if spec.model_type == "llama":
+        cos, sin = _rope(spec, positions, q.dtype)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+    causal = True
+    if cache is not None:
+        start = cache.length
+        kc, vc = cache.kv[layer]
+        kc[:, :, start:start + s] = k
+        vc[:, :, start:start + s] = v
+        k, v = kc[:, :, :start + s], vc[:, :, :start + s]
+        if start > 0:
+            if s != 1:
+                raise ValueError("a KV cache extends by one position at a time after the prefill")
+            causal = False  # one query attends to every cached position
+    core = checkpointed(_attention_core, q, k, v, causal, enabled=shard.recompute == "selective")
+    out = F.linear(core.transpose(1, 2).reshape(b, s, -1), w["o_proj.weight"])
+    out = tpx.exit(out, shard.tp, sp=sp)
+    return out + w["o_proj.bias"] if "o_proj.bias" in w else out
+
+
+def _mlp(shard: Shard, w: dict[str, Tensor], x: Tensor, sp: bool) -> Tensor:
+    x = tpx.enter(x, shard.tp, sp=sp)
+    if shard.spec.model_type == "gpt":
+        hidden = F.gelu(F.linear(x, w["up_proj.weight"], w["up_proj.bias"]), approximate="tanh")
+        out = tpx.exit(F.linear(hidden, w["down_proj.weight"]), shard.tp, sp=sp)
+        return out + w["down_proj.bias"]
+    hidden = F.silu(F.linear(x, w["gate_proj.weight"])) * F.linear(x, w["up_proj.weight"])
+    return tpx.exit(F.linear(hidden, w["down_proj.weight"]), shard.tp, sp=sp)
+
+
+def _layer(shard: Shard, i: int, x: Tensor, positions: Tensor, cache: KVCache | None, sp: bool) -> Tensor:
+    w = shard.fetch(f"model.layers.{i}.")
+    attn_w = {k[len("self_attn."):]: t for k, t in w.items() if k.startswith("self_attn.")}
+    mlp_w = {k[len("mlp."):]: t for k, t in w.items() if k.startswith("mlp.")}
+    x = x + _attention(shard, attn_w, _norm(shard.spec, w, "input_layernorm.", x), positions, cache, i, sp)
+    return x + _mlp(shard, mlp_w, _norm(shard.spec, w, "post_attention_layernorm.", x), sp)
+
+
+def _local_positions(positions: Tensor, tp: TensorParallel, sp: bool) -> Tensor:
+    if not sp or tp.size == 1:
+        return positions
+    chunk = positions.shape[0] // tp.size
+    return positions[tp.rank * chunk:(tp.rank + 1) * chunk]
+
+
+def stage_forward(shard: Shard, x: Tensor, *, positions: Tensor, cache: KVCache | None = None) -> Tensor:
+    """Run this pipeline stage: tokens [b, s] (first stage) or hidden states [b, s', h] in,
+    hidden states [b, s', h] out (s' = s / tp under sequence parallel, else s)."""
+    sp = shard.tp.sequence_parallel and cache is None  # decoding one position cannot split it
+    if sp and positions.shape[0] % shard.tp.size:
+        raise ValueError(f"sequence parallel needs a length divisible by tp={shard.tp.size}")
+    if shard.first:
+        w = shard.fetch("model.embed_")
+        x = tpx.vocab_embedding(x, w["tokens.weight"], shard.tp, vocab_size=shard.spec.vocab_size, sp=sp)
+        if "positions.weight" in w:
+            x = x + F.embedding(_local_positions(positions, shard.tp, sp), w["positions.weight"])
+    for i in shard.layers:
+        x = checkpointed(_layer, shard, i, x, positions, cache, sp, enabled=shard.recompute == "full")
+    return x
+
+
+def _final_norm(shard: Shard, h: Tensor) -> Tensor:
+    return _norm(shard.spec, shard.fetch("model.norm."), "", h)
+
+
+def _lm_logits(shard: Shard, h: Tensor, sp: bool) -> Tensor:
+    """Vocabulary-sharded logits [b, s, V/tp] from last-stage hidden states."""
+    h = tpx.enter(_final_norm(shard, h), shard.tp, sp=sp)
+    name = "model.embed_tokens.weight" if shard.spec.tied else "lm_head.weight"
+    (w,) = shard.fetch(name).values()
+    return F.linear(h, w)
+
+
+def token_logprobs(shard: Shard, h: Tensor, tokens: Tensor) -> Tensor:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < s-1, fp32 [b, s-1], from last-stage states."""
+    sp = shard.tp.sequence_parallel
+    logits = _lm_logits(shard, h, sp)[:, :-1]
+    return tpx.vocab_logprobs(logits, tokens[:, 1:], shard.tp, vocab_size=shard.spec.vocab_size)
+
+
+def token_values(shard: Shard, h: Tensor) -> Tensor:
+    """Value-head output per position, fp32 [b, s], from last-stage states."""
+    sp = shard.tp.sequence_parallel
+    (w,) = shard.fetch("score.weight").values()
+    values = F.linear(_final_norm(shard, h), w).squeeze(-1).float()  # [b, s'] on this rank's chunk
+    return tpx.gather_seq(values.unsqueeze(-1), shard.tp, sp=sp).squeeze(-1)
+
+
+def last_logits(shard: Shard, h: Tensor) -> Tensor:
+    """Vocabulary-sharded fp32 logits of the last position [b, V/tp] (generation: no sequence parallel)."""
+    return _lm_logits(shard, h[:, -1:], False)[:, 0].float()
+
+
+# HF-format checkpoints -------------------------------------------------------------------
+
+
+def hf_config(spec: ModelSpec, *, head: Head) -> dict:
+    """The ``config.json`` transformers reads for this model (llama family) or our gpt family."""
+    arch = {"lm": "LlamaForCausalLM", "value": "LlamaForSequenceClassification"}[head]
+    cfg = {
+        "model_type": spec.model_type, "hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.kv_heads,
+        "intermediate_size": spec.ffn_size, "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings, "tie_word_embeddings": spec.tied,
+        "torch_dtype": "float32",
+    }
+    if spec.model_type == "llama":
+        cfg.update(architectures=[arch], attention_bias=spec.attention_bias, rms_norm_eps=spec.rms_norm_eps,
+                   rope_theta=spec.rope_theta, hidden_act="silu", mlp_bias=False)
+    else:
+        cfg.update(layer_norm_epsilon=spec.layer_norm_epsilon, activation_function="gelu_new")
+    if head == "value":
+        cfg.update(num_labels=1)
+    return cfg
+
+
+def save_checkpoint(path: str | Path, state: dict[str, Tensor], *, spec: ModelSpec, head: Head) -> None:
+    """Write whole tensors as an HF checkpoint directory (``model.safetensors`` + ``config.json``)."""
+    from safetensors.torch import save_file
+
+    from plans.plan import write_text_atomic
+
+    expected = {p.name: p.shape for p in parameters(spec, head=head)}
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise PlannerError(f"checkpoint for {spec.display_name()} is missing {len(missing)} tensors, e.g. {missing[0]}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / ".model.safetensors.tmp"
+    save_file({n: state[n].detach().float().contiguous().cpu() for n in expected}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(path / "model.safetensors")
+    write_text_atomic(path / "config.json", json.dumps(hf_config(spec, head=head), indent=2, sort_keys=True) + "\n")
+
+
+def load_checkpoint(path: str | Path, *, head: Head) -> tuple[ModelSpec, dict[str, Tensor]]:
+    """Read an HF checkpoint directory (one or several ``*.safetensors`` files) into whole tensors."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_path = path / "config.json"
+    files = sorted(path.glob("*.safetensors"))
+    if not cfg_path.is_file() or not files:
+        raise PlannerError(f"{str(path)!r} is not an HF checkpoint directory (needs config.json and *.safetensors)")
+    spec = spec_from_hf_config(json.loads(cfg_path.read_text()), source=str(cfg_path))
+    state: dict[str, Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    if spec.tied:
+        state.pop("lm_head.weight", None)  # HF may store the tied copy; the catalog has one tensor
+    missing = [p.name for p in parameters(spec, head=head) if p.name not in state]
+    if missing:
+        raise PlannerError(f"checkpoint {str(path)!r} lacks {len(missing)} parameters, e.g. {missing[0]}",
+                           hint=f"is it a model with a {head!r} head?")
+    return spec, state
+

@@ -1,0 +1,208 @@
+"""Tensor parallelism: the collectives a sharded decoder layer needs, as autograd functions.
+
+Megatron-LM's scheme (Shoeybi et al. 2019, and Korthikanti et al. 2022 for sequence parallel).
+Column-parallel linears (q/k/v, gate/up) hold a block of output rows, row-parallel linears
+(o_proj, down_proj) a block of input columns, so one attention or MLP block needs one
+reduction of its output over the tensor-parallel group:
+
+- without sequence parallel the residual stream is replicated: `enter` is identity forward and
+  all-reduce backward, `exit` is all-reduce forward and identity backward;
+- with sequence parallel the residual stream (norms, residual adds, dropout) is split along the
+  sequence: `enter` all-gathers the sequence forward (reduce-scatter backward), `exit`
+  reduce-scatters it (all-gather backward). Replicated parameters then see only their rank's
+  sequence chunk, so their gradients are summed over the group (`data_parallel` does that).
+
+The vocabulary of the embedding and of the LM head is split across the group (numpy
+``array_split`` bounds, as `plans.sharding.split_range`); `vocab_embedding`, `vocab_logprobs`
+and `vocab_choose` never gather the full ``[tokens, vocab]`` logits. Every function is the plain
+single-process operation when the group has one rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from plans.sharding import split_range
+from runtime.groups import all_gather_into, reduce_scatter_into
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """A rank's tensor-parallel group; `size == 1` means no tensor parallelism."""
+
+    group: Any = None  # torch.distributed ProcessGroup, None when size == 1
+    size: int = 1
+    rank: int = 0
+    sequence_parallel: bool = False
+
+    def vocab_range(self, vocab_size: int) -> tuple[int, int]:
+        """The [start, stop) vocabulary rows this rank holds."""
+        return split_range(vocab_size, self.size, self.rank)
+
+
+def apply_tensor_parallel(*, group: Any, size: int, rank: int, sequence_parallel: bool) -> TensorParallel:
+    """The tensor-parallel context of a rank (its slices come from `plans.sharding.shard_box`)."""
+    if size == 1:
+        return TensorParallel()
+    return TensorParallel(group=group, size=size, rank=rank, sequence_parallel=sequence_parallel)
+
+
+# Collectives along the sequence dim (dim 1 of [batch, seq, hidden]) -------------------------
+
+
+def _all_gather_seq(x: Tensor, tp: TensorParallel) -> Tensor:
+    xs = x.transpose(0, 1).contiguous()  # [s/tp, b, h]: collectives split dim 0
+    out = torch.empty((xs.shape[0] * tp.size, *xs.shape[1:]), dtype=xs.dtype, device=xs.device)
+    all_gather_into(out, xs, group=tp.group)
+    return out.transpose(0, 1).contiguous()
+
+
+def _reduce_scatter_seq(x: Tensor, tp: TensorParallel) -> Tensor:
+    xs = x.transpose(0, 1).contiguous()  # [s, b, h]
+    out = torch.empty((xs.shape[0] // tp.size, *xs.shape[1:]), dtype=xs.dtype, device=xs.device)
+    reduce_scatter_into(out, xs, group=tp.group)
+    return out.transpose(0, 1).contiguous()
+
+
+def _all_reduce(x: Tensor, tp: TensorParallel) -> Tensor:
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=tp.group)
+    return x
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, tp: TensorParallel) -> Tensor:
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return _all_reduce(g, ctx.tp), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, tp: TensorParallel) -> Tensor:
+        return _all_reduce(x, tp)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return g, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, tp: TensorParallel) -> Tensor:
+        ctx.tp = tp
+        return _all_gather_seq(x, tp)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return _reduce_scatter_seq(g, ctx.tp), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, tp: TensorParallel) -> Tensor:
+        ctx.tp = tp
+        return _reduce_scatter_seq(x, tp)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return _all_gather_seq(g, ctx.tp), None
+
+
+class _GatherSeqExact(torch.autograd.Function):
+    """All-gather whose backward takes this rank's chunk (the consumer is replicated, not partial)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, tp: TensorParallel) -> Tensor:
+        ctx.tp = tp
+        ctx.chunk = x.shape[1]
+        return _all_gather_seq(x, tp)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        lo = ctx.tp.rank * ctx.chunk
+        return g[:, lo:lo + ctx.chunk].contiguous(), None
+
+
+def enter(x: Tensor, tp: TensorParallel, *, sp: bool) -> Tensor:
+    """Input of a column-parallel block: [b, s, h] replicated, or [b, s/tp, h] under sequence parallel."""
+    if tp.size == 1:
+        return x
+    return _GatherSeq.apply(x, tp) if sp else _CopyToTP.apply(x, tp)
+
+
+def exit(x: Tensor, tp: TensorParallel, *, sp: bool) -> Tensor:  # noqa: A001 - pairs with `enter`
+    """Output of a row-parallel block (partial sums) reduced over the group."""
+    if tp.size == 1:
+        return x
+    return _ReduceScatterSeq.apply(x, tp) if sp else _ReduceFromTP.apply(x, tp)
+
+
+def gather_seq(x: Tensor, tp: TensorParallel, *, sp: bool) -> Tensor:
+    """The full sequence of a sequence-parallel activation whose consumer is replicated per rank
+    (values of a value head); backward keeps this rank's chunk."""
+    if tp.size == 1 or not sp:
+        return x
+    return _GatherSeqExact.apply(x, tp)
+
+
+def reduce_sum(x: Tensor, tp: TensorParallel) -> Tensor:
+    """Sum over the group forward, identity backward (each rank back-props its own part)."""
+    if tp.size == 1:
+        return x
+    return _ReduceFromTP.apply(x, tp)
+
+
+# Vocabulary-parallel embedding, log-probs and token choice ---------------------------------
+
+
+def vocab_embedding(tokens: Tensor, weight: Tensor, tp: TensorParallel, *, vocab_size: int, sp: bool) -> Tensor:
+    """Rows of the embedding for `tokens` [b, s] -> [b, s, h] (or [b, s/tp, h] under sequence parallel)."""
+    if tp.size == 1:
+        return torch.nn.functional.embedding(tokens, weight)
+    lo, hi = tp.vocab_range(vocab_size)
+    outside = (tokens < lo) | (tokens >= hi)
+    local = torch.nn.functional.embedding((tokens - lo).masked_fill(outside, 0), weight)
+    local = local.masked_fill(outside.unsqueeze(-1), 0.0)
+    return exit(local, tp, sp=sp)
+
+
+def vocab_logprobs(logits: Tensor, targets: Tensor, tp: TensorParallel, *, vocab_size: int) -> Tensor:
+    """log softmax(logits)[target] for vocab-sharded `logits` [..., V/tp] and `targets` [...], in fp32."""
+    logits = logits.float()
+    if tp.size == 1:
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    lo, hi = tp.vocab_range(vocab_size)
+    with torch.no_grad():
+        peak = logits.max(dim=-1).values
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp.group)
+    shifted = logits - peak.unsqueeze(-1)
+    sum_exp = reduce_sum(shifted.exp().sum(dim=-1), tp)
+    inside = (targets >= lo) & (targets < hi)
+    local_t = (targets - lo).masked_fill(~inside, 0)
+    picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+    return reduce_sum(picked, tp) - sum_exp.log()
+
+
+def vocab_choose(scores: Tensor, tp: TensorParallel, *, vocab_size: int) -> Tensor:
+    """Global index of the highest score per row for vocab-sharded `scores` [b, V/tp] (ties: lowest index)."""
+    best, idx = scores.max(dim=-1)
+    if tp.size == 1:
+        return idx
+    lo, _ = tp.vocab_range(vocab_size)
+    pair = torch.stack([best.double(), (idx + lo).double()], dim=-1)  # [b, 2]
+    out = torch.empty((tp.size * pair.shape[0], 2), dtype=pair.dtype, device=pair.device)
+    all_gather_into(out, pair.contiguous(), group=tp.group)
+    out = out.view(tp.size, -1, 2)
+    # Ranks hold ascending vocabulary blocks, so the first maximum over ranks is the lowest index.
+    winner = out[..., 0].argmax(dim=0)  # [b]
+    return out[..., 1].gather(0, winner.unsqueeze(0)).squeeze(0).long()
