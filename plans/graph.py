@@ -106,6 +106,7 @@ class AlgorithmConfig(Strict):
 
     name: AlgorithmName = "custom"
     lr: float = Field(1e-5, gt=0, description="Default learning rate of train calls.")
+    adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon of train calls (PPO implementations commonly use 1e-5).")
     kl_coef: float = Field(0.05, ge=0, description="PPO/GRPO: weight of the KL penalty to the reference.")
     clip_eps: float = Field(0.2, gt=0, description="PPO/GRPO: policy ratio clip.")
     value_clip_eps: float = Field(0.2, gt=0, description="PPO: value clip.")

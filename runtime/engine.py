@@ -16,6 +16,7 @@ rank there holds the same values); the plan executor collects them from there.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,9 +40,10 @@ LossFn = Callable[[Tensor, Rows, float], tuple[Tensor, dict[str, Tensor]]]
 
 
 def parallelize(spec: ModelSpec, *, head: Head, trainable: bool, groups: RankGroups,
-                state: Callable[[Param], Tensor], device: torch.device,
-                adam: AdamConfig | None = None) -> tuple[Shard, Pipeline, DataParallel | None]:
-    """Build this rank's shard of a model under `groups.layout`, in the documented order."""
+                state: Callable[[Param], Tensor] | None = None, params: Mapping[str, Tensor] | None = None,
+                device: torch.device, adam: AdamConfig | None = None) -> tuple[Shard, Pipeline, DataParallel | None]:
+    """Build this rank's shard of a model under `groups.layout`, in the documented order, from
+    whole tensors (`state`) or from this rank's slices, used as they are (`params`)."""
     layout, c = groups.layout, groups.coord
     if layout.cp != 1:
         raise PlannerError(f"layout {layout.short()}: context parallel (cp > 1) is not supported by the runtime yet",
@@ -50,7 +52,8 @@ def parallelize(spec: ModelSpec, *, head: Head, trainable: bool, groups: RankGro
         raise PlannerError(f"layout {layout.short()}: interleaved pipelines are not supported by the runtime yet",
                            hint="compile the plan with interleave 1")
     layers, pipe = apply_pipeline_parallel(spec.num_hidden_layers, layout=layout, pp=groups.pp, stage=c.pp)
-    shard = build_shard(spec, head=head, layout=layout, local=groups.local, layers=layers, state=state, device=device)
+    shard = build_shard(spec, head=head, layout=layout, local=groups.local, layers=layers, state=state, given=params,
+                        device=device)
     shard.tp = apply_tensor_parallel(group=groups.tp.group, size=groups.tp.size, rank=groups.tp.index,
                                      sequence_parallel=layout.sequence_parallel)
     apply_recompute(shard, mode=layout.recompute)
@@ -85,12 +88,12 @@ class ModelRunner:
     """A model shard on this rank with the calls it can run."""
 
     def __init__(self, spec: ModelSpec, *, head: Head, trainable: bool, groups: RankGroups,
-                 state: Callable[[Param], Tensor], device: torch.device, dtype: torch.dtype = torch.float32,
-                 adam: AdamConfig | None = None) -> None:
+                 state: Callable[[Param], Tensor] | None = None, params: Mapping[str, Tensor] | None = None,
+                 device: torch.device, dtype: torch.dtype = torch.float32, adam: AdamConfig | None = None) -> None:
         self.spec, self.head, self.groups, self.device, self.dtype = spec, head, groups, device, dtype
         self.layout: Layout = groups.layout
         self.shard, self.pipe, self.dp = parallelize(spec, head=head, trainable=trainable, groups=groups,
-                                                     state=state, device=device, adam=adam)
+                                                     state=state, params=params, device=device, adam=adam)
 
     # Helpers --------------------------------------------------------------------------------
 

@@ -1,18 +1,22 @@
 """Execute a plan's calls, step after step, on this rank.
 
-Every rank walks `plan.calls` in order. A call runs on the ranks of its mesh with its layout
-(`runtime.engine.ModelRunner`); its outputs are then broadcast from the last pipeline stage of
-each data-parallel replica to every rank of the world, so each data handle is held in full
-everywhere and the next call, whatever its mesh and layout, slices what it needs. Data handles
-are small next to parameters (tokens, per-token floats), which is what makes this simple scheme
-affordable; parameters never move in this version.
+Every rank walks `plan.calls` (execution order) and takes part in the events whose ranks include
+it, so calls on disjoint meshes run at the same time:
 
-Constraint of this version: each model keeps one mesh and layout across its calls (as in a plan
-compiled with ``--baseline colocate``); plans that reallocate parameters are refused with a
-clear message. `placements` is where the executor that reallocates will plug in.
+1. *Parameters* (the compiler's semantics, `planner.compile.build_plan`). Each model has a *home*
+   call, its last train call or else its first call; the home's (mesh, layout) holds the
+   parameters, and the optimizer state of a trainable model, for the whole run. Another call on
+   the model either holds exactly the home's slices (same mesh, tp, pp and interleave, the home
+   not ZeRO-3) and runs on the resident parameters, or runs on a transient copy that
+   `runtime.realloc` builds from the home placement just before it (the plan's `reallocations`
+   list names it) and that is freed right after it.
+2. *Data*. A call's outputs go, point to point, from its last stage to the ranks of the calls that
+   read them (`runtime.dataflow`); a rank waits for a handle only when it runs a call reading it.
+3. *Metrics*. Each call's leader sends its statistics and times to rank 0.
 
 ``reference=True`` runs the same calls in one process with no parallelism (every layout replaced
-by dp = tp = pp = 1): the numbers a parallel run must reproduce.
+by dp = tp = pp = 1, every call on the model's one copy): the numbers a parallel run must
+reproduce.
 """
 
 from __future__ import annotations
@@ -25,13 +29,16 @@ import torch
 import torch.distributed as dist
 
 from plans.errors import PlannerError
-from plans.layout import Coord, Layout, Mesh
+from plans.layout import Layout, Mesh
 from plans.plan import Plan, PlanCall
 from runtime.algorithms import Glue, Rows, aligned, last_index, load_reward_fn
-from runtime.engine import ModelRunner, split_rows
-from runtime.groups import Groups, solo_groups
+from runtime.data_parallel import AdamConfig
+from runtime.dataflow import Incoming, Mailbox, Shapes, StatsInbox, leader
+from runtime.engine import ModelRunner
+from runtime.groups import Groups, RankGroups, solo_groups
 from runtime.losses import make_loss
 from runtime.model import init_tensor
+from runtime.realloc import RankPlan, rank_plan, reallocate
 from runtime.tasks import make_inputs
 
 SOLO_MESH = Mesh(ranks=(0,))
@@ -39,38 +46,76 @@ SOLO_MESH = Mesh(ranks=(0,))
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a model lives for the whole run."""
+    """Where a call runs."""
 
     mesh: Mesh
     layout: Layout
 
+    def slices_key(self) -> tuple[int, ...]:
+        """Equal keys hold every parameter slice on the same ranks (`plans.sharding.shard_box`)."""
+        lay = self.layout
+        return (self.mesh.first, self.mesh.size, lay.tp, lay.pp, lay.interleave, lay.dp if lay.zero == 3 else 0)
 
-def placements(plan: Plan, *, reference: bool) -> dict[str, Placement]:
-    """Each model's single (mesh, layout); a `PlannerError` when a model changes between calls."""
-    out: dict[str, Placement] = {}
-    first_call: dict[str, str] = {}
+
+@dataclass(frozen=True)
+class CallPlan:
+    """How one call gets its parameters: ``home`` (it is, or runs exactly like, the model's home
+    call), ``shared`` (the home's resident slices under another layout) or ``realloc``."""
+
+    where: Placement
+    home: str
+    source: str
+
+
+def home_calls(plan: Plan) -> dict[str, str]:
+    """Model -> its home call: its last train call, else its first call (dependency order)."""
+    graph = plan.graph()
+    home: dict[str, str] = {}
+    for name in graph.topo_order():
+        c = graph.call(name)
+        if c.kind == "train" or c.model not in home:
+            home[c.model] = name
+    return home
+
+
+def call_plans(plan: Plan) -> dict[str, CallPlan]:
+    """How every call gets its parameters; a `PlannerError` when the plan's reallocations do not
+    match its placements (a move is missing, or starts elsewhere than the model's home)."""
+    homes = home_calls(plan)
+    listed = {(r.model, r.to_call): r for r in plan.reallocations}
+    for r in plan.reallocations:
+        if r.from_call != homes[r.model]:
+            raise PlannerError(f"the plan reallocates {r.model!r} from {r.from_call!r} to {r.to_call!r}, but the "
+                               f"model's parameters live with its home call {homes[r.model]!r}",
+                               hint="recompile the plan with this version of planner")
+        if r.to_call == homes[r.model]:
+            raise PlannerError(f"the plan reallocates {r.model!r} to its home call {r.to_call!r}",
+                               hint="recompile the plan with this version of planner")
+    out: dict[str, CallPlan] = {}
     for c in plan.calls:
         if c.decode_layout is not None and c.decode_layout != c.layout:
             raise PlannerError(f"call {c.name!r} decodes with a layout different from its prefill; "
                                "the runtime does not reallocate between phases yet",
                                hint="compile the plan without a separate decode layout")
-        here = Placement(c.mesh, c.layout)
-        if c.model in out and out[c.model] != here:
-            prev = out[c.model]
-            raise PlannerError(
-                f"model {c.model!r} runs call {first_call[c.model]!r} on {prev.mesh.short()} with "
-                f"{prev.layout.short()} but call {c.name!r} on {c.mesh.short()} with {c.layout.short()}; "
-                "this runtime keeps each model in one layout and cannot reallocate parameters yet",
-                hint="compile the plan with --baseline colocate (one mesh and layout per model)")
-        out.setdefault(c.model, here)
-        first_call.setdefault(c.model, c.name)
-    if plan.reallocations:
-        r = plan.reallocations[0]
-        raise PlannerError(f"the plan reallocates {r.model!r} between {r.from_call!r} and {r.to_call!r}; "
-                           "parameter reallocation is not supported by this runtime yet",
-                           hint="compile the plan with --baseline colocate")
-    if reference:
-        out = {m: Placement(SOLO_MESH, Layout()) for m in out}
+        home = plan.call(homes[c.model])
+        where, home_where = Placement(c.mesh, c.layout), Placement(home.mesh, home.layout)
+        if c.name == home.name or where == home_where:
+            source = "home"
+        elif c.kind == "train":
+            raise PlannerError(f"model {c.model!r} is trained by {c.name!r} on {c.mesh.short()} {c.layout.short()} and "
+                               f"by {home.name!r} on {home.mesh.short()} {home.layout.short()}; the runtime keeps one "
+                               "optimizer state per model, so its train calls must share one placement",
+                               hint="give the model's train calls the same mesh and layout")
+        elif (c.model, c.name) in listed:
+            source = "realloc"
+        elif where.slices_key() == home_where.slices_key():
+            source = "shared"
+        else:
+            raise PlannerError(f"call {c.name!r} runs {c.model!r} on {c.mesh.short()} {c.layout.short()}, which does not "
+                               f"hold the slices of its home {home.name!r} ({home.mesh.short()} {home.layout.short()}), "
+                               "but the plan lists no reallocation to it",
+                               hint="recompile the plan, or list the reallocation in 'reallocations'")
+        out[c.name] = CallPlan(where, home.name, source)
     return out
 
 
@@ -85,126 +130,174 @@ class PlanRunner:
     def __init__(self, plan: Plan, *, rank: int, world_size: int, reference: bool, seed: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.plan, self.rank, self.world, self.seed = plan, rank, world_size, seed
-        self.reference, self.device = reference, device
-        self.where = placements(plan, reference=reference)
-        _check_batches(plan, self.where)
+        self.reference, self.device, self.dtype = reference, device, dtype
+        self.calls = call_plans(plan)
+        # Calls that run on a reallocated copy (the reference reports their move as taking 0 s).
+        self.moved = {n for n, cp in self.calls.items() if cp.source == "realloc"}
+        if reference:
+            solo = Placement(SOLO_MESH, Layout())
+            self.calls = {n: CallPlan(solo, cp.home, "home") for n, cp in self.calls.items()}
+        self.distributed = not reference and world_size > 1
+        _check_batches(plan, self.calls)
         self.glue = Glue(plan, reward_fn=load_reward_fn(plan.algorithm))
-        groups = Groups(distributed=not reference and world_size > 1)
-        self.models: dict[str, ModelRunner] = {}
-        for name, place in self.where.items():  # plan order: every rank creates the same groups
-            decl = plan.models[name]
-            tied = decl.spec.tied and decl.head == "lm"
-            mine = solo_groups(place.layout) if reference else groups.build(place.mesh, place.layout, rank=rank, tied=tied)
-            if mine is not None:
-                self.models[name] = ModelRunner(decl.spec, head=decl.head, trainable=decl.trainable, groups=mine,
-                                                state=lambda p: init_tensor(p, seed=seed), device=device, dtype=dtype)
+        self.readers = {h: tuple(sorted({r for c in plan.calls if h in c.inputs for r in self.calls[c.name].where.mesh.ranks}))
+                        for c in plan.calls for h in c.outputs}
+        groups = Groups(distributed=self.distributed)
+        self.groups: dict[str, RankGroups | None] = {}
+        for c in plan.calls:  # plan order: every rank creates the same groups
+            where = self.calls[c.name].where
+            tied = plan.models[c.model].spec.tied and plan.models[c.model].head == "lm"
+            self.groups[c.name] = solo_groups(where.layout) if reference else \
+                groups.build(where.mesh, where.layout, rank=rank, tied=tied)
+        adam = AdamConfig(eps=plan.algorithm.adam_eps)
+        self.homes: dict[str, ModelRunner] = {}  # model -> runner on its resident parameters
+        self.views: dict[str, ModelRunner] = {}  # call -> runner sharing the home's parameters
+        self.moves: dict[str, RankPlan] = {}  # call -> this rank's part of its reallocation
+        for c in plan.calls:
+            cp, decl = self.calls[c.name], plan.models[c.model]
+            mine = self.groups[c.name]
+            if c.name == cp.home and mine is not None:
+                self.homes[c.model] = ModelRunner(decl.spec, head=decl.head, trainable=decl.trainable, groups=mine,
+                                                  state=lambda p: init_tensor(p, seed=seed), device=device, dtype=dtype,
+                                                  adam=adam)
+        for c in plan.calls:
+            cp, decl = self.calls[c.name], plan.models[c.model]
+            mine = self.groups[c.name]
+            if cp.source == "shared" and mine is not None:
+                self.views[c.name] = ModelRunner(decl.spec, head=decl.head, trainable=False, groups=mine,
+                                                 params=self.homes[c.model].shard.params, device=device, dtype=dtype)
+            elif cp.source == "realloc":
+                home = self.calls[cp.home].where
+                self.moves[c.name] = rank_plan(decl.spec, head=decl.head, src=(home.mesh, home.layout),
+                                               dst=(cp.where.mesh, cp.where.layout), rank=rank,
+                                               gpus_per_node=plan.cluster.gpus_per_node)
         self.vocab = min(plan.models[m].spec.vocab_size for m in plan.models)
+        if self.distributed:
+            dist.barrier()  # the default group's first collective involves every rank (NCCL p2p needs it)
 
-    # Moving call outputs to every rank ------------------------------------------------------
+    # Parameters ------------------------------------------------------------------------------
 
-    def _share(self, call: PlanCall, local: Rows | None, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
-               rows: int) -> Rows:
-        """Assemble a call's output on every rank from the replicas that computed it."""
-        if self.reference or self.world == 1:
-            assert local is not None
-            return {k: v.cpu() for k, v in local.items()}
-        place = self.where[call.model]
-        lay = place.layout
-        out: Rows = {k: torch.empty((rows, *shape), dtype=dtype) for k, (shape, dtype) in shapes.items()}
-        for d in range(lay.dp):
-            src = place.mesh.ranks[lay.local_rank(Coord(pp=lay.pp - 1, dp=d, cp=0, tp=0))]
-            split = split_rows(rows, dp=lay.dp, dp_index=d, micro_batches=1)
-            for key in sorted(shapes):
-                _, dtype = shapes[key]
-                wire = torch.float32 if dtype == torch.float32 else torch.int64
-                if self.rank == src:
-                    assert local is not None
-                    buf = local[key].to(wire).to(self.device).contiguous()
-                else:
-                    buf = torch.empty((split.stop - split.start, *shapes[key][0]), dtype=wire, device=self.device)
-                dist.broadcast(buf, src)
-                out[key][split.start:split.stop] = buf.cpu().to(dtype)
-        return out
-
-    def _share_stats(self, call: PlanCall, stats: dict[str, float] | None) -> dict[str, float]:
-        if self.reference or self.world == 1:
-            return stats or {}
-        place = self.where[call.model]
-        lay = place.layout
-        src = place.mesh.ranks[lay.local_rank(Coord(pp=lay.pp - 1, dp=0, cp=0, tp=0))]
-        box = [stats if self.rank == src else None]
-        dist.broadcast_object_list(box, src, device=self.device)
-        return box[0] or {}
+    def _runner(self, call: PlanCall) -> tuple[ModelRunner | None, float]:
+        """The runner this rank uses for `call` (None outside its mesh) and the reallocation time."""
+        cp = self.calls[call.name]
+        if cp.source == "home":
+            return self.homes.get(call.model), 0.0
+        if cp.source == "shared":
+            return self.views.get(call.name), 0.0
+        move = self.moves[call.name]
+        if not move.active:
+            return None, 0.0
+        t0 = time.perf_counter()
+        home = self.homes.get(call.model)
+        held = home.local_parameters() if home is not None else {}
+        params, _ = reallocate(move, held, device=self.device)
+        mine = self.groups[call.name]
+        if mine is None:
+            return None, time.perf_counter() - t0
+        decl = self.plan.models[call.model]
+        runner = ModelRunner(decl.spec, head=decl.head, trainable=False, groups=mine, params=params,
+                             device=self.device, dtype=self.dtype)
+        return runner, time.perf_counter() - t0
 
     # Calls -----------------------------------------------------------------------------------
 
-    def _generate(self, call: PlanCall, store: dict[str, Rows], step: int) -> Rows:
-        prompts = store[call.inputs[0]]["tokens"].repeat_interleave(call.samples_per_prompt, dim=0)
-        b, p = prompts.shape
-        runner = self.models.get(call.model)
+    def _get(self, store: dict[str, Rows | Incoming], handle: str) -> Rows:
+        value = store[handle]
+        return value.get() if isinstance(value, Incoming) else value
+
+    def _generate(self, call: PlanCall, runner: ModelRunner | None, store: dict, step: int) -> tuple[Rows | None, Shapes]:
+        prompts = self._get(store, call.inputs[0])["tokens"].repeat_interleave(call.samples_per_prompt, dim=0)
         local = None
         if runner is not None:
             local = runner.generate(prompts, gen_len=call.gen_len, temperature=call.temperature,
                                     seed=call_seed(self.seed, step, call.name))
-        g = call.gen_len
-        shapes = {"tokens": ((p + g,), torch.int64), "logprobs": ((g,), torch.float32), "mask": ((g,), torch.bool)}
-        return self._share(call, local, shapes, b)
+        g, p = call.gen_len, prompts.shape[1]
+        return local, {"tokens": ((p + g,), torch.int64), "logprobs": ((g,), torch.float32), "mask": ((g,), torch.bool)}
 
-    def _inference(self, call: PlanCall, store: dict[str, Rows]) -> Rows:
-        data = store[call.inputs[0]]
+    def _inference(self, call: PlanCall, runner: ModelRunner | None, store: dict) -> tuple[Rows | None, Shapes]:
+        data = self._get(store, call.inputs[0])
         tokens = data["tokens"]
-        b, s = tokens.shape
-        runner = self.models.get(call.model)
+        s = tokens.shape[1]
         what = "logprobs" if call.returns == "logprobs" else "values"
         out = runner.forward(tokens.to(self.device), what=what) if runner is not None else None
-        local = None if out is None else {what: out}
-        shape = (s - 1,) if what == "logprobs" else (s,)
-        shared = self._share(call, local, {what: (shape, torch.float32)}, b)
         if call.returns == "scores":  # the value head at the last real token of each sequence
-            mask = aligned(data, "mask") if "logprobs" in data else data.get("mask")  # samples or graph input
-            last = torch.full((b,), s - 1) if mask is None else last_index(mask) + 1
-            return {"scores": shared["values"].gather(1, last[:, None])[:, 0]}
-        return shared
+            if out is not None:
+                assert runner is not None
+                split = runner.split(tokens.shape[0])
+                mask = aligned(data, "mask") if "logprobs" in data else data.get("mask")  # samples or graph input
+                mask = None if mask is None else mask[split.start:split.stop]
+                last = torch.full((out.shape[0],), s - 1) if mask is None else last_index(mask) + 1
+                out = out.cpu().gather(1, last[:, None])[:, 0]
+            return (None if out is None else {"scores": out}), {"scores": ((), torch.float32)}
+        shape = (s - 1,) if what == "logprobs" else (s,)
+        return (None if out is None else {what: out}), {what: (shape, torch.float32)}
 
-    def _train(self, call: PlanCall, store: dict[str, Rows]) -> dict[str, float]:
-        batch = self.glue.train_batch(call, store)
-        runner = self.models.get(call.model)
-        stats = None
-        if runner is not None:
-            assert call.loss is not None
-            rows = {k: v.to(self.device) for k, v in batch.rows.items()}
-            stats = runner.train(rows, loss=make_loss(call.loss, self.plan.algorithm), denoms=batch.denoms,
-                                 lr=call.lr or self.plan.algorithm.lr, group=batch.group)
-            stats = stats if runner.pipe.last and runner.groups.coord.dp == 0 and runner.groups.coord.tp == 0 else None
-        return {**batch.stats, **self._share_stats(call, stats)}
+    def _train(self, call: PlanCall, runner: ModelRunner | None, store: dict) -> dict[str, float]:
+        if runner is None:
+            return {}
+        batch = self.glue.train_batch(call, {h: self._get(store, h) for h in call.inputs})
+        assert call.loss is not None
+        rows = {k: v.to(self.device) for k, v in batch.rows.items()}
+        stats = runner.train(rows, loss=make_loss(call.loss, self.plan.algorithm), denoms=batch.denoms,
+                             lr=call.lr or self.plan.algorithm.lr, group=batch.group)
+        return {**batch.stats, **stats}
 
     def step(self, step: int) -> dict[str, float | int]:
-        """Run every call of the plan once; the step's metrics (the same on every rank)."""
+        """Run every call of the plan once; the step's metrics (complete on rank 0)."""
         t0 = time.perf_counter()
-        store: dict[str, Rows] = make_inputs(self.plan.algorithm.task, self.plan.inputs, vocab_size=self.vocab,
-                                             seed=self.seed, step=step)
+        store: dict[str, Rows | Incoming] = dict(make_inputs(self.plan.algorithm.task, self.plan.inputs,
+                                                            vocab_size=self.vocab, seed=self.seed, step=step))
         metrics: dict[str, float | int] = {"step": step}
+        mail, inbox = Mailbox(self.rank), StatsInbox()
+        reports: list[dict[str, float]] = []
         for call in self.plan.calls:
+            cp = self.calls[call.name]
+            runner, realloc_s = self._runner(call)
             tc = time.perf_counter()
+            stats: dict[str, float] = {}
             if call.kind == "generate":
-                store[call.outputs[0]] = self._generate(call, store, step)
+                local, shapes = self._generate(call, runner, store, step)
             elif call.kind == "inference":
-                store[call.outputs[0]] = self._inference(call, store)
+                local, shapes = self._inference(call, runner, store)
             else:
-                for k, v in self._train(call, store).items():
-                    key = k if k in ("reward_mean", "response_len", "kl_mean") else f"{call.name}.{k}"
-                    metrics[key] = v
-            metrics[f"{call.name}.time_s"] = time.perf_counter() - tc
+                local, shapes = None, {}
+                stats = {(k if k in ("reward_mean", "response_len", "kl_mean") else f"{call.name}.{k}"): v
+                         for k, v in self._train(call, runner, store).items()}
+            if call.kind != "train":  # a train call's output handle orders calls; it carries no tensors
+                store[call.outputs[0]] = self._share(call, local, shapes, mail)
+            del runner  # a reallocated copy is freed here
+            stats[f"{call.name}.time_s"] = time.perf_counter() - tc
+            if call.name in self.moved:
+                stats[f"{call.name}.realloc_time_s"] = realloc_s
+            src = leader(cp.where.mesh, cp.where.layout)
+            if src == self.rank:
+                if self.rank == 0:
+                    reports.append(stats)
+                else:
+                    mail.report(stats, device=self.device)
+            elif self.rank == 0:
+                inbox.expect(src, device=self.device)
+        mail.flush()
+        for stats in [*reports, *inbox.collect()]:
+            metrics.update(stats)
         metrics["time_s"] = time.perf_counter() - t0
         return metrics
 
+    def _share(self, call: PlanCall, local: Rows | None, shapes: Shapes, mail: Mailbox) -> Rows | Incoming | None:
+        """The call's output on this rank, sent to and received from the other ranks that read it."""
+        if not self.distributed:
+            assert local is not None
+            return {k: v.cpu() for k, v in local.items()}
+        where = self.calls[call.name].where
+        return mail.share(local, mesh=where.mesh, layout=where.layout, rows=call.seqs, shapes=shapes,
+                          needers=self.readers[call.outputs[0]], device=self.device)
 
 
-def _check_batches(plan: Plan, where: dict[str, Placement]) -> None:
+def _check_batches(plan: Plan, calls: dict[str, CallPlan]) -> None:
     """Every data-parallel replica of every call gets at least one sequence (checked on every
     rank before any collective, so a bad plan fails everywhere instead of hanging)."""
     for c in plan.calls:
-        dp = where[c.model].layout.dp
+        dp = calls[c.name].where.layout.dp
         group = 2 if c.loss == "dpo" else 1
         rows = c.seqs // c.minibatches if c.kind == "train" else c.seqs
         if rows // group < dp:

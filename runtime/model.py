@@ -26,6 +26,7 @@ import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -90,14 +91,26 @@ def init_tensor(param: Param, *, seed: int) -> Tensor:
 
 
 def build_shard(spec: ModelSpec, *, head: Head, layout: Layout, local: int, layers: tuple[int, ...],
-                state: Callable[[Param], Tensor], device: torch.device) -> Shard:
-    """The slices rank `local` of a mesh holds under `layout`, taken from whole tensors `state(param)`."""
+                state: Callable[[Param], Tensor] | None = None, given: Mapping[str, Tensor] | None = None,
+                device: torch.device) -> Shard:
+    """The slices rank `local` of a mesh holds under `layout`: copied from whole tensors
+    `state(param)`, or `given` as they are (this rank's slices, shared, not copied: a call that
+    runs on its model's resident parameters, or a reallocated copy)."""
+    if (state is None) == (given is None):
+        raise ValueError("build_shard takes whole tensors (state) or this rank's slices (given), one of them")
     c = layout.coord(local)
     params: dict[str, torch.nn.Parameter] = {}
     for p in parameters(spec, head=head):
         box = shard_box(p, spec, layout, local)
         if box is None:
             continue
+        if given is not None:
+            t = given[p.name]
+            if tuple(t.shape) != tuple(hi - lo for lo, hi in box):
+                raise ValueError(f"parameter {p.name}: slice of shape {tuple(t.shape)} does not match its box {box}")
+            params[p.name] = t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, requires_grad=False)
+            continue
+        assert state is not None
         whole = state(p)
         if tuple(whole.shape) != p.shape:
             raise PlannerError(f"parameter {p.name}: shape {tuple(whole.shape)} does not match the model's {p.shape}")
