@@ -112,7 +112,7 @@ graph = g.build()
     (lambda p: ["compile", str(ROOT / "examples" / "tiny_ppo.py"), "-c", "b200:1x8"], "unknown GPU 'b200'"),
     (lambda p: ["compile", str(ROOT / "examples" / "tiny_ppo.py"), "-c", "a100"], "malformed cluster 'a100'"),
     (lambda p: ["compile", "sft", "--actor", "llama-2-70b", "-c", "a100-80gb:1x2", "--batch", "8"],
-     "does not fit: its best layout on all 2 GPUs needs"),
+     "does not fit: its best layout on 2 GPUs needs"),
     (lambda p: ["compile", "ppo", "--actor", "llama-9b", "-c", "a100-80gb:1x8"], "unknown model 'llama-9b'"),
     (lambda p: ["compile", "ppx", "--actor", "tiny-llama"], "neither a graph file nor an algorithm"),
     (lambda p: ["compile", "ppo", "-c", "cpu:1x4"], "needs --actor"),
