@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from cost_models import comm
 from cost_models.calibration import Calibration, default_calibration
 from cost_models.framework import Framework, resolve_framework
@@ -30,13 +32,14 @@ from cost_models.memory import (
     state_bytes,
 )
 from cost_models.ops import layer_params_per_rank
+from cost_models.transfer import rank_volumes
 from cost_models.training import StepTimes, Topology, forward_pass, microbatch_size, train_step
 from plans.cluster import ClusterSpec
 from plans.errors import PlannerError
 from plans.graph import Call, ModelDecl
 from plans.layout import Layout, Mesh
 from plans.model import Head, ModelSpec
-from plans.sharding import stage_layers, transfer_volume
+from plans.sharding import stage_layers
 
 LOGIT_TRAIN_BYTES = 8  # per logit: fp16 logits, fp32 softmax, fp16 gradient
 LOGIT_INFER_BYTES = 6  # fp16 logits and fp32 log-softmax
@@ -221,28 +224,20 @@ class CostModel:
         return hit
 
     def _realloc(self, decl: ModelDecl, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout]) -> ReallocCost:
+        # Every rank sends and receives its slices at once: the busiest NVLink port, or the busiest
+        # node's network (its ranks' inter-node traffic summed), bounds the time; slices a rank
+        # already holds are copied locally through HBM.
         gpn, hw, pb = self.cluster.gpus_per_node, self.hw, self.framework.param_bytes
-        vol = transfer_volume(decl.spec, head=decl.head, src=src, dst=dst, gpus_per_node=gpn)
-        local_s = 2.0 * pb * vol.local_numel / max(1, dst[0].size) / hw.mem_bytes_s  # read + write a local copy
-        if not vol.by_pair:
+        vol = rank_volumes(decl.spec, head=decl.head, src=src, dst=dst, gpus_per_node=gpn)
+        local_s = 2.0 * pb * vol.local_numel / max(1, dst[0].size) / hw.mem_bytes_s
+        if vol.moved_numel == 0:
             return ReallocCost(0, local_s)
-        link_out: dict[int, float] = {}
-        link_in: dict[int, float] = {}
-        node_out: dict[int, float] = {}
-        node_in: dict[int, float] = {}
-        cross = False
-        for (s, d), numel in vol.by_pair.items():
-            nbytes = numel * pb
-            if s // gpn == d // gpn:
-                link_out[s] = link_out.get(s, 0.0) + nbytes
-                link_in[d] = link_in.get(d, 0.0) + nbytes
-            else:
-                cross = True
-                node_out[s // gpn] = node_out.get(s // gpn, 0.0) + nbytes
-                node_in[d // gpn] = node_in.get(d // gpn, 0.0) + nbytes
-        intra = max([*link_out.values(), *link_in.values(), 0.0]) / hw.intra_bytes_s
-        inter = max([*node_out.values(), *node_in.values(), 0.0]) / hw.node_net_bytes_s
-        latency = hw.inter_latency_s if cross else hw.intra_latency_s
+        intra = max(int(vol.send_intra.max()), int(vol.recv_intra.max())) * pb / hw.intra_bytes_s
+        nodes = (vol.first + np.arange(len(vol.send_inter))) // gpn
+        node_send = np.bincount(nodes - nodes[0], weights=vol.send_inter)
+        node_recv = np.bincount(nodes - nodes[0], weights=vol.recv_inter)
+        inter = max(float(node_send.max()), float(node_recv.max())) * pb / hw.node_net_bytes_s
+        latency = hw.inter_latency_s if inter > 0 else hw.intra_latency_s
         return ReallocCost(vol.moved_numel * pb, max(intra, inter) + latency + local_s)
 
     def data_transfer_s(self, nbytes: int, src_mesh: Mesh, dst_mesh: Mesh) -> float:

@@ -24,6 +24,7 @@ Conventions (the runtime implements exactly these):
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -217,33 +218,40 @@ class Transfer:
 
 
 def _pieces(param: Param, spec: ModelSpec, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout],
-            gpus_per_node: int) -> list[Transfer]:
-    """Every slice of `param` the destination layout needs, each with its one sender."""
+            gpus_per_node: int) -> Iterator[tuple[int, int, Box, int]]:
+    """(sender, receiver, slice, numel) for every slice of `param` the destination layout needs."""
     (smesh, slay), (dmesh, dlay) = src, dst
     cells: dict[Box, list[int]] = defaultdict(list)  # box -> global ranks holding it
     for local, rank in enumerate(smesh.ranks):
         box = shard_box(param, spec, slay, local)
         if box is not None and box_numel(box):
             cells[box].append(rank)
-    out: list[Transfer] = []
+    needs: dict[Box, list[int]] = defaultdict(list)  # box -> global ranks needing it
     for local, rank in enumerate(dmesh.ranks):
         need = shard_box(param, spec, dlay, local)
-        if need is None or not box_numel(need):
-            continue
-        for box, holders in cells.items():
-            piece = intersect(box, need)
-            if piece is None:
-                continue
-            if rank in holders:
-                sender = rank
-            else:
-                # Stateless choice (so grouped and explicit plans agree): prefer holders on the
-                # receiver's node, and spread receivers over replicas by their rank.
-                node = rank // gpus_per_node
-                near = [h for h in holders if h // gpus_per_node == node] or holders
-                sender = near[rank % len(near)]
-            out.append(Transfer(param.name, sender, rank, piece))
-    return out
+        if need is not None and box_numel(need):
+            needs[need].append(rank)
+    holder_sets = {box: set(h) for box, h in cells.items()}
+    by_node: dict[Box, dict[int, list[int]]] = {}
+    for box, holders in cells.items():
+        groups: dict[int, list[int]] = defaultdict(list)
+        for h in holders:
+            groups[h // gpus_per_node].append(h)
+        by_node[box] = groups
+    for need, ranks in needs.items():
+        # Ranks needing the same box (data-parallel replicas) share its pieces.
+        pieces = [(box, piece, box_numel(piece)) for box in cells if (piece := intersect(box, need)) is not None]
+        for rank in ranks:
+            node = rank // gpus_per_node
+            for box, piece, numel in pieces:
+                if rank in holder_sets[box]:
+                    yield rank, rank, piece, numel
+                else:
+                    # Stateless choice (so grouped and explicit plans agree, and moving both meshes
+                    # by whole nodes changes nothing): prefer holders on the receiver's node, and
+                    # spread receivers over replicas by their position in the destination mesh.
+                    near = by_node[box].get(node) or cells[box]
+                    yield near[(rank - dmesh.first) % len(near)], rank, piece, numel
 
 
 def transfer_plan(spec: ModelSpec, *, head: Head, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout],
@@ -256,7 +264,7 @@ def transfer_plan(spec: ModelSpec, *, head: Head, src: tuple[Mesh, Layout], dst:
     """
     out: list[Transfer] = []
     for param in parameters(spec, head=head):
-        out += _pieces(param, spec, src, dst, gpus_per_node)
+        out += [Transfer(param.name, s, d, box) for s, d, box, _ in _pieces(param, spec, src, dst, gpus_per_node)]
     return out
 
 
@@ -289,6 +297,7 @@ def transfer_volume(spec: ModelSpec, *, head: Head, src: tuple[Mesh, Layout], ds
     for i in range(spec.num_hidden_layers):
         groups[(s_owner[i], d_owner[i])].append(i)
     reps = {layers[0]: len(layers) for layers in groups.values()}
+    seen: dict[tuple, tuple[dict[tuple[int, int], int], int]] = {}
     for param in params:
         if param.layer is not None:
             if param.layer not in reps:
@@ -296,9 +305,19 @@ def transfer_volume(spec: ModelSpec, *, head: Head, src: tuple[Mesh, Layout], ds
             scale = reps[param.layer]
         else:
             scale = 1
-        for t in _pieces(param, spec, src, dst, gpus_per_node):
-            if t.src == t.dst:
-                local += t.numel * scale
-            else:
-                by_pair[(t.src, t.dst)] += t.numel * scale
+        # Tensors of one shape, split and stages move alike (q/k/v, gate/up): plan one of them.
+        kind = (param.shape, param.tp_dim, param_stages(param, spec, src[1]), param_stages(param, spec, dst[1]))
+        if kind not in seen:
+            pairs: dict[tuple[int, int], int] = defaultdict(int)
+            kept = 0
+            for s, d, _, numel in _pieces(param, spec, src, dst, gpus_per_node):
+                if s == d:
+                    kept += numel
+                else:
+                    pairs[(s, d)] += numel
+            seen[kind] = (pairs, kept)
+        pairs, kept = seen[kind]
+        local += kept * scale
+        for key, numel in pairs.items():
+            by_pair[key] += numel * scale
     return TransferVolume(dict(sorted(by_pair.items())), local)

@@ -1,10 +1,183 @@
-"""Commands on plans: compile, show, validate, schema."""
+"""Commands on plans: compile, show, validate, compare, schema."""
 
 from __future__ import annotations
 
 import json
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
+
+from plans.errors import PlannerError
+
+COMPILE_HELP = """Compile a graph file or a built-in algorithm into a plan.
+
+TARGET is a Python file that defines `graph` (or `build()`), or one of the algorithms
+sft, dpo, ppo, grpo, remax, rloo, configured by the flags below.
+
+Examples:
+
+  planner compile examples/ppo_llama7b.py
+
+  planner compile ppo --actor llama-2-7b --cluster a100-80gb:2x8 --batch 512 --prompt-len 1024 --gen-len 1024
+
+  planner compile grpo --actor qwen2.5-7b --cluster h100-sxm:1x8 --samples-per-prompt 8 --json
+
+  planner compile sft --actor llama-3-70b --cluster h100-sxm:8x8 --batch 512 --seq-len 4096
+
+A SPEC is a preset (llama-2-7b, qwen2.5-7b, ...), a config.json path, or inline HF fields
+(model_type=llama,hidden_size=4096,...). A CLUSTER is GPU:NODESxGPUS_PER_NODE
+(h100-sxm:2x8, a100-80gb:16x8,inter_node_gbps=800) or a .yaml/.json file.
+"""
+
+
+class Baseline(str, Enum):
+    colocate = "colocate"
+    split = "split"
+    heuristic = "heuristic"
+
+
+def _graph_from_target(target: str, *, actor: str | None, critic: str | None, ref: str | None, reward: str | None,
+                       reward_fn: str | None, batch: int | None, prompt_len: int | None, gen_len: int | None,
+                       seq_len: int | None, samples_per_prompt: int | None, ppo_minibatches: int | None):  # noqa: ANN202
+    from planner.algorithms import ALGORITHMS
+    from planner.loader import load_graph_file
+
+    if target.endswith(".py") or Path(target).is_file():
+        return load_graph_file(target)
+    if target not in ALGORITHMS:
+        raise PlannerError(f"{target!r} is neither a graph file nor an algorithm",
+                           hint=f"algorithms: {', '.join(ALGORITHMS)}; graph files end in .py")
+    if actor is None:
+        raise PlannerError(f"algorithm {target} needs --actor SPEC")
+    kw: dict = {"batch": batch or 512}
+    if target in ("sft", "dpo"):
+        kw["seq_len"] = seq_len or 2048
+        if target == "dpo" and ref:
+            kw["ref"] = ref
+    else:
+        kw.update(prompt_len=prompt_len or 1024, gen_len=gen_len or 1024, ref=ref, reward=reward, reward_fn=reward_fn)
+        if target == "ppo":
+            kw["critic"] = critic
+        if target in ("grpo", "rloo") and samples_per_prompt:
+            kw["samples_per_prompt"] = samples_per_prompt
+        if ppo_minibatches:
+            kw["ppo_minibatches"] = ppo_minibatches
+    return ALGORITHMS[target](actor, **kw), None
+
+
+def compile_cmd(
+    target: Annotated[str, typer.Argument(help="Graph file (.py) or algorithm name.", show_default=False)],
+    cluster: Annotated[Optional[str], typer.Option("--cluster", "-c", help="GPU:NODESxPER_NODE or a file (default: the graph file's CLUSTER).")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Plan file to write [default: plans/<name>.json].")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON to stdout instead of tables (writes a file only with -o).")] = False,
+    time_limit: Annotated[float, typer.Option("--time-limit", min=0, help="CP-SAT time limit in seconds; 0 keeps the beam-search plan.")] = 10.0,
+    baseline: Annotated[Optional[Baseline], typer.Option("--baseline", help="Emit a baseline's best plan instead: colocate, split, heuristic.")] = None,
+    calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Cost-model calibration file (from `planner calibrate` or `planner profile`).")] = None,
+    actor: Annotated[Optional[str], typer.Option(help="Actor / policy model SPEC (algorithms).")] = None,
+    critic: Annotated[Optional[str], typer.Option(help="Critic SPEC (ppo; default: the actor's).")] = None,
+    ref: Annotated[Optional[str], typer.Option(help="Reference model SPEC (default: the actor's).")] = None,
+    reward: Annotated[Optional[str], typer.Option(help="Reward model SPEC (default: the critic's, else the actor's).")] = None,
+    reward_fn: Annotated[Optional[str], typer.Option(help="Reward function module:function instead of a reward model.")] = None,
+    batch: Annotated[Optional[int], typer.Option(min=1, help="Prompts (or sequences, or pairs) per iteration [default: 512].")] = None,
+    prompt_len: Annotated[Optional[int], typer.Option(min=1, help="Prompt tokens [default: 1024].")] = None,
+    gen_len: Annotated[Optional[int], typer.Option(min=1, help="Generated tokens [default: 1024].")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(min=1, help="sft/dpo: tokens per sequence [default: 2048].")] = None,
+    samples_per_prompt: Annotated[Optional[int], typer.Option(min=1, help="grpo/rloo: samples per prompt.")] = None,
+    ppo_minibatches: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps per train call.")] = None,
+) -> None:
+    from plans.cluster import parse_cluster
+    from plans.plan import plan_to_json, save_plan
+    from planner.compile import compile_graph
+    from planner.render import print_plan
+
+    graph, default_cluster = _graph_from_target(
+        target, actor=actor, critic=critic, ref=ref, reward=reward, reward_fn=reward_fn, batch=batch,
+        prompt_len=prompt_len, gen_len=gen_len, seq_len=seq_len, samples_per_prompt=samples_per_prompt,
+        ppo_minibatches=ppo_minibatches)
+    cluster_text = cluster or default_cluster
+    if cluster_text is None:
+        raise PlannerError("no cluster given", hint="pass --cluster GPU:NODESxPER_NODE, e.g. --cluster a100-80gb:2x8")
+    cl = parse_cluster(cluster_text)
+    calib = None
+    if calibration is not None:
+        from cost_models import load_calibration  # type: ignore[attr-defined]
+
+        calib = load_calibration(calibration)
+    err = Console(stderr=True)
+    with err.status("compiling", spinner="dots") as status:
+        plan = compile_graph(graph, cl, time_limit_s=time_limit, baseline=baseline.value if baseline else None,
+                             calibration=calib, progress=lambda msg: status.update(msg))
+    if as_json:
+        typer.echo(plan_to_json(plan), nl=False)
+        if output is not None:
+            save_plan(plan, output)
+        return
+    path = output or Path("plans") / f"{plan.name}.json"
+    save_plan(plan, path)
+    from planner.render import make_console
+
+    console = make_console()
+    print_plan(plan, console)
+    console.print(f"wrote {path}", highlight=False)
+
+
+def show(plan_file: Annotated[Path, typer.Argument(help="Plan JSON file.")],
+         as_json: Annotated[bool, typer.Option("--json", help="Print the validated plan JSON.")] = False) -> None:
+    """Render a plan: calls with mesh, layout, time and memory; reallocations; estimates."""
+    from plans.plan import load_plan, plan_to_json
+    from planner.render import print_plan
+
+    plan = load_plan(plan_file)
+    if as_json:
+        typer.echo(plan_to_json(plan), nl=False)
+    else:
+        print_plan(plan)
+
+
+def validate(plan_file: Annotated[Path, typer.Argument(help="Plan JSON file.")]) -> None:
+    """Check a plan: schema, placements inside the cluster, degrees that fill each mesh and shard
+    each model, and every call's memory within the GPU's capacity under the cost model."""
+    from plans.plan import load_plan
+    from planner.check import memory_problems
+
+    plan = load_plan(plan_file)
+    problems = memory_problems(plan)
+    if problems:
+        raise PlannerError(f"{plan_file} is not executable:\n  " + "\n  ".join(problems))
+    typer.echo(f"{plan_file}: valid ({len(plan.calls)} calls on {plan.cluster.short()}, "
+               f"iteration {plan.estimate.iteration_s:.4g} s)")
+
+
+def compare(plan_files: Annotated[list[Path], typer.Argument(help="Plan JSON files.")],
+            as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")] = False) -> None:
+    """Compare plans side by side: iteration time, throughput, MFU, memory, and speedup over the first."""
+    from rich.table import Table
+
+    from plans.plan import load_plan
+    from planner.render import fmt_gib, fmt_s
+
+    plans = [load_plan(p) for p in plan_files]
+    base = plans[0].estimate.iteration_s
+    rows = [{"plan": str(f), "method": p.search.method, "iteration_s": p.estimate.iteration_s,
+             "tokens_per_s": p.estimate.tokens_per_s, "mfu": p.estimate.mfu,
+             "peak_mem_bytes": p.estimate.peak_mem_bytes,
+             "speedup_vs_first": base / p.estimate.iteration_s if p.estimate.iteration_s else None}
+            for f, p in zip(plan_files, plans)]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    t = Table()
+    for col in ("plan", "method", "iteration", "tokens/s", "MFU", "peak mem", "speedup vs first"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["plan"], r["method"], fmt_s(r["iteration_s"]), f"{r['tokens_per_s']:,.0f}", f"{r['mfu'] * 100:.1f}%",
+                  fmt_gib(r["peak_mem_bytes"]), f"{r['speedup_vs_first']:.2f}x")
+    from planner.render import make_console
+
+    make_console().print(t)
 
 
 def schema() -> None:
@@ -15,4 +188,8 @@ def schema() -> None:
 
 
 def register(app: typer.Typer) -> None:
+    app.command("compile", help=COMPILE_HELP)(compile_cmd)
+    app.command()(show)
+    app.command()(validate)
+    app.command()(compare)
     app.command()(schema)

@@ -1,0 +1,103 @@
+"""Search benchmark: wall time, plan quality, certified gap, and speedup over fair baselines.
+
+    python bench/search.py                  # the whole suite (about two minutes on 2 cores)
+    python bench/search.py --only ppo-7b    # one instance
+    python bench/search.py --exhaustive     # also check enumerable instances against brute force
+
+Suite (batch 512, prompt 1024, generation 1024 unless stated), as in issue 4. Each baseline is
+the best plan its rule allows (`planner.baselines`). Speedup = baseline iteration / plan iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plans.cluster import parse_cluster  # noqa: E402
+from plans.errors import PlannerError  # noqa: E402
+from plans.graph import Graph  # noqa: E402
+from planner.algorithms import grpo, ppo, sft  # noqa: E402
+from planner.baselines import BASELINES  # noqa: E402
+from planner.compile import compile_graph  # noqa: E402
+
+PPO = dict(batch=512, prompt_len=1024, gen_len=1024, ppo_minibatches=4)
+
+
+@dataclass(frozen=True)
+class Instance:
+    name: str
+    cluster: str
+    graph: Graph
+    rlhf: bool
+    limit_s: float  # the wall-clock target of issue 4
+
+
+SUITE = [
+    Instance("ppo-7b", "a100-80gb:2x8", ppo("llama-2-7b", reward="llama-2-7b", name="ppo_7b", **PPO), True, 10),
+    Instance("ppo-13b", "a100-80gb:4x8", ppo("llama-2-13b", reward="llama-2-13b", name="ppo_13b", **PPO), True, 10),
+    Instance("ppo-34b-7b", "a100-80gb:4x8",
+             ppo("codellama-34b", critic="llama-2-7b", reward="llama-2-7b", name="ppo_34b_7b", **PPO), True, 10),
+    Instance("ppo-70b", "a100-80gb:16x8", ppo("llama-2-70b", reward="llama-2-70b", name="ppo_70b", **PPO), True, 10),
+    Instance("grpo-qwen7b", "h100-sxm:1x8",
+             grpo("qwen2.5-7b", reward="qwen2.5-7b", batch=512, prompt_len=1024, gen_len=1024, samples_per_prompt=8,
+                  ppo_minibatches=4, name="grpo_qwen7b"), True, 10),
+    Instance("sft-70b", "h100-sxm:8x8", sft("llama-3-70b", batch=512, seq_len=4096, name="sft_70b"), False, 10),
+    Instance("sft-405b", "h100-sxm:128x8", sft("llama-3-405b", batch=512, seq_len=4096, name="sft_405b"), False, 60),
+]
+
+
+def run(inst: Instance, *, time_limit_s: float) -> dict:
+    cluster = parse_cluster(inst.cluster)
+    t0 = time.perf_counter()
+    plan = compile_graph(inst.graph, cluster, time_limit_s=time_limit_s)
+    wall = time.perf_counter() - t0
+    row = {"instance": inst.name, "gpus": cluster.world_size, "wall_s": wall, "iteration_s": plan.estimate.iteration_s,
+           "lower_bound_s": plan.search.lower_bound_s, "gap": plan.search.gap, "status": plan.search.status,
+           "limit_s": inst.limit_s}
+    for b in BASELINES if inst.rlhf else ():
+        try:
+            base = compile_graph(inst.graph, cluster, time_limit_s=time_limit_s, baseline=b)
+            row[b] = base.estimate.iteration_s / plan.estimate.iteration_s
+        except PlannerError as e:
+            row[b] = None
+            row[f"{b}_why"] = e.message
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", help="comma-separated instance names")
+    ap.add_argument("--time-limit", type=float, default=None, help="override each instance's limit (seconds)")
+    args = ap.parse_args()
+    chosen = [i for i in SUITE if not args.only or i.name in args.only.split(",")]
+    rows = []
+    hdr = f"{'instance':<12} {'GPUs':>5} {'wall':>7} {'target':>7} {'iteration':>10} {'bound':>10} {'gap':>6} " \
+          f"{'status':>9} " + " ".join(f"{'vs ' + b:>12}" for b in BASELINES)
+    print(hdr)
+    print("-" * len(hdr))
+    for inst in chosen:
+        limit = args.time_limit if args.time_limit is not None else inst.limit_s
+        r = run(inst, time_limit_s=limit)
+        rows.append(r)
+        speed = " ".join(f"{(f'{r[b]:.2f}x' if r.get(b) else '-'):>12}" for b in BASELINES)
+        ok = "ok" if r["wall_s"] <= inst.limit_s and (r["gap"] or 0) <= 0.05 else "MISS"
+        print(f"{r['instance']:<12} {r['gpus']:>5} {r['wall_s']:>6.1f}s {inst.limit_s:>6.0f}s {r['iteration_s']:>9.2f}s "
+              f"{r['lower_bound_s']:>9.2f}s {r['gap'] * 100:>5.1f}% {str(r['status']):>9} {speed}  {ok}", flush=True)
+    best = [min(r[b] for b in BASELINES if r.get(b)) for r in rows if any(r.get(b) for b in BASELINES)]
+    if best:
+        geo = math.exp(sum(math.log(x) for x in best) / len(best))
+        print(f"\ngeometric-mean speedup over the best baseline (RLHF instances): {geo:.2f}x")
+    for r in rows:
+        for b in BASELINES:
+            if r.get(f"{b}_why"):
+                print(f"note: {r['instance']}: baseline {b} not applicable: {r[f'{b}_why']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Baselines as restrictions of the search domain, each given its best plan within its rule.
+
+- ``colocate``: every call on all GPUs, one layout per model (DeepSpeed-Chat, verl's default).
+- ``split``: the policy and its reference on one half of the cluster, the other models (critic,
+  reward) on the other half, as OpenRLHF places them; each call its best layout in its half.
+- ``heuristic``: a Megatron-style layout per model on all GPUs, shared by all its calls (ReaLHF's
+  heuristic plan): tensor parallel over the node, the fewest pipeline stages that fit, ZeRO-1
+  over data parallel; micro-batches and recompute the best for it.
+
+A restriction filters candidates (`static`, and the `SearchSpace` it builds) and, for one layout
+per model, ties every call to its home call's placement (`joint`); beam search and CP-SAT apply
+the same rule, so a baseline is searched exactly like a plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cost_models import CostModel
+from plans.errors import PlannerError
+from plans.graph import Call, Graph, ModelDecl
+from plans.layout import Layout
+from plans.sharding import layout_problems
+from planner.candidates import SearchSpace, call_candidates, home_calls
+from planner.problem import Problem
+
+BASELINES = ("colocate", "split", "heuristic")
+POLICY_MODELS = ("actor", "ref")
+
+
+@dataclass
+class Restriction:
+    """A baseline's rule over (slot, candidate) choices."""
+
+    name: str
+    space: SearchSpace
+    same_placement: bool = False  # every call of a model uses its home call's placement
+    half_of: dict[str, int] = field(default_factory=dict)  # model -> 0 (first half) or 1
+
+    def static(self, p: Problem, i: int, k: int) -> bool:
+        cand = p.slots[i].cands[k]
+        model = p.slots[i].call.model
+        if model in self.half_of:
+            half = p.cluster.world_size // 2
+            lo = self.half_of[model] * half
+            if not (lo <= cand.mesh.first and cand.mesh.first + cand.mesh.size <= lo + half):
+                return False
+        if self.same_placement and p.slots[i].home is not None and p.twin(i, k) is None:
+            return False
+        return True
+
+    def __call__(self, p: Problem, i: int, k: int, choice: list[int | None]) -> bool:
+        """Beam-search check against the choices made so far."""
+        if not self.static(p, i, k):
+            return False
+        home = p.slots[i].home
+        if self.same_placement and home is not None and choice[home] is not None:
+            return p.twin(i, k) == choice[home]
+        return True
+
+    def add_joint(self, model, p: Problem) -> None:  # noqa: ANN001 - planner.cpsat._Model
+        if not self.same_placement:
+            return
+        for s in p.slots:
+            if s.home is None:
+                continue
+            for k in range(len(s.cands)):
+                h = p.twin(s.index, k)
+                if h is not None:
+                    model.m.add_implication(model.x[s.index][k], model.x[s.home][h])
+
+
+def _full_mesh_only(graph: Graph, cm: CostModel) -> SearchSpace:
+    return SearchSpace(mesh_sizes=(cm.cluster.world_size,), keep_per_size=6)
+
+
+def _megatron_tp(decl: ModelDecl, gpus_per_node: int) -> int:
+    tp = gpus_per_node
+    while tp > 1 and layout_problems(decl.spec, Layout(tp=tp)):
+        tp //= 2
+    return tp
+
+
+def _heuristic_space(graph: Graph, cm: CostModel) -> SearchSpace:
+    world = cm.cluster.world_size
+    homes = home_calls(graph)
+    tp_of = {m: min(_megatron_tp(d, cm.cluster.gpus_per_node), world) for m, d in graph.models.items()}
+
+    def megatron(tp: int, pp: int | None):  # noqa: ANN202
+        def ok(call: Call, decl: ModelDecl, lay: Layout) -> bool:
+            zero = 1 if lay.dp > 1 else 0
+            rule = lay.tp == tp and lay.cp == 1 and lay.interleave == 1
+            if call.kind == "train":
+                rule = rule and lay.zero == zero and lay.sequence_parallel == (tp > 1)
+            return rule and (pp is None or lay.pp == pp)
+        return ok
+
+    pp_of: dict[str, int] = {}
+    for model, home in homes.items():
+        call, decl = graph.call(home), graph.models[model]
+        space = SearchSpace(mesh_sizes=(world,), keep_per_size=64, layout_ok=megatron(tp_of[model], None))
+        fits = call_candidates(call, decl, cm, space).get(world, [])
+        if not fits:
+            raise PlannerError(f"baseline heuristic: no Megatron-style layout (tp={tp_of[model]}) of model {model!r} fits")
+        pp_of[model] = min(c.layout.pp for c in fits)
+
+    def ok(call: Call, decl: ModelDecl, lay: Layout) -> bool:
+        return megatron(tp_of[call.model], pp_of[call.model])(call, decl, lay)
+
+    return SearchSpace(mesh_sizes=(world,), keep_per_size=6, layout_ok=ok)
+
+
+def restriction(name: str, graph: Graph, cm: CostModel) -> Restriction:
+    """The restriction implementing baseline `name`."""
+    if name == "colocate":
+        return Restriction(name, _full_mesh_only(graph, cm), same_placement=True)
+    if name == "heuristic":
+        return Restriction(name, _heuristic_space(graph, cm), same_placement=True)
+    if name == "split":
+        if cm.cluster.world_size < 2:
+            raise PlannerError("baseline split needs at least 2 GPUs")
+        half_of = {m: 0 if m in POLICY_MODELS else 1 for m in graph.models}
+        if len(set(half_of.values())) < 2:
+            raise PlannerError(
+                f"baseline split needs models on both halves: the policy ({', '.join(POLICY_MODELS)}) and others "
+                f"(critic, reward); graph {graph.name!r} has {', '.join(graph.models)}"
+            )
+        half = cm.cluster.world_size // 2
+        sizes = tuple(s for s in range(1, half + 1) if half % s == 0)
+        return Restriction(name, SearchSpace(mesh_sizes=sizes, max_blocks=cm.cluster.world_size), half_of=half_of)
+    raise PlannerError(f"unknown baseline {name!r}", hint=f"baselines: {', '.join(BASELINES)}")

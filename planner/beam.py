@@ -1,0 +1,58 @@
+"""Beam search: a good assignment fast, scored by the simulator.
+
+Slots are assigned home calls first (so each later choice sees the resident memory it must fit
+beside), then the others in topological order. Each beam entry is extended with every allowed
+candidate; partial assignments are simulated (unassigned calls left out) and the `width` shortest
+makespans survive, ties broken by the candidate indices so results are deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from planner.problem import Problem
+from planner.simulate import op_memory, simulate
+
+Allowed = Callable[[Problem, int, int, list[int | None]], bool]
+
+
+def assignment_order(problem: Problem) -> list[int]:
+    homes = [s.index for s in problem.slots if s.home is None]
+    homes.sort(key=lambda i: (-min((c.time_s for c in problem.slots[i].cands), default=0.0), i))
+    return homes + [s.index for s in problem.slots if s.home is not None]
+
+
+def symmetric_cluster(problem: Problem) -> bool:
+    """Aligned blocks form a binary tree (node size and node count powers of two), so any
+    placement can be mirrored to put the first home call at rank 0."""
+    cl = problem.cluster
+    pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
+    return pow2(cl.gpus_per_node) and pow2(cl.nodes)
+
+
+def beam_search(problem: Problem, *, width: int = 16, allowed: Allowed | None = None, exact: bool = True
+                ) -> list[int] | None:
+    """The best complete assignment the beam finds, or None if nothing fits in memory."""
+    cap = problem.cluster.mem_bytes
+    order = assignment_order(problem)
+    beam: list[list[int | None]] = [[None] * len(problem.slots)]
+    for step, i in enumerate(order):
+        scored: list[tuple[float, tuple, list[int | None]]] = []
+        for choice in beam:
+            for k, cand in enumerate(problem.slots[i].cands):
+                if step == 0 and allowed is None and symmetric_cluster(problem) and cand.mesh.first != 0:
+                    continue
+                if allowed is not None and not allowed(problem, i, k, choice):
+                    continue
+                ext = list(choice)
+                ext[i] = k
+                _, peak = op_memory(problem, ext)
+                if max(peak) > cap:
+                    continue
+                sched = simulate(problem, ext, exact=exact)
+                scored.append((sched.makespan_s, tuple(-1 if c is None else c for c in ext), ext))
+        if not scored:
+            return None
+        scored.sort(key=lambda t: (t[0], t[1]))
+        beam = [ext for _, _, ext in scored[:width]]
+    return [int(k) for k in beam[0]]  # type: ignore[arg-type]  # every slot is assigned by now

@@ -1,0 +1,247 @@
+"""Candidate placements per call: aligned meshes x valid layouts, costed and pruned.
+
+A candidate is one (mesh, layout) a call may run with, with its estimated time and memory. The
+cluster is homogeneous, so all aligned meshes of one size behave alike: layouts are costed once
+per mesh size on a representative block and the result is shared by every position (symmetry).
+Dominated layouts (no faster and no smaller in memory than another of the same size) are dropped,
+and at most `keep_per_size` survive per size, fastest first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import product
+
+from cost_models import CallCost, CostModel
+from plans.cluster import ClusterSpec
+from plans.graph import Call, Graph, ModelDecl
+from plans.layout import Layout, Mesh
+from plans.sharding import layout_problems
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+LONG_SEQ_TOKENS = 16384  # context parallel is considered from this sequence length on
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One placement of one call, with its costs."""
+
+    mesh: Mesh
+    layout: Layout
+    cost: CallCost
+    decode_layout: Layout | None = None
+
+    @property
+    def time_s(self) -> float:
+        return self.cost.time_s
+
+    @property
+    def state_bytes(self) -> int:
+        return self.cost.state_mem_bytes
+
+    @property
+    def work_bytes(self) -> int:
+        """Transient bytes during the call on top of the resident state."""
+        return self.cost.peak_mem_bytes - self.cost.state_mem_bytes
+
+    def param_key(self) -> tuple[int, ...]:
+        """Equal keys hold every parameter slice on the same ranks (a reallocation moves nothing)."""
+        lay = self.layout
+        return (self.mesh.first, self.mesh.size, lay.tp, lay.pp, lay.interleave, lay.dp if lay.zero == 3 else 0)
+
+    def describe(self) -> str:
+        text = f"{self.mesh.short()} {self.layout.short()}"
+        if self.decode_layout is not None:
+            text += f" / decode {self.decode_layout.short()}"
+        return text
+
+
+LayoutFilter = Callable[[Call, ModelDecl, Layout], bool]
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Knobs and restrictions of the candidate space (a baseline is a restriction, not a new search)."""
+
+    max_blocks: int = 8  # smallest mesh considered is cluster / max_blocks (or one GPU)
+    keep_per_size: int = 4  # layouts kept per mesh size after dominance pruning
+    mesh_sizes: tuple[int, ...] | None = None  # only these mesh sizes
+    layout_ok: LayoutFilter | None = None  # applied before pruning
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_sizes(cluster: ClusterSpec, space: SearchSpace) -> list[int]:
+    """Aligned mesh sizes: divisors of a node up to one node, then whole-node powers of two."""
+    gpn, n = cluster.gpus_per_node, cluster.world_size
+    sizes = [d for d in _divisors(gpn) if d & (d - 1) == 0 or d == gpn]
+    k = 2
+    while k <= cluster.nodes:
+        if cluster.nodes % k == 0:
+            sizes.append(k * gpn)
+        k *= 2
+    if n not in sizes:
+        sizes.append(n)
+    lo = max(1, n // space.max_blocks)
+    sizes = sorted({s for s in sizes if s >= lo or s == n})
+    if space.mesh_sizes is not None:
+        sizes = [s for s in sizes if s in space.mesh_sizes]
+    return sizes
+
+
+def mesh_positions(cluster: ClusterSpec, size: int) -> list[Mesh]:
+    """Every aligned block of `size` GPUs."""
+    step = size if size <= cluster.gpus_per_node else size
+    return [Mesh.block(first, size) for first in range(0, cluster.world_size - size + 1, step)]
+
+
+def _per_rank_seqs(call: Call) -> int:
+    return call.seqs // call.minibatches if call.kind == "train" else call.seqs
+
+
+def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) -> list[Layout]:
+    """Every valid layout of `size` ranks for `call`: degrees that shard the model, tp inside a
+    node, the batch splitting evenly over data-parallel ranks and micro-batches."""
+    spec = decl.spec
+    out: list[Layout] = []
+    train = call.kind == "train"
+    seqs = _per_rank_seqs(call)
+    cps = [1]
+    if train and call.seq_len >= LONG_SEQ_TOKENS:
+        cps = [c for c in (1, 2, 4, 8) if call.seq_len % (2 * c) == 0]
+    for tp, pp, cp in product(_divisors(cluster.gpus_per_node), _divisors(size), cps):
+        if size % (tp * pp * cp):
+            continue
+        dp = size // (tp * pp * cp)
+        if seqs % dp:
+            continue
+        per_dp = seqs // dp
+        if layout_problems(spec, Layout(tp=tp, pp=pp)):
+            continue
+        if train:
+            mbs = [m for m in _divisors(per_dp) if m & (m - 1) == 0 and m <= 64]
+            zeros = [0, 1, 2, 3] if dp > 1 else [0]
+            for mb, zero, rc in product(mbs, zeros, RECOMPUTE_MODES):
+                out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batches=mb, recompute=rc,
+                                  sequence_parallel=tp > 1))
+        elif call.kind == "inference":
+            mbs = [m for m in _divisors(per_dp) if m & (m - 1) == 0 and m <= 64] if pp > 1 else [1]
+            out += [Layout(dp=dp, tp=tp, pp=pp, micro_batches=mb) for mb in mbs]
+        else:
+            out.append(Layout(dp=dp, tp=tp, pp=pp))
+    return out
+
+
+def pareto(cands: list[Candidate]) -> list[Candidate]:
+    """Drop candidates that another beats or ties on time, state and transient memory."""
+    ranked = sorted(cands, key=lambda c: (c.time_s, c.state_bytes, c.work_bytes, c.layout.short()))
+    front: list[Candidate] = []
+    for c in ranked:
+        if not any(f.time_s <= c.time_s and f.state_bytes <= c.state_bytes and f.work_bytes <= c.work_bytes
+                   for f in front):
+            front.append(c)
+    return front
+
+
+def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpace) -> dict[int, list[Candidate]]:
+    """Pruned candidates per mesh size, costed on the block at rank 0 (placement comes later)."""
+    cluster = cm.cluster
+    cap = cluster.mem_bytes
+    # A non-train call of a trainable model runs on a transient copy of the parameters.
+    view = decl if call.kind == "train" else decl.model_copy(update={"trainable": False})
+    out: dict[int, list[Candidate]] = {}
+    for size in mesh_sizes(cluster, space):
+        mesh = Mesh.block(0, size)
+        costed = []
+        for lay in layouts_for(call, decl, size, cluster):
+            if space.layout_ok is not None and not space.layout_ok(call, decl, lay):
+                continue
+            cost = cm.call_cost(call, view, mesh, lay)
+            if cost.peak_mem_bytes <= cap:
+                costed.append(Candidate(mesh, lay, cost))
+        if costed:
+            out[size] = diverse(pareto(costed), space.keep_per_size)
+    return out
+
+
+def diverse(front: list[Candidate], keep: int) -> list[Candidate]:
+    """`keep` candidates of a Pareto front: the leanest in resident and in peak memory (which may
+    be what lets other calls fit beside them), then the fastest."""
+    if len(front) <= keep:
+        return front
+    picks = [min(front, key=lambda c: (c.state_bytes, c.time_s)),
+             min(front, key=lambda c: (c.cost.peak_mem_bytes, c.time_s))]
+    chosen: list[Candidate] = []
+    for c in [*picks, *front]:  # front is fastest first
+        if c not in chosen:
+            chosen.append(c)
+        if len(chosen) == keep:
+            break
+    return sorted(chosen, key=lambda c: (c.time_s, c.state_bytes, c.work_bytes, c.layout.short()))
+
+
+def twin_layout(call: Call, home: Layout) -> Layout | None:
+    """The layout of `call` that holds parameters exactly as `home` does (no reallocation), or
+    None when the home shards parameters over data-parallel ranks (ZeRO-3)."""
+    if home.zero == 3:
+        return None
+    if call.kind == "train":
+        return home
+    mb = home.micro_batches if call.kind == "inference" and home.pp > 1 else 1
+    # Context-parallel ranks hold replicas, exactly like data-parallel ones.
+    return Layout(dp=home.dp * home.cp, tp=home.tp, pp=home.pp, micro_batches=mb, interleave=home.interleave)
+
+
+def placed(cand: Candidate, mesh: Mesh) -> Candidate:
+    """The same layout and costs on another aligned block of the same size."""
+    return Candidate(mesh, cand.layout, cand.cost, cand.decode_layout)
+
+
+def min_memory_needed(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpace) -> tuple[int, int]:
+    """(smallest peak bytes per GPU over all layouts on the largest mesh, that mesh's size)."""
+    cluster = cm.cluster
+    size = cluster.world_size
+    view = decl if call.kind == "train" else decl.model_copy(update={"trainable": False})
+    best = None
+    for lay in layouts_for(call, decl, size, cluster):
+        cost = cm.call_cost(call, view, Mesh.block(0, size), lay)
+        best = cost.peak_mem_bytes if best is None else min(best, cost.peak_mem_bytes)
+    return (best if best is not None else -1), size
+
+
+def graph_candidates(graph: Graph, cm: CostModel, space: SearchSpace) -> dict[str, dict[int, list[Candidate]]]:
+    """Candidates of every call. Each non-home call of a model also gets the twins of its home
+    call's layouts, so sharing one placement (no reallocation) is always an option."""
+    out = {c.name: call_candidates(c, graph.models[c.model], cm, space) for c in graph.calls}
+    homes = home_calls(graph)
+    cap = cm.cluster.mem_bytes
+    for c in graph.calls:
+        home = homes[c.model]
+        if home == c.name:
+            continue
+        view = graph.models[c.model].model_copy(update={"trainable": False})
+        for size, hcands in out[home].items():
+            have = {x.layout for x in out[c.name].get(size, [])}
+            for hc in hcands:
+                lay = twin_layout(c, hc.layout)
+                if lay is None or lay in have or (c.seqs // c.minibatches) % (lay.dp * lay.micro_batches):
+                    continue
+                cost = cm.call_cost(c, view, hc.mesh, lay)
+                if cost.peak_mem_bytes <= cap:
+                    out[c.name].setdefault(size, []).append(Candidate(hc.mesh, lay, cost))
+                    have.add(lay)
+    return out
+
+
+def home_calls(graph: Graph) -> dict[str, str]:
+    """Model -> the call that holds its parameters between iterations: its last train call,
+    else its first call (topological order)."""
+    home: dict[str, str] = {}
+    for name in graph.topo_order():
+        c = graph.call(name)
+        if c.kind == "train" or c.model not in home:
+            home[c.model] = name
+    return home

@@ -1,0 +1,173 @@
+"""Compile a graph for a cluster: candidates, beam search, CP-SAT, and the plan.
+
+    plan = compile_graph(graph, parse_cluster("a100-80gb:2x8"), time_limit_s=10)
+
+The plan states the simulator's times for the best assignment found, the solver's proven lower
+bound over the candidate space and the gap between them. A baseline (`planner.baselines`) is the
+same search over a restricted domain.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from cost_models import CostModel
+from plans.cluster import ClusterSpec
+from plans.errors import PlannerError
+from plans.graph import Graph
+from plans.hardware import GIB
+from plans.plan import (
+    PLAN_VERSION,
+    DataTransfer,
+    Estimate,
+    Plan,
+    PlanCall,
+    Reallocation,
+    SearchInfo,
+)
+from planner.baselines import Restriction, restriction
+from planner.beam import beam_search
+from planner.candidates import SearchSpace, graph_candidates, min_memory_needed
+from planner.cpsat import solve_cpsat
+from planner.problem import Problem, build_problem
+from planner.simulate import Schedule, simulate
+
+Progress = Callable[[str], None]
+MAX_CPSAT_ROUNDS = 3  # re-solves after costing reallocations CP-SAT saw only as lower bounds
+
+
+def _no_fit_error(graph: Graph, cm: CostModel, call_name: str, space: SearchSpace) -> PlannerError:
+    call = graph.call(call_name)
+    decl = graph.models[call.model]
+    need, size = min_memory_needed(call, decl, cm, space)
+    cl = cm.cluster
+    have = cl.mem_bytes / GIB
+    spec = decl.spec.display_name()
+    if need < 0:
+        return PlannerError(
+            f"call {call_name!r} ({spec}) has no valid layout on {cl.world_size} GPUs",
+            hint="check that the batch splits over data-parallel ranks and the model's heads over tensor parallel",
+        )
+    return PlannerError(
+        f"call {call_name!r} ({spec}, {call.kind}) does not fit: its best layout on all {size} GPUs needs "
+        f"{need / GIB:.1f} GiB per GPU, and a {cl.gpu} has {have:.0f} GiB",
+        hint="use more or larger GPUs, a smaller batch or sequence length, or a smaller model",
+    )
+
+
+def trivial_lower_bound(problem: Problem) -> float:
+    """A bound every plan respects: the longest dependency chain at each call's fastest
+    candidate, and all calls' least GPU-seconds spread over the cluster (per iteration)."""
+    fastest = [min(c.time_s for c in s.cands) for s in problem.slots]
+    finish = [0.0] * len(problem.slots)
+    for s in problem.slots:  # slots are in topological order
+        ready = max((finish[i] for i, j, _ in problem.edges if j == s.index), default=0.0)
+        finish[s.index] = ready + fastest[s.index]
+    chain = max(finish, default=0.0)
+    work = sum(min(c.time_s * c.mesh.size for c in s.cands) for s in problem.slots) / problem.cluster.world_size
+    return max(chain, work)
+
+
+def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 10.0, baseline: str | None = None,
+                  calibration=None, beam_width: int = 16, workers: int = 1, space: SearchSpace | None = None,  # noqa: ANN001
+                  progress: Progress | None = None) -> Plan:
+    """The fastest plan found for `graph` on `cluster` (or the best plan of a baseline's rule)."""
+    say = progress or (lambda _msg: None)
+    t0 = time.perf_counter()
+    cm = CostModel(cluster) if calibration is None else CostModel(cluster, calibration=calibration)
+    rule: Restriction | None = restriction(baseline, graph, cm) if baseline else None
+    space = rule.space if rule is not None else (space or SearchSpace())
+    say("costing candidate layouts")
+    per_size = graph_candidates(graph, cm, space)
+    for name, sizes in per_size.items():
+        if not sizes:
+            raise _no_fit_error(graph, cm, name, space)
+    problem = build_problem(graph, cm, space, candidates=per_size)
+    n_cands = sum(len(s.cands) for s in problem.slots)
+    say(f"beam search over {n_cands} placed candidates")
+    choice = beam_search(problem, width=beam_width, allowed=rule)
+    if choice is None:
+        raise PlannerError(
+            f"no assignment of graph {graph.name!r} fits in memory on {cluster.short()}: every call fits alone, "
+            "but not together with the parameters that stay resident between calls",
+            hint="use more GPUs, or fewer/smaller models",
+        )
+    sched = simulate(problem, choice)
+    method, status = ("beam" if baseline is None else baseline), None
+    bound = trivial_lower_bound(problem)
+    deadline = t0 + time_limit_s
+    rounds = 0
+    while time_limit_s > 0 and rounds < MAX_CPSAT_ROUNDS:
+        left = deadline - time.perf_counter()
+        if left < 0.2:
+            break
+        rounds += 1
+        say(f"CP-SAT round {rounds} ({left:.1f} s left), best plan {sched.iteration_s:.3f} s, bound {bound:.3f} s")
+        result = solve_cpsat(problem, hint=choice, time_limit_s=left, workers=workers, allowed=rule)
+        status = result.status
+        bound = max(bound, result.lower_bound_s)
+        if result.choice is None:
+            break
+        # Reallocations CP-SAT only knew a lower bound for are costed exactly by this simulation;
+        # if any was on its chosen path, solve again with the exact figures.
+        assumed_exact = all(problem.is_exact(i, result.choice[s.home], result.choice[i])
+                            for i, s in enumerate(problem.slots) if s.home is not None)
+        cp_sched = simulate(problem, result.choice, result.order)
+        if cp_sched.mem_ok and cp_sched.makespan_s < sched.makespan_s:
+            choice, sched = result.choice, cp_sched
+        if assumed_exact:
+            break
+    if rounds:
+        method = "beam+cpsat" if baseline is None else f"{baseline} (beam+cpsat)"
+    bound = min(bound, sched.iteration_s)
+    wall = time.perf_counter() - t0
+    search = SearchInfo(method=method, wall_s=round(wall, 3), lower_bound_s=bound,
+                        gap=(sched.iteration_s - bound) / sched.iteration_s if sched.iteration_s > 0 else 0.0,
+                        candidates=n_cands, status=status)
+    return build_plan(problem, choice, sched, search)
+
+
+def build_plan(problem: Problem, choice: list[int], sched: Schedule, search: SearchInfo) -> Plan:
+    """Turn an assignment and its simulated schedule into a `Plan` (iteration 0's times)."""
+    graph, cluster = problem.graph, problem.cluster
+    order = sorted(range(len(problem.slots)), key=lambda i: (sched.start[(0, i)], i))
+    resident = [0] * problem.n_atoms
+    for s in problem.slots:
+        if s.home is None:
+            for a in problem.atoms(s.cands[choice[s.index]]):
+                resident[a] += s.cands[choice[s.index]].state_bytes
+    calls, reallocs = [], []
+    flops = 0.0
+    for i in order:
+        s = problem.slots[i]
+        cand = s.cands[choice[i]]
+        need = cand.work_bytes
+        if s.home is not None and problem.twin(i, choice[i]) != choice[s.home]:
+            need += cand.state_bytes
+        peak = max(resident[a] for a in problem.atoms(cand)) + need
+        flops += cand.cost.model_flops
+        calls.append(PlanCall(**s.call.model_dump(), mesh=cand.mesh, layout=cand.layout,
+                              decode_layout=cand.decode_layout, est_start_s=sched.run_start[(0, i)],
+                              est_time_s=cand.time_s, est_peak_mem_bytes=peak))
+        if s.home is not None and problem.twin(i, choice[i]) != choice[s.home]:
+            nbytes, t = sched.realloc[i]
+            reallocs.append(Reallocation(model=s.call.model, from_call=problem.slots[s.home].call.name,
+                                         to_call=s.call.name, bytes=nbytes, est_start_s=sched.start[(0, i)],
+                                         est_time_s=t))
+    transfers = []
+    for e, (i, j, nbytes) in enumerate(problem.edges):
+        mi, mj = problem.slots[i].cands[choice[i]].mesh, problem.slots[j].cands[choice[j]].mesh
+        if mi != mj:
+            handle = next(h for h in problem.slots[i].call.outputs if h in problem.slots[j].call.inputs)
+            transfers.append(DataTransfer(handle=handle, from_call=problem.slots[i].call.name,
+                                          to_call=problem.slots[j].call.name, bytes=nbytes,
+                                          est_time_s=problem.transfer(e, choice[i], choice[j])))
+    it = sched.iteration_s
+    tokens = max(c.tokens for c in graph.calls)
+    peak_flops = cluster.sheet.peak_tflops * 1e12 * cluster.world_size
+    estimate = Estimate(iteration_s=it, tokens_per_s=tokens / it if it > 0 else 0.0,
+                        mfu=flops / (it * peak_flops) if it > 0 else 0.0, peak_mem_bytes=max(sched.peak_bytes))
+    return Plan(version=PLAN_VERSION, name=graph.name, cluster=cluster, models=graph.models, inputs=graph.inputs,
+                algorithm=graph.algorithm, calls=calls, reallocations=reallocs, transfers=transfers,
+                estimate=estimate, search=search)

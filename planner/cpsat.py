@@ -1,0 +1,261 @@
+"""CP-SAT model of the whole search: the chosen candidate per call and the schedule, jointly.
+
+Built in named steps, as Alpa builds its ILP: variables, hint, one function per constraint
+family, objective; always a time limit and a checked status; the answer is re-simulated after
+decoding. The model has exactly the simulator's semantics (`planner.simulate`), so:
+
+- its proven objective bound is a lower bound on any plan in the candidate space, and
+- decoding its schedule as a priority order and simulating it never gives a longer makespan.
+
+Times are integers in ticks (durations rounded up); memory in bytes.
+
+Variables, per slot i and candidate k: ``x[i][k]`` (chosen). Per unrolled op (u, i): start
+``S``, end ``E``; per slot: length ``L = delay + sum_k dur_k x_k`` where ``delay`` is the
+reallocation time from the home placement. Each candidate contributes an optional interval
+``[S, E)`` on the atoms of its mesh, and each home candidate an optional interval
+``[S, S + delay)`` on the atoms of the home mesh the call does not itself occupy (the sending
+side of the reallocation). One NoOverlap per atom.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from planner.beam import assignment_order, symmetric_cluster
+from planner.problem import Problem
+from planner.simulate import Op, Schedule, precedences, simulate
+
+
+@dataclass
+class CpsatResult:
+    choice: list[int] | None
+    order: list[Op] | None
+    status: str
+    lower_bound_s: float  # on iteration_s (makespan / unroll)
+    objective_s: float | None
+
+
+class _Model:
+    """The CP-SAT model of one problem; `solve` returns a `CpsatResult`."""
+
+    def __init__(self, problem: Problem, *, horizon_s: float, allowed=None) -> None:  # noqa: ANN001
+        self.p = problem
+        self.allowed = allowed
+        n_ops = len(problem.slots) * problem.unroll
+        self.tick_s = max(horizon_s, 1e-9) / 20000.0
+        self.horizon = int(math.ceil(horizon_s / self.tick_s)) + 4 * n_ops + 1
+        self.m = cp_model.CpModel()
+        self._variables()
+        self._choice_constraints()
+        self._realloc_delays()
+        self._intervals()
+        self._precedence()
+        self._memory()
+        self._objective()
+
+    def ticks(self, seconds: float) -> int:
+        return int(math.ceil(seconds / self.tick_s - 1e-9))
+
+    # Steps ------------------------------------------------------------------------------------
+
+    def _variables(self) -> None:
+        p, m = self.p, self.m
+        self.x = [[m.new_bool_var(f"x_{i}_{k}") for k in range(len(s.cands))] for i, s in enumerate(p.slots)]
+        self.S = {(u, i): m.new_int_var(0, self.horizon, f"S_{u}_{i}") for u in range(p.unroll) for i in range(len(p.slots))}
+        self.E = {(u, i): m.new_int_var(0, self.horizon, f"E_{u}_{i}") for u in range(p.unroll) for i in range(len(p.slots))}
+        self.delay = {}
+        self.src_lit: dict[tuple[int, int], cp_model.IntVar] = {}
+        self.L = [m.new_int_var(0, self.horizon, f"L_{i}") for i in range(len(p.slots))]
+
+    def _choice_constraints(self) -> None:
+        p, m = self.p, self.m
+        first_home = assignment_order(p)[0]
+        for s in p.slots:
+            m.add_exactly_one(self.x[s.index])
+            for k, cand in enumerate(s.cands):
+                if self.allowed is not None and not self.allowed.static(p, s.index, k):
+                    m.add(self.x[s.index][k] == 0)
+                if (self.allowed is None and s.index == first_home and symmetric_cluster(p)
+                        and cand.mesh.first != 0):
+                    m.add(self.x[s.index][k] == 0)  # mirror symmetry of aligned blocks
+        if self.allowed is not None:
+            self.allowed.add_joint(self, p)
+
+    def _realloc_delays(self) -> None:
+        p, m = self.p, self.m
+        for s in p.slots:
+            dur = sum(self.ticks(c.time_s) * self.x[s.index][k] for k, c in enumerate(s.cands))
+            if s.home is None:
+                m.add(self.L[s.index] == dur)
+                continue
+            home = p.slots[s.home]
+            table = [[self.ticks(p.realloc_s(s.index, h, k)) for k in range(len(s.cands))]
+                     for h in range(len(home.cands))]
+            top = max((max(row) for row in table), default=0)
+            d = m.new_int_var(0, top, f"delay_{s.index}")
+            self.delay[s.index] = (d, table)
+            for h, row in enumerate(table):
+                if any(row):
+                    m.add(d >= sum(r * self.x[s.index][k] for k, r in enumerate(row) if r)).only_enforce_if(self.x[s.home][h])
+            m.add(self.L[s.index] == d + dur)
+
+    def _intervals(self) -> None:
+        """One optional interval per (op, atom), present when the chosen candidate covers the atom,
+        and one per (op, atom) for the sending side of the reallocation: atoms of the home mesh
+        the call itself does not cover."""
+        p, m = self.p, self.m
+        self.cov: list[dict[int, cp_model.IntVar]] = []
+        for s in p.slots:
+            cover: dict[int, list] = {}
+            for k, cand in enumerate(s.cands):
+                for a in p.atoms(cand):
+                    cover.setdefault(a, []).append(self.x[s.index][k])
+            lits = {}
+            for a, xs in cover.items():
+                lit = m.new_bool_var(f"cov_{s.index}_{a}")
+                m.add(lit == sum(xs))
+                lits[a] = lit
+            self.cov.append(lits)
+        per_atom: list[list] = [[] for _ in range(p.n_atoms)]
+        for u in range(p.unroll):
+            for s in p.slots:
+                i = s.index
+                m.add(self.E[u, i] == self.S[u, i] + self.L[i])
+                for a, lit in self.cov[i].items():
+                    per_atom[a].append(m.new_optional_interval_var(self.S[u, i], self.L[i], self.E[u, i], lit, f"I_{u}_{i}_{a}"))
+                if i not in self.delay:
+                    continue
+                d, table = self.delay[i]
+                if not any(any(row) for row in table):
+                    continue
+                R = m.new_int_var(0, self.horizon, f"R_{u}_{i}")
+                m.add(R == self.S[u, i] + d)
+                for a, home_lit in self.cov[s.home].items():
+                    key = (i, a)
+                    if key not in self.src_lit:
+                        lit = m.new_bool_var(f"src_{i}_{a}")
+                        own = self.cov[i].get(a, 0)
+                        m.add(lit >= home_lit - own)
+                        self.src_lit[key] = lit
+                    per_atom[a].append(m.new_optional_interval_var(self.S[u, i], d, R, self.src_lit[key], f"R_{u}_{i}_{a}"))
+        for ivs in per_atom:
+            if len(ivs) > 1:
+                m.add_no_overlap(ivs)
+
+    def _precedence(self) -> None:
+        p, m = self.p, self.m
+        self.T: dict[int, cp_model.IntVar] = {}
+        for e, (i, j, _) in enumerate(p.edges):
+            table = [[self.ticks(p.transfer(e, ki, kj)) for kj in range(len(p.slots[j].cands))]
+                     for ki in range(len(p.slots[i].cands))]
+            top = max((max(row) for row in table), default=0)
+            if top == 0:
+                continue
+            t = m.new_int_var(0, top, f"T_{e}")
+            for ki, row in enumerate(table):
+                if any(row):
+                    m.add(t >= sum(r * self.x[j][kj] for kj, r in enumerate(row) if r)).only_enforce_if(self.x[i][ki])
+            self.T[e] = t
+        for a, b, e in precedences(p):
+            lag = self.T.get(e, 0) if e is not None else 0
+            m.add(self.S[b] >= self.E[a] + lag)
+
+    def _memory(self) -> None:
+        """Per atom: resident state of the models homed on it plus the chosen op's transient need
+        (with a parameter copy unless the call is its home's twin) fits in the GPU."""
+        p, m = self.p, self.m
+        cap = p.cluster.mem_bytes
+        resident: list[list] = [[] for _ in range(p.n_atoms)]
+        for s in p.slots:
+            if s.home is None:
+                for k, c in enumerate(s.cands):
+                    for a in p.atoms(c):
+                        resident[a].append(c.state_bytes * self.x[s.index][k])
+        self.y: dict[tuple[int, int], cp_model.IntVar] = {}
+        for s in p.slots:
+            need: dict[int, list] = {}
+            for k, c in enumerate(s.cands):
+                term = c.work_bytes * self.x[s.index][k]
+                if s.home is not None:
+                    term = term + c.state_bytes * self.x[s.index][k]
+                    h = p.twin(s.index, k)
+                    if h is not None:  # no copy when the home holds the very same slices
+                        y = m.new_bool_var(f"twin_{s.index}_{k}")
+                        m.add_implication(y, self.x[s.index][k])
+                        m.add_implication(y, self.x[s.home][h])
+                        self.y[s.index, k] = y
+                        term = term - c.state_bytes * y
+                for a in p.atoms(c):
+                    need.setdefault(a, []).append(term)
+            for a, terms in need.items():
+                m.add(sum(resident[a]) + sum(terms) <= cap)
+
+    def _objective(self) -> None:
+        p, m = self.p, self.m
+        self.makespan = m.new_int_var(0, self.horizon, "makespan")
+        m.add_max_equality(self.makespan, list(self.E.values()))
+        # Redundant energy cuts: every atom runs all its ops one after another. Implied by the
+        # no-overlap constraints, but linear, so they tighten the bound CP-SAT can prove.
+        for a in range(p.n_atoms):
+            work = [self.ticks(c.time_s) * self.x[s.index][k] for s in p.slots for k, c in enumerate(s.cands)
+                    if a in p.atoms(c)]
+            if work:
+                m.add(p.unroll * sum(work) <= self.makespan)
+        m.minimize(self.makespan)
+
+    # Hint and solve -------------------------------------------------------------------------
+
+    def hint(self, choice: list[int], sched: Schedule) -> None:
+        p, m = self.p, self.m
+        for i, ks in enumerate(self.x):
+            for k, var in enumerate(ks):
+                m.add_hint(var, int(choice[i] == k))
+        for (i, k), y in self.y.items():
+            m.add_hint(y, int(p.twin(i, k) == choice[p.slots[i].home]))
+        for op, t in sched.start.items():
+            m.add_hint(self.S[op], min(self.horizon, self.ticks(t)))
+        for i, lits in enumerate(self.cov):
+            chosen = set(p.atoms(p.slots[i].cands[choice[i]]))
+            for a, lit in lits.items():
+                m.add_hint(lit, int(a in chosen))
+
+    def solve(self, *, time_limit_s: float, workers: int) -> CpsatResult:
+        solver = cp_model.CpSolver()
+        prm = solver.parameters
+        prm.max_time_in_seconds = time_limit_s
+        # Deterministic: a work budget rather than wall time decides where the search stops.
+        prm.max_deterministic_time = max(0.1, time_limit_s * 0.5)
+        prm.num_workers = workers
+        prm.interleave_search = workers > 1
+        prm.random_seed = 0
+        prm.relative_gap_limit = 0.002
+        prm.log_search_progress = bool(__import__('os').environ.get('PLANNER_CPSAT_LOG'))
+        status = solver.solve(self.m)
+        name = solver.status_name(status)
+        n_ops = len(self.p.slots) * self.p.unroll
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            bound = 0.0
+            if status == cp_model.UNKNOWN:
+                bound = max(0.0, solver.best_objective_bound - 3 * n_ops) * self.tick_s / self.p.unroll
+            return CpsatResult(None, None, name, bound, None)
+        choice = [next(k for k, v in enumerate(ks) if solver.value(v)) for ks in self.x]
+        starts = {op: solver.value(v) for op, v in self.S.items()}
+        default = {op: n for n, op in enumerate(sorted(starts, key=lambda o: (o[0], o[1])))}
+        order = sorted(starts, key=lambda op: (starts[op], default[op]))
+        # Durations were rounded up to ticks: each op on a chain may add up to three ticks
+        # (duration, reallocation delay, transfer lag), so the bound on the exact problem is lower.
+        bound = max(0.0, solver.best_objective_bound - 3 * n_ops) * self.tick_s / self.p.unroll
+        return CpsatResult(choice, order, name, bound, solver.objective_value * self.tick_s / self.p.unroll)
+
+
+def solve_cpsat(problem: Problem, *, hint: list[int], time_limit_s: float, workers: int = 1,
+                allowed=None) -> CpsatResult:  # noqa: ANN001
+    """Optimise jointly from the `hint` assignment; the result's order re-simulates to at most
+    the CP-SAT objective."""
+    sched = simulate(problem, hint, exact=False)
+    model = _Model(problem, horizon_s=sched.makespan_s * 1.0001 + 1e-9, allowed=allowed)
+    model.hint(hint, sched)
+    return model.solve(time_limit_s=time_limit_s, workers=workers)

@@ -1,0 +1,179 @@
+"""The search problem as arrays: what beam search, CP-SAT and the simulator all read.
+
+Built from a graph, a cost model and the candidate space:
+
+- `slots`: one per call, in topological order, each with its placed candidates (every aligned
+  position of every pruned layout);
+- the model's *home* call holds its parameters between iterations (a trainable model's train call,
+  else its first call); every other call on the model works on a transient copy reallocated from
+  the home placement just before it runs, unless the placements hold identical slices ("twins");
+- data edges with the bytes of the handle they carry;
+- `atoms`: the cluster cut into blocks of the smallest mesh size, so every mesh is a set of atoms.
+
+Times that depend on two choices (reallocation, data transfer) are computed on demand and cached,
+keyed by relative position so symmetric pairs share one cost evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from cost_models import CostModel
+from plans.graph import Call, Graph
+from plans.layout import Mesh
+from planner.candidates import Candidate, SearchSpace, graph_candidates, home_calls, mesh_positions, placed
+
+TOKEN_BYTES = 4  # int32 token ids
+FLOAT_BYTES = 4  # fp32 per-token values, log-probs, scores
+
+
+def handle_bytes(call: Call) -> int:
+    """Bytes of the data handle a call writes."""
+    if call.kind == "generate":
+        return call.seqs * call.seq_len * TOKEN_BYTES + call.seqs * call.gen_len * FLOAT_BYTES
+    if call.kind == "inference":
+        per_seq = 1 if call.returns == "scores" else call.seq_len
+        return call.seqs * per_seq * FLOAT_BYTES
+    return 0
+
+
+@dataclass
+class Slot:
+    """One call of the graph and its candidates."""
+
+    index: int
+    call: Call
+    cands: list[Candidate]
+    home: int | None  # index of the model's home slot; None when this slot is the home
+
+
+@dataclass
+class Problem:
+    graph: Graph
+    cm: CostModel
+    slots: list[Slot]
+    edges: list[tuple[int, int, int]]  # (producer slot, consumer slot, bytes)
+    atom_size: int
+    unroll: int = 2
+    _realloc: dict[tuple, tuple[int, float]] = field(default_factory=dict, repr=False)
+    _transfer: dict[tuple, float] = field(default_factory=dict, repr=False)
+    _cache: dict[str, object] = field(default_factory=dict, repr=False)
+
+    def cached(self, key: str, make):  # noqa: ANN001, ANN201 - memo of derived tables
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    @property
+    def cluster(self):
+        return self.cm.cluster
+
+    @property
+    def n_atoms(self) -> int:
+        return self.cluster.world_size // self.atom_size
+
+    def atoms(self, cand: Candidate) -> range:
+        return range(cand.mesh.first // self.atom_size, (cand.mesh.first + cand.mesh.size) // self.atom_size)
+
+    def homes(self) -> dict[str, int]:
+        return {s.call.model: s.index for s in self.slots if s.home is None}
+
+    def twin(self, slot: int, k: int) -> int | None:
+        """Index of the home candidate holding the same slices as candidate k of `slot`, if any."""
+        s = self.slots[slot]
+        if s.home is None:
+            return None
+        key = s.cands[k].param_key()
+        for h, hc in enumerate(self.slots[s.home].cands):
+            if hc.param_key() == key:
+                return h
+        return None
+
+    def realloc(self, slot: int, h: int, k: int) -> tuple[int, float]:
+        """(bytes, seconds) to reallocate slot's model from home candidate h to candidate k."""
+        s = self.slots[slot]
+        assert s.home is not None
+        src, dst = self.slots[s.home].cands[h], s.cands[k]
+        if src.param_key() == dst.param_key():
+            return 0, 0.0
+        key = (s.call.model, src.layout, dst.layout, *self._relation(src.mesh, dst.mesh))
+        if key not in self._realloc:
+            decl = self.graph.models[s.call.model]
+            cost = self.cm.realloc_cost(decl, (src.mesh, src.layout), (dst.mesh, dst.layout))
+            self._realloc[key] = (cost.bytes, cost.time_s)
+        return self._realloc[key]
+
+    def realloc_s(self, slot: int, h: int, k: int) -> float:
+        """Reallocation time for searching: exact when already computed, else a cheap lower bound.
+
+        The bound: nothing when the meshes overlap (ranks may hold what they need), else every
+        destination rank receives all its parameter bytes at no more than the fastest link into it
+        (the node's NVLink when both meshes share the node, the node's whole network otherwise).
+        Search results are re-simulated with exact times, and bounds stay valid."""
+        s = self.slots[slot]
+        assert s.home is not None
+        src, dst = self.slots[s.home].cands[h], s.cands[k]
+        if src.param_key() == dst.param_key():
+            return 0.0
+        key = (s.call.model, src.layout, dst.layout, *self._relation(src.mesh, dst.mesh))
+        if key in self._realloc:
+            return self._realloc[key][1]
+        rel = self._relation(src.mesh, dst.mesh)
+        if rel[2] == 0:
+            return 0.0
+        cl = self.cluster
+        assert cl.intra_node_gbps is not None and cl.inter_node_gbps is not None
+        link_gbps = cl.intra_node_gbps if rel[3] else cl.inter_node_gbps
+        return dst.state_bytes * 8 / (link_gbps * 1e9)
+
+    def is_exact(self, slot: int, h: int, k: int) -> bool:
+        s = self.slots[slot]
+        assert s.home is not None
+        src, dst = self.slots[s.home].cands[h], s.cands[k]
+        key = (s.call.model, src.layout, dst.layout, *self._relation(src.mesh, dst.mesh))
+        return src.param_key() == dst.param_key() or key in self._realloc
+
+    def _relation(self, a: Mesh, b: Mesh) -> tuple[int, ...]:
+        """What a reallocation's cost depends on in the placement of two aligned blocks: their
+        sizes, and where the smaller sits in the larger when nested, or whether they share a node
+        when disjoint (aligned blocks never partly overlap; `plans.sharding` picks senders by
+        position in the destination mesh, so moving both by whole nodes changes nothing)."""
+        if a.first <= b.first < a.first + a.size or b.first <= a.first < b.first + b.size:
+            return (a.size, b.size, 0, b.first - a.first)
+        gpn = self.cluster.gpus_per_node
+        same_node = a.first // gpn == b.first // gpn
+        return (a.size, b.size, 1, int(same_node))
+
+    def transfer(self, edge: int, ki: int, kj: int) -> float:
+        """Seconds to move the handle of `edge` between the chosen candidates."""
+        i, j, nbytes = self.edges[edge]
+        mi, mj = self.slots[i].cands[ki].mesh, self.slots[j].cands[kj].mesh
+        if mi == mj or nbytes == 0:
+            return 0.0
+        key = (edge, mi.first, mi.size, mj.first, mj.size)
+        if key not in self._transfer:
+            self._transfer[key] = self.cm.data_transfer_s(nbytes, mi, mj)
+        return self._transfer[key]
+
+
+def build_problem(graph: Graph, cm: CostModel, space: SearchSpace, *, unroll: int = 2,
+                  candidates: dict[str, dict[int, list]] | None = None) -> Problem:
+    """Place every pruned candidate at every aligned position and index the graph."""
+    per_size = candidates if candidates is not None else graph_candidates(graph, cm, space)
+    order = graph.topo_order()
+    index = {name: i for i, name in enumerate(order)}
+    home_name = home_calls(graph)
+    slots = []
+    for name in order:
+        call = graph.call(name)
+        cands = [placed(c, m) for size in sorted(per_size[name]) for c in per_size[name][size]
+                 for m in mesh_positions(cm.cluster, size)]
+        home = None if home_name[call.model] == name else index[home_name[call.model]]
+        slots.append(Slot(index[name], call, cands, home))
+    edge_bytes: dict[tuple[int, int], int] = {}
+    for p, c, _ in graph.edges():  # one edge per call pair, even when it carries several handles
+        edge_bytes[index[p], index[c]] = edge_bytes.get((index[p], index[c]), 0) + handle_bytes(graph.call(p))
+    edges = [(i, j, b) for (i, j), b in edge_bytes.items()]
+    sizes = {c.mesh.size for s in slots for c in s.cands} | {cm.cluster.world_size}
+    return Problem(graph, cm, slots, edges, atom_size=math.gcd(*sizes), unroll=unroll)

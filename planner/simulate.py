@@ -1,0 +1,140 @@
+"""List-scheduling simulator: the single source of a plan's estimated times and memory.
+
+The iteration is unrolled `problem.unroll` times. An *op* is one call in one iteration; a call
+that is not its model's home first reallocates the parameters from the home placement (occupying
+the home mesh and its own), then runs on its own mesh. Ops start, in priority order, as soon as
+their predecessors are done (plus data-transfer time) and all GPUs they occupy are free. A GPU runs
+one op at a time, so its peak memory is the resident state of the models homed on it plus the
+largest transient need of any op it runs.
+
+`iteration_s` is the makespan of the unrolled iterations divided by their number: calls of
+iteration i+1 may overlap iteration i where dependencies allow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.lowering import augmented_graph
+from planner.problem import Problem
+
+Op = tuple[int, int]  # (iteration, slot)
+
+
+def precedences(problem: Problem) -> list[tuple[Op, Op, int | None]]:
+    """(before, after, data edge index or None) between calls of the unrolled graph
+    (`planner.lowering.augmented_graph`; a reallocation node belongs to the op of its call)."""
+
+    def make() -> list[tuple[Op, Op, int | None]]:
+        index = {s.call.name: s.index for s in problem.slots}
+        edge_of = {(i, j): e for e, (i, j, _) in enumerate(problem.edges)}
+        aug = augmented_graph(problem.graph, unroll=problem.unroll)
+        out = []
+        for (a_kind, ua, a), (b_kind, ub, b), data in aug.edges(data=True):
+            if a_kind != "call" or b_kind != "call":
+                continue
+            i, j = index[a], index[b]
+            out.append(((ua, i), (ub, j), edge_of[i, j] if data["kind"] == "data" else None))
+        return sorted(out, key=lambda t: (t[1], t[0], -1 if t[2] is None else t[2]))
+
+    return problem.cached("precedences", make)
+
+
+@dataclass
+class Schedule:
+    """Times (s) of every op, reallocation phases, and memory per atom."""
+
+    start: dict[Op, float]
+    run_start: dict[Op, float]  # after the reallocation phase
+    end: dict[Op, float]
+    realloc: dict[int, tuple[int, float]]  # slot -> (bytes, seconds) per iteration
+    peak_bytes: list[int]  # per atom
+    makespan_s: float
+    iteration_s: float
+    mem_ok: bool
+
+
+def op_memory(problem: Problem, choice: list[int | None]) -> tuple[list[int], list[int]]:
+    """(resident bytes per atom, peak bytes per atom) for a (possibly partial) assignment."""
+    resident = [0] * problem.n_atoms
+    for s in problem.slots:
+        k = choice[s.index]
+        if s.home is None and k is not None:
+            for a in problem.atoms(s.cands[k]):
+                resident[a] += s.cands[k].state_bytes
+    peak = list(resident)
+    for s in problem.slots:
+        k = choice[s.index]
+        if k is None:
+            continue
+        c = s.cands[k]
+        need = c.work_bytes
+        if s.home is not None:
+            h = choice[s.home]
+            if h is None or problem.twin(s.index, k) != h:
+                need += c.state_bytes  # a transient copy of the parameters
+        for a in problem.atoms(c):
+            peak[a] = max(peak[a], resident[a] + need)
+    return resident, peak
+
+
+def _pred_map(problem: Problem) -> dict[Op, list[tuple[Op, int | None]]]:
+    preds: dict[Op, list[tuple[Op, int | None]]] = {}
+    for a, b, e in precedences(problem):
+        preds.setdefault(b, []).append((a, e))
+    return preds
+
+
+def default_order(problem: Problem) -> list[Op]:
+    return [(u, s.index) for u in range(problem.unroll) for s in problem.slots]
+
+
+def simulate(problem: Problem, choice: list[int | None], order: list[Op] | None = None, *,
+             exact: bool = True) -> Schedule:
+    """Schedule an assignment (candidate index per slot; None leaves a slot out).
+
+    With ``exact=False`` reallocations not yet costed use `Problem.realloc_s`'s lower bound
+    (search scoring); plans are always simulated exactly."""
+    order = order or default_order(problem)
+    preds = problem.cached("preds", lambda: _pred_map(problem))
+    free = [0.0] * problem.n_atoms
+    start: dict[Op, float] = {}
+    run: dict[Op, float] = {}
+    end: dict[Op, float] = {}
+    realloc: dict[int, tuple[int, float]] = {}
+    for op in order:
+        u, i = op
+        k = choice[i]
+        if k is None:
+            continue
+        slot = problem.slots[i]
+        cand = slot.cands[k]
+        ready = 0.0
+        for p, e in preds.get(op, ()):
+            if choice[p[1]] is not None and p not in end:
+                raise ValueError(f"simulation order is not topological: {op} before its predecessor {p}")
+            if p in end:
+                delay = problem.transfer(e, choice[p[1]], k) if e is not None else 0.0
+                ready = max(ready, end[p] + delay)
+        atoms = set(problem.atoms(cand))
+        r_bytes, r_time, src_atoms = 0, 0.0, set()
+        if slot.home is not None and choice[slot.home] is not None:
+            h = choice[slot.home]
+            if exact:
+                r_bytes, r_time = problem.realloc(i, h, k)
+            else:
+                r_bytes, r_time = -1, problem.realloc_s(i, h, k)
+            if r_time > 0:
+                src_atoms = set(problem.atoms(problem.slots[slot.home].cands[h])) - atoms
+        realloc[i] = (r_bytes, r_time)
+        t0 = max([ready] + [free[a] for a in atoms | src_atoms])
+        start[op], run[op], end[op] = t0, t0 + r_time, t0 + r_time + cand.time_s
+        for a in atoms:
+            free[a] = end[op]
+        for a in src_atoms:
+            free[a] = t0 + r_time
+    _, peak = op_memory(problem, choice)
+    makespan = max(end.values(), default=0.0)
+    cap = problem.cluster.mem_bytes
+    return Schedule(start, run, end, realloc, peak, makespan, makespan / problem.unroll,
+                    all(p <= cap for p in peak))
