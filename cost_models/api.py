@@ -21,9 +21,10 @@ import numpy as np
 from cost_models import comm
 from cost_models.calibration import Calibration, default_calibration
 from cost_models.framework import Framework, resolve_framework
-from cost_models.generation import generate_times
+from cost_models.generation import decode_split, generate_times
 from cost_models.hardware import Hardware, effective_hardware
 from cost_models.memory import (
+    forward_working_bytes,
     in_flight_microbatches,
     kv_cache_bytes,
     layer_activation_bytes,
@@ -124,7 +125,7 @@ class CostModel:
         elif call.kind == "inference":
             times = forward_pass(spec, fw, hw, layout, topo, head=head, seqs=call.seqs, seq_len=call.seq_len).parts
             mem = self._forward_memory(decl, layout, seqs=call.seqs, seq_len=call.seq_len,
-                                       logits=call.returns == "logprobs")
+                                       logits="all" if call.returns == "logprobs" else "none")
         else:
             dec = decode_layout or layout
             parts: StepTimes = generate_times(spec, fw, hw, layout, dec, topo, seqs=call.seqs,
@@ -180,36 +181,42 @@ class CostModel:
         # ZeRO-3 gathers one layer's weights for compute and prefetches the next.
         return 2 * layer_params_per_rank(spec, layout.tp) * self.framework.param_bytes if layout.zero == 3 else 0.0
 
-    def _forward_memory(self, decl: ModelDecl, layout: Layout, *, seqs: int, seq_len: int, logits: bool) -> dict[str, int]:
+    def _forward_memory(self, decl: ModelDecl, layout: Layout, *, seqs: int, seq_len: int, logits: str) -> dict[str, int]:
+        """Inference or prefill: weights, one layer's live tensors and the head's logits per micro-batch.
+
+        `logits` is "all" (per-token log-probs), "last" (prefill samples the next token) or "none".
+        """
         spec, fw = decl.spec, self.framework
         b, tp = microbatch_size(seqs, layout), layout.tp
         s_loc = seq_len // layout.cp
         mem = state_bytes(max(self._stage_params(spec, decl.head, layout)), fw, layout=layout, trainable=decl.trainable)
-        # Forward-only frees each layer's tensors as the next runs: one layer's worth is live.
-        mem["activations"] = int(layer_activation_bytes(spec, fw, b=b, s=s_loc, tp=tp, sp=layout.sequence_parallel,
-                                                        recompute="none"))
-        if logits:
-            mem["logits"] = int(LOGIT_INFER_BYTES * b * s_loc * spec.vocab_size / tp)
+        mem["activations"] = int(forward_working_bytes(spec, fw, b=b, s=s_loc, tp=tp, kv_len=seq_len))
+        if logits != "none":
+            positions = s_loc if logits == "all" else 1
+            mem["logits"] = int(LOGIT_INFER_BYTES * b * positions * spec.vocab_size / tp)
         mem["buffers"] = int(self._zero3_buffer(spec, layout) + (4.0 * b * s_loc * spec.hidden_size / tp if layout.pp > 1 else 0))
         mem["reserve"] = reserve_bytes(self.cluster.mem_bytes)
         return mem
 
     def _generate_memory(self, decl: ModelDecl, layout: Layout, dec: Layout, call: Call) -> dict[str, int]:
+        """The larger of the prefill peak and the decode peak (see `cost_models.generation`)."""
         spec = decl.spec
-        pre = self._forward_memory(decl, layout, seqs=call.seqs, seq_len=call.prompt_len, logits=True)
+        split = decode_split(call.seqs, dec)
+        wave_seqs = -(-call.seqs // split.waves)
+        pre_layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, layout.pp, layout.interleave))
+        pre = self._forward_memory(decl, layout, seqs=wave_seqs, seq_len=call.prompt_len, logits="last")
+        pre["kv_cache"] = int(kv_cache_bytes(spec, seqs=wave_seqs / (layout.dp * layout.cp), ctx=call.prompt_len,
+                                             layers=pre_layers, tp=layout.tp))
         layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, dec.pp, dec.interleave))
-        per_rank = call.seqs / (dec.dp * dec.cp)
-        cache = kv_cache_bytes(spec, seqs=per_rank, ctx=call.seq_len, layers=layers, tp=dec.tp)
-        dec_state = state_bytes(max(self._stage_params(spec, decl.head, dec)), self.framework, layout=dec,
-                                trainable=decl.trainable)
-        b = max(1, -(-call.seqs // (dec.dp * dec.cp * dec.micro_batches)))
-        decode = {**dec_state, "kv_cache": int(cache), "logits": int(LOGIT_INFER_BYTES * b * spec.vocab_size / dec.tp),
-                  "reserve": pre["reserve"]}
+        decode = state_bytes(max(self._stage_params(spec, decl.head, dec)), self.framework, layout=dec,
+                             trainable=decl.trainable)
+        decode["kv_cache"] = int(kv_cache_bytes(spec, seqs=split.resident_seqs, ctx=call.seq_len, layers=layers, tp=dec.tp))
+        decode["logits"] = int(LOGIT_INFER_BYTES * split.seqs_per_group * spec.vocab_size / dec.tp)
+        decode["activations"] = int(forward_working_bytes(spec, self.framework, b=split.seqs_per_group, s=1, tp=dec.tp,
+                                                          kv_len=call.seq_len))
+        decode["reserve"] = pre["reserve"]
         if dec != layout:  # both placements' weights are live while the layout changes
             decode["buffers"] = pre["params"]
-        pre["kv_cache"] = int(kv_cache_bytes(spec, seqs=call.seqs / (layout.dp * layout.cp), ctx=call.prompt_len,
-                                             layers=max(len(x) for x in stage_layers(spec.num_hidden_layers, layout.pp, layout.interleave)),
-                                             tp=layout.tp))
         return decode if sum(decode.values()) >= sum(pre.values()) else pre
 
     # ---- moving parameters and data --------------------------------------------------------
@@ -227,6 +234,8 @@ class CostModel:
         # Every rank sends and receives its slices at once: the busiest NVLink port, or the busiest
         # node's network (its ranks' inter-node traffic summed), bounds the time; slices a rank
         # already holds are copied locally through HBM.
+        if src == dst:
+            return ReallocCost(0, 0.0)
         gpn, hw, pb = self.cluster.gpus_per_node, self.hw, self.framework.param_bytes
         vol = rank_volumes(decl.spec, head=decl.head, src=src, dst=dst, gpus_per_node=gpn)
         local_s = 2.0 * pb * vol.local_numel / max(1, dst[0].size) / hw.mem_bytes_s

@@ -39,7 +39,7 @@ class Coefficients(Strict):
     network_efficiency: float = Field(gt=0, le=1, description="Collective bus bandwidth over the network bandwidth available to the group.")
     kernel_latency_us: float = Field(ge=0, description="GPU time floor per kernel launch, us.")
     host_kernel_us: float = Field(ge=0, description="Host (framework + launch) time to issue one kernel, us.")
-    host_collective_us: float = Field(ge=0, description="Host time to issue one collective (dispatch and rendezvous of the group's ranks), us.")
+    host_collective_us: float = Field(ge=0, description="Host time to issue one collective, per level of its ranks' rendezvous tree (x log2 of the group), us.")
     host_overlap: float = Field(ge=0, le=1, description="Fraction of the shorter of host and device time hidden under the longer.")
     microbatch_overhead_ms: float = Field(ge=0, description="Host time per micro-batch per pipeline stage outside the layers (batch, loss, schedule), ms.")
     step_overhead_ms: float = Field(ge=0, description="Fixed time per optimizer step (loss-scale checks, logging, scheduling), ms.")

@@ -48,6 +48,24 @@ def layer_activation_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp
     return replicated / norm_div + (split + core) / tp
 
 
+def forward_working_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, kv_len: int | None = None) -> float:
+    """Peak live bytes inside one layer's forward when nothing is kept for backward (inference).
+
+    The residual stream in and out (2 x 2sbh) plus the larger of the MLP intermediates (GELU: up
+    and activation; SwiGLU: gate, up and product, 2 bytes each per element of s x b x f/t) and
+    the attention intermediates (q, k, v and the output; materialised scores and probabilities).
+    """
+    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_size
+    a, kv = spec.num_attention_heads, spec.kv_heads
+    keys = kv_len or s
+    tokens = float(s) * b
+    mlp = (2 if spec.model_type == "gpt" else 3) * 2 * tokens * f / tp
+    attn = 2 * tokens * (a + 2 * kv) * d / tp + 2 * tokens * a * d / tp
+    if fw.attention == "materialized":
+        attn += 2 * 2 * b * (a / tp) * s * keys
+    return 4 * tokens * h + max(mlp, attn)
+
+
 def in_flight_microbatches(layout: Layout, stage: int, m: int) -> float:
     """Micro-batches whose activations a pipeline stage holds at its peak."""
     pp, v = layout.pp, layout.interleave

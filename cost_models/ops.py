@@ -169,8 +169,11 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
         fwd_comm: tuple[Comm, ...] = ()
         bwd_comm: tuple[Comm, ...] = ()
     elif sp:
+        # Each all-reduce becomes a reduce-scatter and an all-gather (Korthikanti et al. 2022); the
+        # backward's extra all-gather of the saved input for the weight gradient overlaps the
+        # input-gradient GEMM (Megatron-LM does it asynchronously), so it is not on the path.
         fwd_comm = (Comm("all_gather", act, "tp"), Comm("reduce_scatter", act, "tp")) * 2
-        bwd_comm = fwd_comm * 2  # re-gather for the weight gradient, reduce-scatter the input grad
+        bwd_comm = fwd_comm
     else:
         fwd_comm = (Comm("all_reduce", act, "tp"),) * 2
         bwd_comm = fwd_comm

@@ -18,6 +18,7 @@ the optimizer streams its states through HBM.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from cost_models import comm
@@ -29,6 +30,9 @@ from cost_models.ops import Comm, Kernel, embedding_work, head_work, layer_param
 from plans.layout import Layout
 from plans.model import Head, ModelSpec
 from plans.sharding import stage_layers
+
+
+DDP_BUCKET_BYTES = 25 * 1024**2  # PyTorch DDP's default gradient bucket (bucket_cap_mb=25)
 
 
 @dataclass(frozen=True)
@@ -62,14 +66,16 @@ class Stretch:
     """Device time (kernels + collectives) and host time of some work."""
 
     device_s: float = 0.0
-    comm_s: float = 0.0
+    comm_s: float = 0.0  # all collectives on the critical path, context-parallel ones included
     host_s: float = 0.0
+    cp_comm_s: float = 0.0  # the exposed part of the context-parallel ring exchange
 
     def __add__(self, o: Stretch) -> Stretch:
-        return Stretch(self.device_s + o.device_s, self.comm_s + o.comm_s, self.host_s + o.host_s)
+        return Stretch(self.device_s + o.device_s, self.comm_s + o.comm_s, self.host_s + o.host_s,
+                       self.cp_comm_s + o.cp_comm_s)
 
     def scale(self, k: float) -> Stretch:
-        return Stretch(self.device_s * k, self.comm_s * k, self.host_s * k)
+        return Stretch(self.device_s * k, self.comm_s * k, self.host_s * k, self.cp_comm_s * k)
 
     def wall_s(self, hw: Hardware) -> float:
         return host_device_s(self.host_s, self.device_s + self.comm_s, hw)
@@ -101,13 +107,19 @@ def comm_time_s(c: Comm, g: comm.Group, hw: Hardware) -> float:
 def _stretch(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dict[str, comm.Group],
              hw: Hardware, *, extra_kernels: int = 0, hidden_comm: str | None = None, hide_under: float = 0.0) -> Stretch:
     dev = kernels_time_s(kernels, hw)
-    t_comm = 0.0
+    t_comm = host = t_cp = 0.0
     for c in comms:
-        t = comm_time_s(c, groups[c.group], hw)
+        g = groups[c.group]
+        t = comm_time_s(c, g, hw)
         if c.group == hidden_comm:  # ring attention overlaps the key/value exchange with compute
             t = max(0.0, t - hide_under)
+        if c.group == "cp":
+            t_cp += t
         t_comm += t
-    return Stretch(dev, t_comm, (len(kernels) + extra_kernels) * hw.host_kernel_s + len(comms) * hw.host_collective_s)
+        # Issuing a collective waits for the group's ranks to meet (a tree rendezvous), so its host
+        # cost grows with the tree's depth, log2 of the group.
+        host += hw.host_collective_s * math.log2(max(2, g.n))
+    return Stretch(dev, t_comm, (len(kernels) + extra_kernels) * hw.host_kernel_s + host, t_cp)
 
 
 @dataclass(frozen=True)
@@ -138,11 +150,15 @@ def layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, to
 
 
 def _ends(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head, b: int, s: int,
-          loss: bool) -> tuple[Stretch, Stretch, Stretch, Stretch]:
-    """Embedding forward/backward (first stage) and head forward/backward (last stage)."""
+          loss: bool, head_tokens: int | None = None) -> tuple[Stretch, Stretch, Stretch, Stretch]:
+    """Embedding forward/backward (first stage) and head forward/backward (last stage).
+
+    `head_tokens` limits the head to the last positions of each sequence (prefill needs one).
+    """
     tp, cp, sp = layout.tp, layout.cp, layout.sequence_parallel
     ef, eb = embedding_work(spec, fw, b=b, s=s, tp=tp, cp=cp)
-    hf, hb = head_work(spec, fw, head=head, b=b, s=s, tp=tp, cp=cp, sp=sp, loss=loss)
+    hs = s if head_tokens is None else head_tokens * cp
+    hf, hb = head_work(spec, fw, head=head, b=b, s=hs, tp=tp, cp=cp, sp=sp and head_tokens is None, loss=loss)
     g = {"tp": topo.group(layout, "tp")}
     act = 2.0 * b * (s // cp) * spec.hidden_size
     emb_comm = (Comm("all_reduce", act, "tp"),) if tp > 1 else ()  # vocab-parallel lookup
@@ -189,12 +205,14 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
         wall = f.wall_s(hw) + bw.wall_s(hw)
         stage_s.append(wall + sends)
         compute_s.append(wall - f.comm_s - bw.comm_s)
-        comm_s.append((f.comm_s + bw.comm_s, sends))
+        cp_s = f.cp_comm_s + bw.cp_comm_s
+        comm_s.append((f.comm_s + bw.comm_s - cp_s, cp_s, sends))
     steady, bubble = pipeline_s(stage_s, m=m, interleave=v, host_s=hw.microbatch_overhead_s)
     crit = max(range(pp), key=lambda i: stage_s[i])
     out.add("compute", compute_s[crit] * m)
     out.add("tp_comm", comm_s[crit][0] * m)
-    out.add("pp_comm", comm_s[crit][1] * m)
+    out.add("cp_comm", comm_s[crit][1] * m)
+    out.add("pp_comm", comm_s[crit][2] * m)
     out.add("overhead", hw.microbatch_overhead_s * m)
     out.add("pp_bubble", bubble)
 
@@ -202,7 +220,8 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
     lp = layer_params_per_rank(spec, tp)
     params = max(stage_params(spec, head=head, layers=n, first=i == 0, last=i == pp - 1, tp=tp, layer_params=lp)
                  for i, n in enumerate(layers))
-    out.add("dp_comm", grad_sync_s(params, fw, hw, layout, topo, m=m, last_bwd_s=lt.bwd.wall_s(hw) * layers[crit]))
+    out.add("dp_comm", grad_sync_s(params, fw, hw, layout, topo, m=m, microbatch_s=stage_s[crit],
+                                   last_bwd_s=lt.bwd.wall_s(hw) * layers[crit]))
     zero_div = layout.dp * layout.cp if layout.zero >= 1 else 1
     out.add("optimizer", params / zero_div * fw.optimizer_step_bytes / hw.mem_bytes_s)
     if layout.zero >= 1:  # ZeRO gathers the updated weight shards back to every rank
@@ -216,36 +235,44 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
 
 
 def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, m: int,
-                last_bwd_s: float) -> float:
-    """Exposed time of the data-parallel gradient reduction (and ZeRO-3 weight gathers)."""
-    n = layout.dp * layout.cp
-    if n == 1:
+                microbatch_s: float, last_bwd_s: float) -> float:
+    """Exposed time of the data-parallel gradient reduction (and ZeRO-3 weight gathers).
+
+    ZeRO 0/1 reduce once after the last backward (all-reduce, or reduce-scatter for ZeRO-1), in
+    full unless the framework buckets gradients and overlaps them with that backward, leaving the
+    last bucket exposed. ZeRO-2/3 cannot keep unsharded gradients, so they reduce-scatter after
+    every micro-batch, under the next one's compute; ZeRO-3 also all-gathers the weights for the
+    forward, the backward (and the recompute), prefetched under each micro-batch's compute.
+    """
+    if layout.dp * layout.cp == 1:
         return 0.0
     g = topo.group(layout, "dpcp")
     grad = params * fw.grad_bytes
     if layout.zero <= 1:
         t = comm.all_reduce_s(grad, g, hw) if layout.zero == 0 else comm.reduce_scatter_s(grad, g, hw)
-    else:
-        # Gradients cannot accumulate unsharded: reduce-scatter every micro-batch; ZeRO-3 also gathers
-        # the weights for forward and backward, prefetched so only what exceeds compute shows.
-        t = m * comm.reduce_scatter_s(grad, g, hw)
-        if layout.zero == 3:
-            gathers = (3 if layout.recompute == "full" else 2) * m * comm.all_gather_s(params * fw.param_bytes, g, hw)
-            t += max(0.0, gathers - m * last_bwd_s)
-        return max(t - (m - 1) * last_bwd_s, t / m)
-    if fw.overlap_grad_reduce:
-        return max(t - last_bwd_s, t / 10)
-    return t
+        if fw.overlap_grad_reduce:
+            return max(t - last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw))
+        return t
+    rs = comm.reduce_scatter_s(grad, g, hw)
+    exposed = rs + (m - 1) * max(0.0, rs - microbatch_s)
+    if layout.zero == 3:
+        gathers = (3 if layout.recompute == "full" else 2) * comm.all_gather_s(params * fw.param_bytes, g, hw)
+        exposed += m * max(0.0, gathers - microbatch_s)
+    return exposed
 
 
 def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head,
-                 seqs: int, seq_len: int) -> StepTimes:
-    """Wall time of a forward-only pass (log-probs, values or scores) over `seqs` sequences."""
+                 seqs: int, seq_len: int, last_token_logits: bool = False) -> StepTimes:
+    """Wall time of a forward-only pass (log-probs, values or scores) over `seqs` sequences.
+
+    Micro-batches are pipelined over the stages, or run one after another when pp = 1.
+    """
     out = StepTimes()
     b, m = microbatch_size(seqs, layout), layout.micro_batches
     pp, v = layout.pp, layout.interleave
     lt = layer_times(spec, fw, hw, layout, topo, b=b, s=seq_len, training=False)
-    ef, _, hf, _ = _ends(spec, fw, hw, layout, topo, head=head, b=b, s=seq_len, loss=False)
+    ef, _, hf, _ = _ends(spec, fw, hw, layout, topo, head=head, b=b, s=seq_len, loss=False,
+                         head_tokens=1 if last_token_logits else None)
     layers = [len(x) for x in stage_layers(spec.num_hidden_layers, pp, v)]
     act_bytes = 2.0 * b * (seq_len // layout.cp) * spec.hidden_size / layout.tp
     senders = min(topo.gpus_per_node, layout.tp * layout.cp * layout.dp)
@@ -254,12 +281,13 @@ def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
     for st, n_layers in enumerate(layers):
         f = lt.fwd_only.scale(n_layers) + (ef if st == 0 else Stretch()) + (hf if st == pp - 1 else Stretch())
         stage_s.append(f.wall_s(hw) + (p2p * v if st < pp - 1 else 0.0))
-        comm_s.append(f.comm_s)
+        comm_s.append((f.comm_s, f.cp_comm_s))
     steady, bubble = pipeline_s(stage_s, m=m, interleave=v, host_s=hw.microbatch_overhead_s)
     crit = max(range(pp), key=lambda i: stage_s[i])
     sends = p2p * v if crit < pp - 1 else 0.0
-    out.add("compute", (stage_s[crit] - comm_s[crit] - sends) * m)
-    out.add("tp_comm", comm_s[crit] * m)
+    out.add("compute", (stage_s[crit] - comm_s[crit][0] - sends) * m)
+    out.add("tp_comm", (comm_s[crit][0] - comm_s[crit][1]) * m)
+    out.add("cp_comm", comm_s[crit][1] * m)
     out.add("pp_comm", sends * m)
     out.add("overhead", hw.microbatch_overhead_s * m)
     out.add("pp_bubble", bubble)

@@ -62,13 +62,30 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, budget_s: 
         rows = []
         for nbytes in ALLREDUCE_BYTES:
             buf = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
-            t = torch.tensor([_timed(lambda: dist.all_reduce(buf), budget_s=budget_s / len(ALLREDUCE_BYTES), sync=sync)])
+            # Every rank must run the same number of collectives: agree on it from a probe.
+            probe = torch.tensor([_repeat(lambda: dist.all_reduce(buf), reps=3, sync=sync)])
+            dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+            reps = int(min(200, max(3, budget_s / len(ALLREDUCE_BYTES) / max(float(probe), 1e-6))))
+            t = torch.tensor([_repeat(lambda: dist.all_reduce(buf), reps=reps, sync=sync)])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the collective's time
             rows.append((nbytes, float(t)))
         if rank == 0:
             np.savetxt(out, np.array(rows))
     finally:
         dist.destroy_process_group()
+
+
+def _repeat(fn: Callable[[], object], *, reps: int, sync: Callable[[], None]) -> float:
+    """Median seconds per call of `fn` over exactly `reps` calls after one warm-up."""
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def allreduce_alpha_beta(times: list[tuple[int, float]], ranks: int) -> tuple[float, float]:
@@ -151,7 +168,7 @@ def profile_devices(*, budget_s: float, ranks: int, device: str | None = None,
     t = _timed(lambda: [tiny.add_(1.0) for _ in range(reps)], budget_s=share, sync=sync) / reps
     host_us = t * 1e6
 
-    base = default_calibration(gpu if gpu == "cpu" else None).coefficients
+    base = default_calibration().coefficients  # what a profile cannot measure keeps the fitted values
     hw = dict(peak_tflops=best / 1e12, hbm_gb_s=mem_bw / 1e9)
     coef = base.model_dump()
     coef.update(gemm_efficiency=1.0, hbm_efficiency=1.0, attention_efficiency=round(attn_eff, 4), host_kernel_us=round(host_us, 3))
