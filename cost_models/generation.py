@@ -27,7 +27,7 @@ from cost_models.framework import Framework
 from cost_models.hardware import Hardware
 from cost_models.memory import kv_cache_bytes
 from cost_models.ops import embedding_work, gemm, layer_work, mem
-from cost_models.training import StepTimes, Stretch, Topology, _stretch, forward_pass
+from cost_models.training import StepTimes, Stretch, Topology, forward_pass, stretch_of
 from plans.layout import Layout
 from plans.model import ModelSpec
 from plans.sharding import stage_layers
@@ -62,7 +62,7 @@ def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, 
     pp, tp = layout.pp, layout.tp
     w = layer_work(spec, fw, b=b, s=1, tp=tp, cp=1, sp=False, kv_len=ctx)
     g = {"tp": topo.group(layout, "tp"), "cp": comm.Group(1, 1, 1)}
-    layer = _stretch(w.fwd, w.fwd_comm, g, hw)
+    layer = stretch_of(w.fwd, w.fwd_comm, g, hw)
     ef, _ = embedding_work(spec, fw, b=b, s=1, tp=tp, cp=1)
     head = (gemm(b, -(-spec.vocab_size // tp), spec.hidden_size), mem(SAMPLE_BYTES * b * spec.vocab_size / tp))
     ends = Stretch(kernels_time_s(ef + head, hw), 0.0, (len(ef) + len(head)) * hw.host_kernel_s)

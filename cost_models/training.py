@@ -100,12 +100,17 @@ def comm_time_s(c: Comm, g: comm.Group, hw: Hardware) -> float:
         return comm.all_reduce_s(c.bytes, g, hw)
     if c.op in ("all_gather", "reduce_scatter"):
         return comm.all_gather_s(c.bytes, g, hw)
-    # ring attention: cp-1 neighbour exchanges, each of bytes/(cp-1)
-    return comm.p2p_s(c.bytes, cross_node=g.spans_nodes, senders_per_node=g.per_node * g.concurrent, hw=hw)
+    # Ring attention: cp-1 neighbour exchanges carrying `bytes` in all, each paying a latency.
+    one = comm.p2p_s(c.bytes, cross_node=g.spans_nodes, senders_per_node=g.per_node * g.concurrent, hw=hw)
+    return one + max(0, g.n - 2) * (hw.inter_latency_s if g.spans_nodes else hw.intra_latency_s)
 
 
-def _stretch(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dict[str, comm.Group],
-             hw: Hardware, *, extra_kernels: int = 0, hidden_comm: str | None = None, hide_under: float = 0.0) -> Stretch:
+def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dict[str, comm.Group],
+               hw: Hardware, *, hidden_comm: str | None = None, hide_under: float = 0.0) -> Stretch:
+    """Device, collective and host time of kernels and collectives run in order.
+
+    Collectives of the `hidden_comm` group overlap compute worth `hide_under` seconds.
+    """
     dev = kernels_time_s(kernels, hw)
     t_comm = host = t_cp = 0.0
     for c in comms:
@@ -119,7 +124,7 @@ def _stretch(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dict[
         # Issuing a collective waits for the group's ranks to meet (a tree rendezvous), so its host
         # cost grows with the tree's depth, log2 of the group.
         host += hw.host_collective_s * math.log2(max(2, g.n))
-    return Stretch(dev, t_comm, (len(kernels) + extra_kernels) * hw.host_kernel_s + host, t_cp)
+    return Stretch(dev, t_comm, len(kernels) * hw.host_kernel_s + host, t_cp)
 
 
 @dataclass(frozen=True)
@@ -135,15 +140,15 @@ def layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, to
     w = layer_work(spec, fw, b=b, s=s, tp=layout.tp, cp=layout.cp, sp=layout.sequence_parallel)
     groups = {"tp": topo.group(layout, "tp"), "cp": topo.group(layout, "cp")}
     attn_fwd = kernels_time_s(w.attn_core, hw)
-    fwd = _stretch(w.fwd, w.fwd_comm, groups, hw, hidden_comm="cp", hide_under=attn_fwd)
+    fwd = stretch_of(w.fwd, w.fwd_comm, groups, hw, hidden_comm="cp", hide_under=attn_fwd)
     if not training:
         return LayerTimes(fwd, Stretch(), fwd)
-    bwd = _stretch(w.bwd, w.bwd_comm, groups, hw, hidden_comm="cp", hide_under=2 * attn_fwd)
+    bwd = stretch_of(w.bwd, w.bwd_comm, groups, hw, hidden_comm="cp", hide_under=2 * attn_fwd)
     accum = Stretch(kernels_time_s((w.grad_accum,), hw), 0.0, w.grad_tensors * hw.host_kernel_s)
     if layout.recompute == "full":
         rec = fwd
     elif layout.recompute == "selective":
-        rec = _stretch(w.attn_core, (), groups, hw)
+        rec = stretch_of(w.attn_core, (), groups, hw)
     else:
         rec = Stretch()
     return LayerTimes(fwd, rec + bwd + accum, fwd)
@@ -162,7 +167,8 @@ def _ends(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: To
     g = {"tp": topo.group(layout, "tp")}
     act = 2.0 * b * (s // cp) * spec.hidden_size
     emb_comm = (Comm("all_reduce", act, "tp"),) if tp > 1 else ()  # vocab-parallel lookup
-    return (_stretch(ef, emb_comm, g, hw), _stretch(eb, (), g, hw), _stretch(hf, (), g, hw), _stretch(hb, emb_comm, g, hw))
+    return (stretch_of(ef, emb_comm, g, hw), stretch_of(eb, (), g, hw), stretch_of(hf, (), g, hw),
+            stretch_of(hb, emb_comm, g, hw))
 
 
 def pipeline_s(stage_s: list[float], *, m: int, interleave: int, host_s: float) -> tuple[float, float]:
