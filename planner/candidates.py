@@ -127,11 +127,12 @@ def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) ->
             for mb, zero, rc in product(mbs, zeros, RECOMPUTE_MODES):
                 out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batches=mb, recompute=rc,
                                   sequence_parallel=tp > 1))
-        elif call.kind == "inference":
-            mbs = [m for m in _divisors(per_dp) if m & (m - 1) == 0 and m <= 64] if pp > 1 else [1]
-            out += [Layout(dp=dp, tp=tp, pp=pp, micro_batches=mb) for mb in mbs]
         else:
-            out.append(Layout(dp=dp, tp=tp, pp=pp))
+            # Inference and generation split each replica's batch into micro-batches: pipelined
+            # through the stages when pp > 1, run as waves (each with its own activations or KV
+            # cache) when pp = 1, which is how a large batch fits at all.
+            mbs = [m for m in _divisors(per_dp) if m & (m - 1) == 0 and m <= 64]
+            out += [Layout(dp=dp, tp=tp, pp=pp, micro_batches=mb) for mb in mbs]
     return out
 
 
@@ -189,9 +190,9 @@ def twin_layout(call: Call, home: Layout) -> Layout:
     case the call gathers them first, as FSDP does."""
     if call.kind == "train":
         return home
-    mb = home.micro_batches if call.kind == "inference" and home.pp > 1 else 1
     # Context-parallel ranks hold replicas, exactly like data-parallel ones.
-    return Layout(dp=home.dp * home.cp, tp=home.tp, pp=home.pp, micro_batches=mb, interleave=home.interleave)
+    return Layout(dp=home.dp * home.cp, tp=home.tp, pp=home.pp, micro_batches=home.micro_batches,
+                  interleave=home.interleave)
 
 
 def placed(cand: Candidate, mesh: Mesh) -> Candidate:

@@ -141,7 +141,8 @@ def test_plan_with_unknown_key_or_wrong_version(compiled, cli, tmp_path):
 
 def test_plan_that_breaks_placement_rules(compiled, cli, tmp_path):
     data = json.loads((compiled / "tiny_ppo.json").read_text())
-    data["calls"][0]["mesh"]["ranks"] = [2, 3, 4, 5]
+    data["calls"][0]["mesh"]["ranks"] = [4, 5]
+    data["calls"][0]["layout"].update(dp=2, tp=1, pp=1, cp=1, zero=0, micro_batches=1, sequence_parallel=False)
     (tmp_path / "bad.json").write_text(json.dumps(data))
     r = cli("validate", str(tmp_path / "bad.json"))
     assert r.code == 2 and "exceeds the cluster's 4 GPUs" in r.err
