@@ -202,7 +202,9 @@ def polish(problem: Problem, choice: list[int], sched: Schedule, *, rule: Restri
                             if k != choice[i] and m != choice[j]:
                                 yield {i: k, j: m}
 
-    for width in (1, 2):
+    n_pairs = sum(len(a.cands) * len(b.cands) for i, a in enumerate(problem.slots) for b in problem.slots[i + 1:])
+    widths = (1, 2) if n_pairs <= max_evals // 4 else (1,)  # pairs only where they can all be tried
+    for width in widths:
         improved = True
         while improved:
             improved = False
