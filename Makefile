@@ -27,6 +27,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/search.py
 	$(PY) bench/cost_accuracy.py
+	$(PY) bench/cost_speed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,28 +1,49 @@
-"""The estimator interface the planner uses (first, simple analytic version).
+"""The estimator interface the planner uses: `CostModel.call_cost`, `realloc_cost`, `data_transfer_s`.
 
-`CostModel(cluster).call_cost(call, decl, mesh, layout)` gives a call's time and memory per rank;
-`realloc_cost` the time to move a model's parameters between two placements, from the exact
-transfer plan of `plans.sharding`.
+`CostModel(cluster, calibration)` times any call (generate, inference, train) of a model under a
+(mesh, layout) placement and states its per-rank memory; `realloc_cost` times moving a model's
+parameters between two placements from the exact transfer plan of `plans.sharding`. Results are
+cached per instance (the search asks for the same pairs many times); everything is deterministic.
+
+FLOPs convention (`CallCost.model_flops`, MFU): a training token costs ``6*N + 12*L*h*s`` FLOPs, N
+the parameters that take part in matmuls (the LM head included, embedding lookups excluded) and
+the second term full (non-causal) attention scores and context (PaLM, Chowdhery et al. 2022,
+appendix B; equal to Megatron-LM's ``72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))`` without recompute).
+A forward-only token costs a third; a decoded token ``2*N + 4*L*h*ctx``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
+import numpy as np
+
+from cost_models import comm
+from cost_models.calibration import Calibration, default_calibration
+from cost_models.framework import Framework, resolve_framework
+from cost_models.generation import decode_split, generate_times
+from cost_models.hardware import Hardware, effective_hardware
+from cost_models.memory import (
+    forward_working_bytes,
+    in_flight_microbatches,
+    kv_cache_bytes,
+    layer_activation_bytes,
+    reserve_bytes,
+    stage_params,
+    state_bytes,
+)
+from cost_models.ops import layer_params_per_rank
+from cost_models.transfer import rank_volumes
+from cost_models.training import StepTimes, Topology, forward_pass, microbatch_size, train_step
 from plans.cluster import ClusterSpec
+from plans.errors import PlannerError
 from plans.graph import Call, ModelDecl
 from plans.layout import Layout, Mesh
-from plans.model import ModelSpec
-from cost_models.transfer import rank_volumes
+from plans.model import Head, ModelSpec
+from plans.sharding import stage_layers
 
-BYTES_PARAM = 2  # bf16 weights
-BYTES_GRAD = 2
-BYTES_OPTIM = 12  # fp32 master weights + Adam m and v
-GEMM_EFFICIENCY = 0.45  # placeholder achieved fraction of peak
-HBM_EFFICIENCY = 0.7
-LINK_EFFICIENCY = 0.7
-RESERVE_BYTES = 2 * 1024**3  # allocator fragmentation, CUDA context, workspaces
+LOGIT_TRAIN_BYTES = 8  # per logit: fp16 logits, fp32 softmax, fp16 gradient
+LOGIT_INFER_BYTES = 6  # fp16 logits and fp32 log-softmax
 
 
 @dataclass(frozen=True)
@@ -30,123 +51,217 @@ class CallCost:
     """Estimated time and per-rank memory of one call under one placement."""
 
     time_s: float
-    state_mem_bytes: int  # parameters, gradients, optimizer states resident under this layout
+    state_mem_bytes: int  # parameters (+ gradients and optimizer states when trainable) per rank
     peak_mem_bytes: int  # state plus the call's transient peak (activations, KV cache, buffers)
-    model_flops: float  # useful FLOPs of the call (6N+attention convention for training)
+    model_flops: float  # useful FLOPs of the call (see the module docstring)
     breakdown_s: dict[str, float] = field(default_factory=dict)
     mem_breakdown_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class ReallocCost:
+    """Bytes sent between distinct ranks to move a model between placements, and the time it takes."""
+
     bytes: int
     time_s: float
 
 
-def _dense_params(spec: ModelSpec) -> int:
-    """Parameters that take part in per-token GEMMs (everything but the embedding lookup)."""
-    return spec.num_params() - spec.vocab_size * spec.hidden_size * (0 if spec.tied else 1)
+def matmul_params(spec: ModelSpec, head: Head = "lm") -> int:
+    """N of the FLOPs convention: decoder layers plus the output head's matrix."""
+    h = spec.hidden_size
+    layers = spec.num_hidden_layers * layer_params_per_rank(spec, 1)
+    return int(layers + (spec.vocab_size * h if head == "lm" else h))
 
 
-def forward_flops(spec: ModelSpec, *, seqs: int, seq_len: int) -> float:
-    """2 FLOPs per weight per token, plus causal attention scores and context (Kaplan et al. 2020)."""
-    tokens = seqs * seq_len
-    attn = 2 * 2 * spec.num_hidden_layers * spec.hidden_size * seq_len * tokens / 2
-    return 2.0 * _dense_params(spec) * tokens + attn
+def model_flops(spec: ModelSpec, call: Call, *, head: Head = "lm") -> float:
+    """Useful FLOPs of a call by the 6N + attention convention."""
+    n, lh = matmul_params(spec, head), spec.num_hidden_layers * spec.hidden_size
+    if call.kind == "train":
+        return call.seqs * call.seq_len * (6.0 * n + 12.0 * lh * call.seq_len)
+    if call.kind == "inference":
+        return call.seqs * call.seq_len * (2.0 * n + 4.0 * lh * call.seq_len)
+    p, g = call.prompt_len, call.gen_len
+    ctx_sum = p * p + g * p + g * (g + 1) / 2  # prefill tokens see the prompt; decoded token i sees p + i
+    return call.seqs * (2.0 * n * call.seq_len + 4.0 * lh * ctx_sum)
 
 
 class CostModel:
-    """Estimates over one cluster."""
+    """Estimates over one cluster with one calibration and one framework's kernels."""
 
-    def __init__(self, cluster: ClusterSpec) -> None:
+    def __init__(self, cluster: ClusterSpec, calibration: Calibration | None = None, *,
+                 framework: str | Framework = "torch") -> None:
         self.cluster = cluster
-        sheet = cluster.sheet
-        self.peak_flops = sheet.peak_tflops * 1e12
-        self.hbm_bytes_s = sheet.hbm_gb_s * 1e9
-        assert cluster.intra_node_gbps is not None and cluster.inter_node_gbps is not None
-        self.intra_bytes_s = cluster.intra_node_gbps / 8 * 1e9
-        self.inter_bytes_s = cluster.inter_node_gbps / 8 * 1e9 / cluster.gpus_per_node
+        self.calibration = calibration or default_calibration(cluster.gpu)
+        self.framework = resolve_framework(framework)
+        self.hw: Hardware = effective_hardware(cluster, self.calibration)
+        self._calls: dict[tuple, CallCost] = {}
+        self._reallocs: dict[tuple, ReallocCost] = {}
 
-    def _link_bytes_s(self, ranks: int) -> float:
-        bw = self.intra_bytes_s if ranks <= self.cluster.gpus_per_node else self.inter_bytes_s
-        return bw * LINK_EFFICIENCY
+    # ---- calls ---------------------------------------------------------------------------
 
-    def _allreduce_s(self, nbytes: float, ranks: int) -> float:
-        if ranks <= 1:
-            return 0.0
-        return 2 * (ranks - 1) / ranks * nbytes / self._link_bytes_s(ranks)
+    def call_cost(self, call: Call, decl: ModelDecl, mesh: Mesh, layout: Layout, *,
+                  decode_layout: Layout | None = None) -> CallCost:
+        """Time and per-rank memory of `call` on `mesh` with `layout` (decode with `decode_layout`)."""
+        gpn = self.cluster.gpus_per_node
+        key = (call.kind, call.seqs, call.seq_len, call.gen_len, call.minibatches, call.returns, decl,
+               mesh.first % gpn if mesh.size < gpn else 0, mesh.size, layout, decode_layout)
+        hit = self._calls.get(key)
+        if hit is None:
+            hit = self._call_cost(call, decl, mesh, layout, decode_layout)
+            self._calls[key] = hit
+        return hit
 
-    def state_bytes(self, decl: ModelDecl, layout: Layout, *, training: bool) -> dict[str, int]:
-        shard = decl.spec.num_params(decl.head) / (layout.tp * layout.pp)
-        dp = layout.dp
-        params = shard * BYTES_PARAM / (dp if layout.zero >= 3 else 1)
-        out = {"params": int(params)}
-        if training:
-            out["grads"] = int(shard * BYTES_GRAD / (dp if layout.zero >= 2 else 1))
-            out["optimizer"] = int(shard * BYTES_OPTIM / (dp if layout.zero >= 1 else 1))
-        return out
-
-    def call_cost(self, call: Call, decl: ModelDecl, mesh: Mesh, layout: Layout) -> CallCost:
-        spec = decl.spec
-        n = layout.size
-        h, L = spec.hidden_size, spec.num_hidden_layers
-        seqs_per_rank = call.seqs / (layout.dp * layout.cp)
-        training = call.kind == "train"
-        state = self.state_bytes(decl, layout, training=decl.trainable)
-        breakdown: dict[str, float] = {}
-        mem: dict[str, int] = dict(state)
-        if call.kind == "generate":
-            prefill = forward_flops(spec, seqs=call.seqs, seq_len=call.prompt_len)
-            breakdown["prefill"] = prefill / (n * self.peak_flops * GEMM_EFFICIENCY)
-            weights = spec.num_params(decl.head) * BYTES_PARAM / (layout.tp * layout.pp)
-            kv_per_token = 2 * L * spec.kv_heads * spec.head_dim * BYTES_PARAM / (layout.tp * layout.pp)
-            avg_ctx = call.prompt_len + call.gen_len / 2
-            step_bytes = weights + kv_per_token * seqs_per_rank * avg_ctx
-            breakdown["decode"] = call.gen_len * layout.pp * step_bytes / (self.hbm_bytes_s * HBM_EFFICIENCY)
-            act = seqs_per_rank * h * 2 * 4 * call.seq_len / max(1, call.gen_len)
-            mem["kv_cache"] = int(kv_per_token * seqs_per_rank * call.seq_len)
-            mem["activations"] = int(act)
-            flops = prefill + forward_flops(spec, seqs=call.seqs, seq_len=call.gen_len)
+    def _call_cost(self, call: Call, decl: ModelDecl, mesh: Mesh, layout: Layout,
+                   decode_layout: Layout | None) -> CallCost:
+        if layout.size != mesh.size:
+            raise PlannerError(f"call {call.name!r}: layout {layout.short()} needs {layout.size} ranks, mesh has {mesh.size}")
+        spec, fw, hw = decl.spec, self.framework, self.hw
+        topo = Topology(mesh.first, mesh.size, self.cluster.gpus_per_node)
+        head: Head = decl.head
+        if call.kind == "train":
+            step = train_step(spec, fw, hw, layout, topo, head=head, seqs=call.seqs // call.minibatches, seq_len=call.seq_len)
+            times = {k: v * call.minibatches for k, v in step.parts.items()}
+            mem = self._train_memory(decl, layout, seqs=call.seqs // call.minibatches, seq_len=call.seq_len)
+        elif call.kind == "inference":
+            times = forward_pass(spec, fw, hw, layout, topo, head=head, seqs=call.seqs, seq_len=call.seq_len).parts
+            mem = self._forward_memory(decl, layout, seqs=call.seqs, seq_len=call.seq_len,
+                                       logits="all" if call.returns == "logprobs" else "none")
         else:
-            fwd = forward_flops(spec, seqs=call.seqs, seq_len=call.seq_len)
-            flops, executed = fwd, fwd
-            if training:
-                flops = 3 * fwd
-                executed = fwd * (3.0 + {"none": 0.0, "selective": 0.1, "full": 1.0}[layout.recompute])
-            breakdown["compute"] = executed / (n * self.peak_flops * GEMM_EFFICIENCY)
-            micro = max(1.0, seqs_per_rank / layout.micro_batches)
-            act_layer = call.seq_len * micro * h * 34 * (1 if training else 0.1) / layout.tp
-            if layout.recompute == "full":
-                act_layer = call.seq_len * micro * h * 2
-            mem["activations"] = int(act_layer * L / layout.pp * min(layout.pp, layout.micro_batches))
-            if layout.pp > 1:
-                breakdown["pp_bubble"] = breakdown["compute"] * (layout.pp - 1) / layout.micro_batches
-            tokens_rank = seqs_per_rank * call.seq_len
-            breakdown["tp_comm"] = (2 if not training else 4) * L / layout.pp * self._allreduce_s(tokens_rank * h * BYTES_PARAM, layout.tp)
-            if training:
-                grads = spec.num_params(decl.head) * BYTES_GRAD / (layout.tp * layout.pp)
-                breakdown["dp_comm"] = call.minibatches * self._allreduce_s(grads, layout.dp) * (1.5 if layout.zero >= 3 else 1.0)
-        mem["reserve"] = RESERVE_BYTES
-        time_s = sum(breakdown.values())
-        return CallCost(time_s, sum(state.values()), sum(mem.values()), flops, breakdown, mem)
+            dec = decode_layout or layout
+            parts: StepTimes = generate_times(spec, fw, hw, layout, dec, topo, seqs=call.seqs,
+                                              prompt_len=call.prompt_len, gen_len=call.gen_len)
+            times = dict(parts.parts)
+            if dec != layout:
+                times["reshard"] = times.get("reshard", 0.0) + self.realloc_cost(decl, (mesh, layout), (mesh, dec)).time_s
+            mem = self._generate_memory(decl, layout, dec, call)
+        state = sum(v for k, v in mem.items() if k in ("params", "grads", "optimizer"))
+        return CallCost(
+            time_s=sum(times.values()),
+            state_mem_bytes=state,
+            peak_mem_bytes=sum(mem.values()),
+            model_flops=model_flops(spec, call, head=head),
+            breakdown_s={k: v for k, v in sorted(times.items()) if v > 0},
+            mem_breakdown_bytes=dict(sorted(mem.items())),
+        )
+
+    # ---- memory --------------------------------------------------------------------------
+
+    def _stage_params(self, spec: ModelSpec, head: Head, layout: Layout) -> list[float]:
+        lp = layer_params_per_rank(spec, layout.tp)
+        layers = [len(x) for x in stage_layers(spec.num_hidden_layers, layout.pp, layout.interleave)]
+        pp = layout.pp
+        return [stage_params(spec, head=head, layers=n, first=i == 0, last=i == pp - 1, tp=layout.tp, layer_params=lp)
+                for i, n in enumerate(layers)]
+
+    def _train_memory(self, decl: ModelDecl, layout: Layout, *, seqs: int, seq_len: int) -> dict[str, int]:
+        spec, fw = decl.spec, self.framework
+        b, m, tp, pp = microbatch_size(seqs, layout), layout.micro_batches, layout.tp, layout.pp
+        s_loc = seq_len // layout.cp
+        kw = dict(b=b, s=s_loc, tp=tp, sp=layout.sequence_parallel)
+        per_layer = layer_activation_bytes(spec, fw, recompute=layout.recompute, **kw)
+        whole = layer_activation_bytes(spec, fw, recompute="none", **kw)
+        working = {"full": whole, "selective": whole - layer_activation_bytes(spec, fw, recompute="selective", **kw)}.get(
+            layout.recompute, 0.0)
+        layers = [len(x) for x in stage_layers(spec.num_hidden_layers, pp, layout.interleave)]
+        params = self._stage_params(spec, decl.head, layout)
+        act_bytes = 2.0 * b * s_loc * spec.hidden_size / tp
+        best: dict[str, int] = {}
+        for st in range(pp):
+            mem = state_bytes(params[st], fw, layout=layout, trainable=decl.trainable)
+            mem["activations"] = int(per_layer * layers[st] * in_flight_microbatches(layout, st, m) + working)
+            if st == pp - 1 and decl.head == "lm":
+                mem["logits"] = int(LOGIT_TRAIN_BYTES * b * s_loc * spec.vocab_size / tp)
+            mem["buffers"] = int((4 * act_bytes if pp > 1 else 0) + self._zero3_buffer(spec, layout))
+            mem["reserve"] = reserve_bytes(self.cluster.mem_bytes)
+            if sum(mem.values()) > sum(best.values()):
+                best = mem
+        return best
+
+    def _zero3_buffer(self, spec: ModelSpec, layout: Layout) -> float:
+        # ZeRO-3 gathers one layer's weights for compute and prefetches the next.
+        return 2 * layer_params_per_rank(spec, layout.tp) * self.framework.param_bytes if layout.zero == 3 else 0.0
+
+    def _forward_memory(self, decl: ModelDecl, layout: Layout, *, seqs: int, seq_len: int, logits: str) -> dict[str, int]:
+        """Inference or prefill: weights, one layer's live tensors and the head's logits per micro-batch.
+
+        `logits` is "all" (per-token log-probs), "last" (prefill samples the next token) or "none".
+        """
+        spec, fw = decl.spec, self.framework
+        b, tp = microbatch_size(seqs, layout), layout.tp
+        s_loc = seq_len // layout.cp
+        mem = state_bytes(max(self._stage_params(spec, decl.head, layout)), fw, layout=layout, trainable=decl.trainable)
+        mem["activations"] = int(forward_working_bytes(spec, fw, b=b, s=s_loc, tp=tp, kv_len=seq_len))
+        if logits != "none":
+            positions = s_loc if logits == "all" else 1
+            mem["logits"] = int(LOGIT_INFER_BYTES * b * positions * spec.vocab_size / tp)
+        mem["buffers"] = int(self._zero3_buffer(spec, layout) + (4.0 * b * s_loc * spec.hidden_size / tp if layout.pp > 1 else 0))
+        mem["reserve"] = reserve_bytes(self.cluster.mem_bytes)
+        return mem
+
+    def _generate_memory(self, decl: ModelDecl, layout: Layout, dec: Layout, call: Call) -> dict[str, int]:
+        """The larger of the prefill peak and the decode peak (see `cost_models.generation`)."""
+        spec = decl.spec
+        split = decode_split(call.seqs, dec)
+        wave_seqs = -(-call.seqs // split.waves)
+        pre_layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, layout.pp, layout.interleave))
+        pre = self._forward_memory(decl, layout, seqs=wave_seqs, seq_len=call.prompt_len, logits="last")
+        pre["kv_cache"] = int(kv_cache_bytes(spec, seqs=wave_seqs / (layout.dp * layout.cp), ctx=call.prompt_len,
+                                             layers=pre_layers, tp=layout.tp))
+        layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, dec.pp, dec.interleave))
+        decode = state_bytes(max(self._stage_params(spec, decl.head, dec)), self.framework, layout=dec,
+                             trainable=decl.trainable)
+        decode["kv_cache"] = int(kv_cache_bytes(spec, seqs=split.resident_seqs, ctx=call.seq_len, layers=layers, tp=dec.tp))
+        decode["logits"] = int(LOGIT_INFER_BYTES * split.seqs_per_group * spec.vocab_size / dec.tp)
+        decode["activations"] = int(forward_working_bytes(spec, self.framework, b=split.seqs_per_group, s=1, tp=dec.tp,
+                                                          kv_len=call.seq_len))
+        decode["reserve"] = pre["reserve"]
+        if dec != layout:  # both placements' weights are live while the layout changes
+            decode["buffers"] = pre["params"]
+        return decode if sum(decode.values()) >= sum(pre.values()) else pre
+
+    # ---- moving parameters and data --------------------------------------------------------
 
     def realloc_cost(self, decl: ModelDecl, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout]) -> ReallocCost:
-        return _realloc_cost(self, decl, src, dst)
+        """Bytes and time to move `decl`'s parameters from placement `src` to `dst` (cached)."""
+        key = (decl.spec, decl.head, src, dst)
+        hit = self._reallocs.get(key)
+        if hit is None:
+            hit = self._realloc(decl, src, dst)
+            self._reallocs[key] = hit
+        return hit
 
-    def data_transfer_s(self, nbytes: int, src: Mesh, dst: Mesh) -> float:
+    def _realloc(self, decl: ModelDecl, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout]) -> ReallocCost:
+        # Every rank sends and receives its slices at once: the busiest NVLink port, or the busiest
+        # node's network (its ranks' inter-node traffic summed), bounds the time; slices a rank
+        # already holds are copied locally through HBM.
         if src == dst:
+            return ReallocCost(0, 0.0)
+        gpn, hw, pb = self.cluster.gpus_per_node, self.hw, self.framework.param_bytes
+        vol = rank_volumes(decl.spec, head=decl.head, src=src, dst=dst, gpus_per_node=gpn)
+        local_s = 2.0 * pb * vol.local_numel / max(1, dst[0].size) / hw.mem_bytes_s
+        if vol.moved_numel == 0:
+            return ReallocCost(0, local_s)
+        intra = max(int(vol.send_intra.max()), int(vol.recv_intra.max())) * pb / hw.intra_bytes_s
+        nodes = (vol.first + np.arange(len(vol.send_inter))) // gpn
+        node_send = np.bincount(nodes - nodes[0], weights=vol.send_inter)
+        node_recv = np.bincount(nodes - nodes[0], weights=vol.recv_inter)
+        inter = max(float(node_send.max()), float(node_recv.max())) * pb / hw.node_net_bytes_s
+        latency = hw.inter_latency_s if inter > 0 else hw.intra_latency_s
+        return ReallocCost(vol.moved_numel * pb, max(intra, inter) + latency + local_s)
+
+    def data_transfer_s(self, nbytes: int, src_mesh: Mesh, dst_mesh: Mesh) -> float:
+        """Time to move `nbytes` of call outputs spread over `src_mesh` to the ranks of `dst_mesh`."""
+        if nbytes <= 0 or src_mesh == dst_mesh:
             return 0.0
-        same_node = self.cluster.node_of(src.first) == self.cluster.node_of(dst.first) and max(src.size, dst.size) <= self.cluster.gpus_per_node
-        bw = self.intra_bytes_s if same_node else self.inter_bytes_s
-        return nbytes / (bw * LINK_EFFICIENCY)
+        gpn, hw = self.cluster.gpus_per_node, self.hw
+        src_nodes = {r // gpn for r in src_mesh.ranks}
+        dst_nodes = {r // gpn for r in dst_mesh.ranks}
+        if src_nodes == dst_nodes and len(src_nodes) == 1:
+            lanes = min(src_mesh.size, dst_mesh.size)
+            return nbytes / (lanes * hw.intra_bytes_s) + hw.intra_latency_s
+        lanes = min(len(src_nodes), len(dst_nodes))
+        return nbytes / (lanes * hw.node_net_bytes_s) + hw.inter_latency_s
 
-
-@lru_cache(maxsize=65536)
-def _realloc_cost(cm: CostModel, decl: ModelDecl, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout]) -> ReallocCost:
-    vol = rank_volumes(decl.spec, head=decl.head, src=src, dst=dst, gpus_per_node=cm.cluster.gpus_per_node)
-    if vol.moved_numel == 0:
-        return ReallocCost(0, 0.0)
-    intra, inter = cm.intra_bytes_s * LINK_EFFICIENCY, cm.inter_bytes_s * LINK_EFFICIENCY
-    send = vol.send_intra * BYTES_PARAM / intra + vol.send_inter * BYTES_PARAM / inter
-    recv = vol.recv_intra * BYTES_PARAM / intra + vol.recv_inter * BYTES_PARAM / inter
-    return ReallocCost(vol.moved_numel * BYTES_PARAM, float(max(send.max(), recv.max())))
+    def group(self, mesh: Mesh, layout: Layout, kind: str) -> comm.Group:
+        """Where `layout`'s `kind` group (tp, cp, dp, dpcp) sits on `mesh` (for reports and tests)."""
+        return Topology(mesh.first, mesh.size, self.cluster.gpus_per_node).group(layout, kind)

@@ -42,19 +42,24 @@ def _splits(n: int, parts: int) -> np.ndarray:
     return idx * q + np.minimum(idx, r)
 
 
-def _boxes(param: Param, spec: ModelSpec, lay: Layout, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+NODE_KEY = 1 << 24  # cell * NODE_KEY + node: a sort key of holders by (cell, node)
+
+
+@lru_cache(maxsize=65536)
+def _boxes(shape: tuple[int, ...], tp_dim: int | None, stages: tuple[int, ...], lay: Layout,
+           size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(holds[local], lo[local, dim], hi[local, dim]) of every rank of a mesh (see `shard_box`)."""
     local = np.arange(size)
     tp = local % lay.tp
     dp = (local // (lay.tp * lay.cp)) % lay.dp
     pp = local // (lay.tp * lay.cp * lay.dp)
-    holds = np.isin(pp, param_stages(param, spec, lay))
-    ndim = len(param.shape)
+    holds = np.isin(pp, stages)
+    ndim = len(shape)
     lo = np.zeros((size, ndim), dtype=np.int64)
-    hi = np.tile(np.array(param.shape, dtype=np.int64), (size, 1))
-    if param.tp_dim is not None and lay.tp > 1:
-        b = _splits(param.shape[param.tp_dim], lay.tp)
-        lo[:, param.tp_dim], hi[:, param.tp_dim] = b[tp], b[tp + 1]
+    hi = np.tile(np.array(shape, dtype=np.int64), (size, 1))
+    if tp_dim is not None and lay.tp > 1:
+        b = _splits(shape[tp_dim], lay.tp)
+        lo[:, tp_dim], hi[:, tp_dim] = b[tp], b[tp + 1]
     if lay.zero == 3:
         span = hi[:, 0] - lo[:, 0]
         q, r = np.divmod(span, lay.dp)
@@ -65,51 +70,83 @@ def _boxes(param: Param, spec: ModelSpec, lay: Layout, size: int) -> tuple[np.nd
     return holds, lo, hi
 
 
+@dataclass(frozen=True)
+class _Source:
+    """Where the slices of one tensor sit under a placement: distinct boxes ("cells") and their
+    holders, indexed for the sender choice."""
+
+    c_lo: np.ndarray
+    c_hi: np.ndarray
+    first: int
+    cell_at: np.ndarray  # cell held by each rank of the mesh, -1 for none
+    near_keys: np.ndarray  # sorted cell * NODE_KEY + node of holder groups
+    near_start: np.ndarray  # first index of each group in `by_near`
+    near_count: np.ndarray
+    by_near: np.ndarray  # holder ranks sorted by (cell, node, rank)
+    by_cell: np.ndarray  # holder ranks sorted by (cell, rank)
+    cell_start: np.ndarray
+    cell_count: np.ndarray
+
+
+@lru_cache(maxsize=65536)
+def _source(shape: tuple[int, ...], tp_dim: int | None, stages: tuple[int, ...], lay: Layout, mesh: Mesh,
+            gpn: int) -> _Source | None:
+    holds, lo, hi = _boxes(shape, tp_dim, stages, lay, mesh.size)
+    if not holds.any():
+        return None
+    idx = np.flatnonzero(holds)
+    cells, cell_of = np.unique(np.concatenate([lo[idx], hi[idx]], axis=1), axis=0, return_inverse=True)
+    cell_of = cell_of.reshape(-1)
+    rank = mesh.first + idx
+    ndim = lo.shape[1]
+    cell_at = np.full(mesh.size, -1)
+    cell_at[idx] = cell_of
+    order = np.lexsort((rank, rank // gpn, cell_of))
+    keys, starts, counts = np.unique(cell_of[order] * NODE_KEY + rank[order] // gpn, return_index=True,
+                                     return_counts=True)
+    by_cell = np.lexsort((rank, cell_of))
+    return _Source(cells[:, :ndim], cells[:, ndim:], mesh.first, cell_at, keys, starts, counts, rank[order],
+                   rank[by_cell], np.searchsorted(cell_of[by_cell], np.arange(len(cells))),
+                   np.bincount(cell_of, minlength=len(cells)))
+
+
+@lru_cache(maxsize=65536)
+def _needs(shape: tuple[int, ...], tp_dim: int | None, stages: tuple[int, ...], lay: Layout,
+           mesh: Mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(receiver global ranks, lo, hi) of every rank of a mesh that needs a non-empty slice."""
+    holds, lo, hi = _boxes(shape, tp_dim, stages, lay, mesh.size)
+    if not holds.any():
+        return None
+    idx = np.flatnonzero(holds)
+    return mesh.first + idx, lo[idx], hi[idx]
+
+
 def _param_volumes(param: Param, spec: ModelSpec, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout], gpn: int,
                    first: int, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     (smesh, slay), (dmesh, dlay) = src, dst
-    s_holds, s_lo, s_hi = _boxes(param, spec, slay, smesh.size)
-    d_needs, d_lo, d_hi = _boxes(param, spec, dlay, dmesh.size)
     zeros = [np.zeros(span, dtype=np.int64) for _ in range(4)]
-    if not s_holds.any() or not d_needs.any():
+    source = _source(param.shape, param.tp_dim, param_stages(param, spec, slay), slay, smesh, gpn)
+    needs = _needs(param.shape, param.tp_dim, param_stages(param, spec, dlay), dlay, dmesh)
+    if source is None or needs is None:
         return (*zeros, 0)
-    # Cells: distinct source boxes, each with its holders (global ranks, ascending).
-    s_idx = np.flatnonzero(s_holds)
-    s_box = np.concatenate([s_lo[s_idx], s_hi[s_idx]], axis=1)
-    cells, cell_of = np.unique(s_box, axis=0, return_inverse=True)
-    cell_of = cell_of.reshape(-1)
-    holder_rank = smesh.first + s_idx
-    ndim = s_lo.shape[1]
-    c_lo, c_hi = cells[:, :ndim], cells[:, ndim:]
-    # Receivers: every destination rank that needs a non-empty box.
-    d_idx = np.flatnonzero(d_needs)
-    recv_rank = dmesh.first + d_idx
-    ov = np.prod(np.clip(np.minimum(d_hi[d_idx, None, :], c_hi[None]) - np.maximum(d_lo[d_idx, None, :], c_lo[None]),
+    recv_rank, d_lo, d_hi = needs
+    ov = np.prod(np.clip(np.minimum(d_hi[:, None, :], source.c_hi[None]) - np.maximum(d_lo[:, None, :], source.c_lo[None]),
                          0, None), axis=2)  # [receiver, cell] overlapping elements
     rj, cj = np.nonzero(ov)
     vol = ov[rj, cj]
     r = recv_rank[rj]
     # Local when the receiver itself holds the cell.
-    src_cell = np.full(span, -1)
-    src_cell[holder_rank - first] = cell_of
-    is_local = src_cell[r - first] == cj
+    inside = (r >= smesh.first) & (r < smesh.first + smesh.size)
+    is_local = inside & (source.cell_at[np.where(inside, r - smesh.first, 0)] == cj)
     # Sender: a holder of the cell on the receiver's node if any, else any holder; the k-th such
     # holder with k = receiver's position in the destination mesh mod their count.
-    node_h = holder_rank // gpn
-    order = np.lexsort((holder_rank, node_h, cell_of))  # holders grouped by (cell, node), ascending
-    key_h = cell_of[order] * (span // gpn + 2 + first // gpn) + node_h[order]
-    uniq, start_idx, counts = np.unique(key_h, return_index=True, return_counts=True)
-    by_cell = np.argsort(cell_of, kind="stable")
-    cell_start = np.searchsorted(cell_of[by_cell], np.arange(len(cells)))
-    cell_count = np.bincount(cell_of, minlength=len(cells))
-    key_r = cj * (span // gpn + 2 + first // gpn) + r // gpn
-    pos = np.searchsorted(uniq, key_r)
-    pos = np.minimum(pos, len(uniq) - 1)
-    has_near = uniq[pos] == key_r
+    key = cj * NODE_KEY + r // gpn
+    pos = np.minimum(np.searchsorted(source.near_keys, key), len(source.near_keys) - 1)
+    has_near = source.near_keys[pos] == key
     kth = r - dmesh.first
-    near_sender = holder_rank[order][start_idx[pos] + kth % np.where(has_near, counts[pos], 1)]
-    any_sender = holder_rank[by_cell][cell_start[cj] + kth % cell_count[cj]]
-    sender = np.where(has_near, near_sender, any_sender)
+    near = source.by_near[source.near_start[pos] + kth % np.where(has_near, source.near_count[pos], 1)]
+    anywhere = source.by_cell[source.cell_start[cj] + kth % source.cell_count[cj]]
+    sender = np.where(has_near, near, anywhere)
     moved = ~is_local
     intra = (sender // gpn == r // gpn) & moved
     inter = moved & ~intra

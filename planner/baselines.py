@@ -85,7 +85,7 @@ class Restriction:
 
 
 def _full_mesh_only(graph: Graph, cm: CostModel) -> SearchSpace:
-    return SearchSpace(mesh_sizes=(cm.cluster.world_size,), keep_per_size=6)
+    return SearchSpace(mesh_sizes=(cm.cluster.world_size,), keep_per_size=6, split_decode=False)
 
 
 def _megatron_tp(decl: ModelDecl, gpus_per_node: int) -> int:
@@ -121,7 +121,7 @@ def _heuristic_space(graph: Graph, cm: CostModel) -> SearchSpace:
     def ok(call: Call, decl: ModelDecl, lay: Layout) -> bool:
         return megatron(tp_of[call.model], pp_of[call.model])(call, decl, lay)
 
-    return SearchSpace(mesh_sizes=(world,), keep_per_size=6, layout_ok=ok)
+    return SearchSpace(mesh_sizes=(world,), keep_per_size=6, layout_ok=ok, split_decode=False)
 
 
 def restriction(name: str, graph: Graph, cm: CostModel) -> Restriction:

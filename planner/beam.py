@@ -32,7 +32,10 @@ def symmetric_cluster(problem: Problem) -> bool:
 
 def beam_search(problem: Problem, *, width: int = 16, allowed: Allowed | None = None, exact: bool = True
                 ) -> list[int] | None:
-    """The best complete assignment the beam finds, or None if nothing fits in memory."""
+    """The best complete assignment the beam finds, or None if nothing fits in memory.
+
+    With ``exact=False`` partial plans are scored with reallocation lower bounds (cheap) and only
+    the final survivors are simulated exactly."""
     cap = problem.cluster.mem_bytes
     order = assignment_order(problem)
     beam: list[list[int | None]] = [[None] * len(problem.slots)]
@@ -55,4 +58,6 @@ def beam_search(problem: Problem, *, width: int = 16, allowed: Allowed | None = 
             return None
         scored.sort(key=lambda t: (t[0], t[1]))
         beam = [ext for _, _, ext in scored[:width]]
+    if not exact:  # scored with reallocation lower bounds: pick the survivor that is best exactly
+        beam.sort(key=lambda ext: (simulate(problem, ext).makespan_s, tuple(ext)))
     return [int(k) for k in beam[0]]  # type: ignore[arg-type]  # every slot is assigned by now

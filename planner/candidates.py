@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import product
 
 from cost_models import CallCost, CostModel
@@ -20,6 +21,7 @@ from plans.layout import Layout, Mesh
 from plans.sharding import layout_problems
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+SPLIT_DECODE_PREFILLS = 3  # prefill layouts per mesh size tried with every other decode layout
 LONG_SEQ_TOKENS = 16384  # context parallel is considered from this sequence length on
 
 
@@ -45,10 +47,14 @@ class Candidate:
         """Transient bytes during the call on top of the resident state."""
         return self.cost.peak_mem_bytes - self.cost.state_mem_bytes
 
-    def param_key(self) -> tuple[int, ...]:
-        """Equal keys hold every parameter slice on the same ranks (a reallocation moves nothing)."""
+    @cached_property
+    def _param_key(self) -> tuple[int, ...]:
         lay = self.layout
         return (self.mesh.first, self.mesh.size, lay.tp, lay.pp, lay.interleave, lay.dp if lay.zero == 3 else 0)
+
+    def param_key(self) -> tuple[int, ...]:
+        """Equal keys hold every parameter slice on the same ranks (a reallocation moves nothing)."""
+        return self._param_key
 
     def describe(self) -> str:
         text = f"{self.mesh.short()} {self.layout.short()}"
@@ -68,6 +74,7 @@ class SearchSpace:
     keep_per_size: int = 4  # layouts kept per mesh size after dominance pruning
     mesh_sizes: tuple[int, ...] | None = None  # only these mesh sizes
     layout_ok: LayoutFilter | None = None  # applied before pruning
+    split_decode: bool = False  # generation may decode with a different layout than it prefills with (opt-in)
 
 
 def _divisors(n: int) -> list[int]:
@@ -127,11 +134,12 @@ def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) ->
             for mb, zero, rc in product(mbs, zeros, RECOMPUTE_MODES):
                 out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batches=mb, recompute=rc,
                                   sequence_parallel=tp > 1))
-        elif call.kind == "inference":
-            mbs = [m for m in _divisors(per_dp) if m & (m - 1) == 0 and m <= 64] if pp > 1 else [1]
-            out += [Layout(dp=dp, tp=tp, pp=pp, micro_batches=mb) for mb in mbs]
         else:
-            out.append(Layout(dp=dp, tp=tp, pp=pp))
+            # Inference and generation split each replica's batch into micro-batches: pipelined
+            # through the stages when pp > 1, run as waves (each with its own activations or KV
+            # cache) when pp = 1, which is how a large batch fits at all.
+            mbs = [m for m in _divisors(per_dp) if m & (m - 1) == 0 and m <= 64]
+            out += [Layout(dp=dp, tp=tp, pp=pp, micro_batches=mb) for mb in mbs]
     return out
 
 
@@ -156,14 +164,34 @@ def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpa
     for size in mesh_sizes(cluster, space):
         mesh = Mesh.block(0, size)
         costed = []
-        for lay in layouts_for(call, decl, size, cluster):
-            if space.layout_ok is not None and not space.layout_ok(call, decl, lay):
-                continue
+        valid = [lay for lay in layouts_for(call, decl, size, cluster)
+                 if space.layout_ok is None or space.layout_ok(call, decl, lay)]
+        for lay in valid:
             cost = cm.call_cost(call, view, mesh, lay)
             if cost.peak_mem_bytes <= cap:
                 costed.append(Candidate(mesh, lay, cost))
+        if call.kind == "generate" and space.split_decode and costed:
+            costed += _split_decode(call, view, cm, mesh, pareto(costed)[:SPLIT_DECODE_PREFILLS], valid)
         if costed:
             out[size] = diverse(pareto(costed), space.keep_per_size)
+    return out
+
+
+def _split_decode(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, prefills: list[Candidate],
+                  layouts: list[Layout]) -> list[Candidate]:
+    """Generation that prefills with one layout and decodes with another on the same mesh (the
+    cost model charges moving the weights and KV cache between them), where that is faster."""
+    out = []
+    for pre in prefills:
+        best = pre
+        for dec in layouts:
+            if dec == pre.layout:
+                continue
+            cost = cm.call_cost(call, view, mesh, pre.layout, decode_layout=dec)
+            if cost.peak_mem_bytes <= cm.cluster.mem_bytes and cost.time_s < best.time_s:
+                best = Candidate(mesh, pre.layout, cost, decode_layout=dec)
+        if best is not pre:
+            out.append(best)
     return out
 
 
@@ -189,9 +217,9 @@ def twin_layout(call: Call, home: Layout) -> Layout:
     case the call gathers them first, as FSDP does."""
     if call.kind == "train":
         return home
-    mb = home.micro_batches if call.kind == "inference" and home.pp > 1 else 1
     # Context-parallel ranks hold replicas, exactly like data-parallel ones.
-    return Layout(dp=home.dp * home.cp, tp=home.tp, pp=home.pp, micro_batches=mb, interleave=home.interleave)
+    return Layout(dp=home.dp * home.cp, tp=home.tp, pp=home.pp, micro_batches=home.micro_batches,
+                  interleave=home.interleave)
 
 
 def placed(cand: Candidate, mesh: Mesh) -> Candidate:

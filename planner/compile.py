@@ -30,11 +30,14 @@ from planner.baselines import Restriction, restriction
 from planner.beam import beam_search
 from planner.candidates import SearchSpace, graph_candidates, min_memory_needed
 from planner.cpsat import solve_cpsat
+from planner.exhaustive import topological_orders
 from planner.problem import Problem, build_problem
 from planner.simulate import Schedule, simulate
 
 Progress = Callable[[str], None]
 MAX_CPSAT_ROUNDS = 3  # re-solves after costing reallocations CP-SAT saw only as lower bounds
+CPSAT_WORK_SHARE = (0.3, 0.1, 0.1)  # of --time-limit, as CP-SAT deterministic time, per round
+MAX_ORDERS_TRIED = 5000  # list-scheduling orders tried for the final assignment
 POST_RESERVE_S = 0.3  # of the time limit, kept for building and writing the plan
 
 
@@ -103,8 +106,8 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
             raise _no_fit_error(graph, cm, name, space, baseline)
     problem = build_problem(graph, cm, space, candidates=per_size)
     n_cands = sum(len(s.cands) for s in problem.slots)
-    found = search(problem, rule=rule, deadline=t0 + time_limit_s - POST_RESERVE_S, beam_width=beam_width,
-                   workers=workers, use_cpsat=time_limit_s > 0, say=say)
+    found = search(problem, rule=rule, time_limit_s=time_limit_s, deadline=t0 + time_limit_s - POST_RESERVE_S,
+                   beam_width=beam_width, workers=workers, say=say)
     if found is None:
         raise _no_joint_fit_error(problem, baseline)
     choice, sched, bound, status, used_cpsat = found
@@ -117,11 +120,17 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
     return build_plan(problem, choice, sched, search_info)
 
 
-def search(problem: Problem, *, rule: Restriction | None = None, deadline: float, beam_width: int = 16,
-           workers: int = 1, use_cpsat: bool = True, say: Progress | None = None
+def search(problem: Problem, *, rule: Restriction | None = None, time_limit_s: float, deadline: float | None = None,
+           beam_width: int = 16, workers: int = 1, say: Progress | None = None
            ) -> tuple[list[int], Schedule, float, str | None, bool] | None:
     """(assignment, its exact schedule, lower bound on iteration_s, CP-SAT status, whether CP-SAT
-    ran) for the best plan found by beam search then CP-SAT, or None when nothing fits."""
+    ran) for the best plan found by beam search then CP-SAT, or None when nothing fits.
+
+    Every stopping rule is a deterministic work budget derived from `time_limit_s` (CP-SAT's
+    deterministic time, counts of evaluations), so the same inputs give the same plan; the
+    wall-clock `deadline` is only a safety net (on a very loaded machine it may cut work short)."""
+    deadline = deadline if deadline is not None else time.perf_counter() + time_limit_s
+    use_cpsat = time_limit_s > 0
     say = say or (lambda _msg: None)
     say(f"beam search over {sum(len(s.cands) for s in problem.slots)} placed candidates")
     choice = beam_search(problem, width=beam_width, allowed=rule)
@@ -129,12 +138,12 @@ def search(problem: Problem, *, rule: Restriction | None = None, deadline: float
     bound, status, rounds = trivial_lower_bound(problem), None, 0
     while use_cpsat and rounds < MAX_CPSAT_ROUNDS:
         left = deadline - time.perf_counter()
-        if left < 0.2 and rounds:
-            break
         rounds += 1
         best = f"best plan {sched.iteration_s:.3f} s" if sched else "no plan yet"
         say(f"CP-SAT round {rounds} ({max(left, 0):.1f} s left), {best}, bound {bound:.3f} s")
-        result = solve_cpsat(problem, hint=choice, time_limit_s=max(left, 0.5), workers=workers, allowed=rule)
+        budget = CPSAT_WORK_SHARE[rounds - 1] * time_limit_s
+        result = solve_cpsat(problem, hint=choice, time_limit_s=max(left, 0.5), work_budget=budget, workers=workers,
+                             allowed=rule)
         status = result.status
         bound = max(bound, result.lower_bound_s)
         if result.choice is None:
@@ -150,7 +159,70 @@ def search(problem: Problem, *, rule: Restriction | None = None, deadline: float
             break
     if choice is None or sched is None:
         return None
+    if rounds and time.perf_counter() < deadline:
+        say("polishing")
+        choice, sched = polish(problem, choice, sched, rule=rule, deadline=deadline)
     return choice, sched, min(bound, sched.iteration_s), status, rounds > 0
+
+
+def polish(problem: Problem, choice: list[int], sched: Schedule, *, rule: Restriction | None, deadline: float,
+           max_evals: int = 4_000) -> tuple[list[int], Schedule]:
+    """Local search on the exact simulator: changes of one call's candidate, then of two calls'
+    at once, kept while they shorten the schedule; then the best list-scheduling order of the
+    final assignment. CP-SAT works on rounded integer times (and may have seen some
+    reallocations only as lower bounds), so its answer can be a hair off the exact optimum."""
+    evals = 0
+
+    def order_of(s: Schedule) -> list:
+        return sorted(s.start, key=lambda op: (s.start[op], op))
+
+    def better(trial: list[int]) -> Schedule | None:
+        nonlocal evals
+        if rule is not None and not all(rule(problem, j, trial[j], trial) for j in range(len(trial))):
+            return None
+        for ord_ in (order_of(sched), None):
+            evals += 1
+            cand = simulate(problem, trial, ord_)
+            if cand.mem_ok and cand.makespan_s < sched.makespan_s * (1 - 1e-12):
+                return cand
+        return None
+
+    def moves(width: int):  # noqa: ANN202
+        n = len(problem.slots)
+        if width == 1:
+            for i in range(n):
+                for k in range(len(problem.slots[i].cands)):
+                    if k != choice[i]:
+                        yield {i: k}
+        else:
+            for i in range(n):
+                for j in range(i + 1, n):
+                    for k in range(len(problem.slots[i].cands)):
+                        for m in range(len(problem.slots[j].cands)):
+                            if k != choice[i] and m != choice[j]:
+                                yield {i: k, j: m}
+
+    n_pairs = sum(len(a.cands) * len(b.cands) for i, a in enumerate(problem.slots) for b in problem.slots[i + 1:])
+    widths = (1, 2) if n_pairs <= max_evals // 4 else (1,)  # pairs only where they can all be tried
+    for width in widths:
+        improved = True
+        while improved:
+            improved = False
+            for move in moves(width):
+                if evals >= max_evals or time.perf_counter() > deadline:
+                    break
+                trial = [move.get(i, k) for i, k in enumerate(choice)]
+                found = better(trial)
+                if found is not None:
+                    choice, sched, improved = trial, found, True
+                    break
+    for n, ord_ in enumerate(topological_orders(problem)):
+        if n >= MAX_ORDERS_TRIED or time.perf_counter() > deadline:
+            break
+        cand = simulate(problem, choice, ord_)
+        if cand.makespan_s < sched.makespan_s * (1 - 1e-12):
+            sched = cand
+    return choice, sched
 
 
 def build_plan(problem: Problem, choice: list[int], sched: Schedule, search: SearchInfo) -> Plan:

@@ -45,7 +45,7 @@ class _Model:
         self.p = problem
         self.allowed = allowed
         n_ops = len(problem.slots) * problem.unroll
-        self.tick_s = max(horizon_s, 1e-9) / 1_000_000.0
+        self.tick_s = max(horizon_s, 1e-9) / 100_000.0
         self.horizon = int(math.ceil(horizon_s / self.tick_s)) + 4 * n_ops + 1
         self.m = cp_model.CpModel()
         self._variables()
@@ -222,12 +222,12 @@ class _Model:
             for a, lit in lits.items():
                 m.add_hint(lit, int(a in chosen))
 
-    def solve(self, *, time_limit_s: float, workers: int) -> CpsatResult:
+    def solve(self, *, time_limit_s: float, work_budget: float, workers: int) -> CpsatResult:
         solver = cp_model.CpSolver()
         prm = solver.parameters
         prm.max_time_in_seconds = time_limit_s
         # Deterministic: a work budget rather than wall time decides where the search stops.
-        prm.max_deterministic_time = max(0.1, time_limit_s * 0.5)
+        prm.max_deterministic_time = max(0.05, work_budget)
         prm.num_workers = workers
         prm.interleave_search = workers > 1
         prm.random_seed = 0
@@ -251,10 +251,13 @@ class _Model:
         return CpsatResult(choice, order, name, bound, solver.objective_value * self.tick_s / self.p.unroll)
 
 
-def solve_cpsat(problem: Problem, *, hint: list[int] | None, time_limit_s: float, workers: int = 1,
-                allowed=None) -> CpsatResult:  # noqa: ANN001
+def solve_cpsat(problem: Problem, *, hint: list[int] | None, time_limit_s: float, work_budget: float | None = None,
+                workers: int = 1, allowed=None) -> CpsatResult:  # noqa: ANN001
     """Optimise jointly, from the `hint` assignment when there is one; the result's order
-    re-simulates to at most the CP-SAT objective (reallocations it knew exactly)."""
+    re-simulates to at most the CP-SAT objective (reallocations it knew exactly).
+
+    `work_budget` (CP-SAT deterministic time) decides where the search stops, so results repeat;
+    `time_limit_s` is a wall-clock safety net only."""
     if hint is not None:
         sched = simulate(problem, hint, exact=False)
         horizon = sched.makespan_s * 1.0001 + 1e-9
@@ -268,4 +271,5 @@ def solve_cpsat(problem: Problem, *, hint: list[int] | None, time_limit_s: float
     model = _Model(problem, horizon_s=horizon, allowed=allowed)
     if hint is not None:
         model.hint(hint, sched)
-    return model.solve(time_limit_s=time_limit_s, workers=workers)
+    budget = work_budget if work_budget is not None else time_limit_s * 0.5
+    return model.solve(time_limit_s=time_limit_s, work_budget=budget, workers=workers)

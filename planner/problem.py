@@ -85,11 +85,8 @@ class Problem:
         s = self.slots[slot]
         if s.home is None:
             return None
-        key = s.cands[k].param_key()
-        for h, hc in enumerate(self.slots[s.home].cands):
-            if hc.param_key() == key:
-                return h
-        return None
+        homes = self.cached(f"keys{s.home}", lambda: {c.param_key(): h for h, c in reversed(list(enumerate(self.slots[s.home].cands)))})
+        return homes.get(s.cands[k].param_key())
 
     def realloc(self, slot: int, h: int, k: int) -> tuple[int, float]:
         """(bytes, seconds) to reallocate slot's model from home candidate h to candidate k."""

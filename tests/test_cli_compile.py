@@ -112,7 +112,7 @@ graph = g.build()
     (lambda p: ["compile", str(ROOT / "examples" / "tiny_ppo.py"), "-c", "b200:1x8"], "unknown GPU 'b200'"),
     (lambda p: ["compile", str(ROOT / "examples" / "tiny_ppo.py"), "-c", "a100"], "malformed cluster 'a100'"),
     (lambda p: ["compile", "sft", "--actor", "llama-2-70b", "-c", "a100-80gb:1x2", "--batch", "8"],
-     "does not fit: its best layout on all 2 GPUs needs"),
+     "does not fit: its best layout on 2 GPUs needs"),
     (lambda p: ["compile", "ppo", "--actor", "llama-9b", "-c", "a100-80gb:1x8"], "unknown model 'llama-9b'"),
     (lambda p: ["compile", "ppx", "--actor", "tiny-llama"], "neither a graph file nor an algorithm"),
     (lambda p: ["compile", "ppo", "-c", "cpu:1x4"], "needs --actor"),
@@ -141,7 +141,8 @@ def test_plan_with_unknown_key_or_wrong_version(compiled, cli, tmp_path):
 
 def test_plan_that_breaks_placement_rules(compiled, cli, tmp_path):
     data = json.loads((compiled / "tiny_ppo.json").read_text())
-    data["calls"][0]["mesh"]["ranks"] = [2, 3, 4, 5]
+    data["calls"][0]["mesh"]["ranks"] = [4, 5]
+    data["calls"][0]["layout"].update(dp=2, tp=1, pp=1, cp=1, zero=0, micro_batches=1, sequence_parallel=False)
     (tmp_path / "bad.json").write_text(json.dumps(data))
     r = cli("validate", str(tmp_path / "bad.json"))
     assert r.code == 2 and "exceeds the cluster's 4 GPUs" in r.err

@@ -1,0 +1,106 @@
+"""Collectives by the alpha-beta model over the real topology.
+
+A group is `n` ranks with `per_node` of them on each of its nodes; `concurrent` groups of the same
+kind have members on one node at once (the other tensor-parallel ranks' data-parallel groups, say)
+and share its network. A ring collective moves the same volume over every edge of the ring, and
+each node has one outgoing inter-node edge per ring, so (Thakur et al. 2005; NCCL's bus
+bandwidth):
+
+- all-reduce of S bytes: ``2(n-1)/n * S / busbw + 2(n-1) * alpha`` (ring), or a double binary
+  tree ``2 S / busbw + 2 log2(n) * alpha`` when that is faster (small messages, many ranks);
+- all-gather / reduce-scatter (S = the full gathered size): ``(n-1)/n * S / busbw + (n-1) alpha``;
+- all-to-all: every rank sends ``(n-1)/n * S``, the part leaving the node over the network;
+- broadcast: pipelined ``S / busbw + log2(n) alpha``; point-to-point ``S / link + alpha``;
+
+with busbw the slowest link: NVLink per GPU inside a node, and across nodes the node's network
+shared by the `concurrent` groups: ``node_net / concurrent``. Alpha is the intra- or inter-node
+step latency.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cost_models.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class Group:
+    """Where a process group's ranks sit."""
+
+    n: int
+    per_node: int  # members on each node the group spans
+    concurrent: int  # groups of this kind with members on the same node, sharing its network
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.per_node < self.n
+
+
+def group_at(*, first: int, stride: int, n: int, mesh_size: int, gpus_per_node: int) -> Group:
+    """The group of `n` ranks ``first + i*stride`` in a mesh of `mesh_size` ranks."""
+    if n <= 1:
+        return Group(1, 1, 1)
+    nodes = len({(first + i * stride) // gpus_per_node for i in range(n)})
+    per_node = max(1, n // nodes)
+    on_node = min(gpus_per_node, mesh_size)
+    return Group(n, per_node, max(1, on_node // per_node) if nodes > 1 else 1)
+
+
+def _busbw(g: Group, hw: Hardware) -> float:
+    if not g.spans_nodes:
+        return hw.intra_bytes_s
+    net = hw.node_net_bytes_s / g.concurrent
+    return min(hw.intra_bytes_s, net) if g.per_node > 1 else net
+
+
+def _alpha(g: Group, hw: Hardware) -> float:
+    return hw.inter_latency_s if g.spans_nodes else hw.intra_latency_s
+
+
+def all_reduce_s(nbytes: float, g: Group, hw: Hardware) -> float:
+    """Time to all-reduce `nbytes` per rank over `g`."""
+    if g.n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, a = _busbw(g, hw), _alpha(g, hw)
+    ring = 2 * (g.n - 1) / g.n * nbytes / bw + 2 * (g.n - 1) * a
+    tree = 2 * nbytes / bw + 2 * math.log2(g.n) * a
+    return min(ring, tree)
+
+
+def all_gather_s(nbytes: float, g: Group, hw: Hardware) -> float:
+    """Time to all-gather (or reduce-scatter) a buffer of `nbytes` in total over `g`."""
+    if g.n <= 1 or nbytes <= 0:
+        return 0.0
+    return (g.n - 1) / g.n * nbytes / _busbw(g, hw) + (g.n - 1) * _alpha(g, hw)
+
+
+reduce_scatter_s = all_gather_s
+
+
+def all_to_all_s(nbytes: float, g: Group, hw: Hardware) -> float:
+    """Time for every rank to exchange `nbytes` (its whole buffer) with all others."""
+    if g.n <= 1 or nbytes <= 0:
+        return 0.0
+    intra = (g.n - 1) / g.n * nbytes / hw.intra_bytes_s
+    if not g.spans_nodes:
+        return intra + (g.n - 1) * hw.intra_latency_s
+    leaving = g.per_node * g.concurrent * (g.n - g.per_node) / g.n * nbytes
+    return max(intra, leaving / hw.node_net_bytes_s) + (g.n - 1) * hw.inter_latency_s
+
+
+def broadcast_s(nbytes: float, g: Group, hw: Hardware) -> float:
+    """Time to broadcast `nbytes` from one rank to the group (pipelined)."""
+    if g.n <= 1 or nbytes <= 0:
+        return 0.0
+    return nbytes / _busbw(g, hw) + math.log2(g.n) * _alpha(g, hw)
+
+
+def p2p_s(nbytes: float, *, cross_node: bool, senders_per_node: int, hw: Hardware) -> float:
+    """Time to send `nbytes` between two ranks while `senders_per_node` ranks of the node send too."""
+    if nbytes <= 0:
+        return 0.0
+    if cross_node:
+        return nbytes / (hw.node_net_bytes_s / max(1, senders_per_node)) + hw.inter_latency_s
+    return nbytes / hw.intra_bytes_s + hw.intra_latency_s

@@ -1,0 +1,60 @@
+"""Kernel times: GEMMs by a roofline with wave quantisation, memory-bound kernels by bytes.
+
+A GEMM's output is cut into tiles, one per streaming multiprocessor at a time; the last wave runs
+partly empty, so a GEMM of T tiles on S SMs reaches ``T / (S * ceil(T / S))`` of the SMs, and
+edge tiles that overhang the matrix compute padding. The kernel then takes the longer of its
+compute time at that efficiency and its operand traffic over HBM (the roofline: short-K GEMMs
+such as attention scores with K = head_dim are bandwidth-bound), plus a launch latency. Tile shapes and their relative throughput follow the arithmetic intensity
+of the tile (cuBLAS picks the best for the shape; we do the same over a small menu).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from cost_models.hardware import Hardware
+from cost_models.ops import Kernel
+
+# (rows, cols, relative throughput): smaller tiles load more operand bytes per FLOP, which
+# bounds them below peak by their arithmetic intensity 2*r*c/(r+c) relative to 128x128's.
+TILES: tuple[tuple[int, int, float], ...] = ((128, 128, 1.0), (128, 64, 0.85), (64, 128, 0.85), (64, 64, 0.6))
+
+
+@lru_cache(maxsize=65536)
+def wave_efficiency(m: int, n: int, batch: int, sm_count: int | None) -> float:
+    """Best fraction of the SMs busy over the waves of an (m x n) x batch GEMM's output tiles."""
+    if sm_count is None:
+        return 1.0
+    best = 0.0
+    for r, c, rel in TILES:
+        tiles = -(-m // r) * -(-n // c) * batch
+        waves = -(-tiles // sm_count)
+        best = max(best, rel * tiles / (waves * sm_count) * (m * n) / (-(-m // r) * r * -(-n // c) * c))
+    return best
+
+
+def kernel_time_s(k: Kernel, hw: Hardware) -> float:
+    """Device time of one kernel on `hw`."""
+    if k.kind == "mem":
+        return k.bytes / hw.mem_bytes_s + hw.kernel_latency_s
+    if k.kind == "gemm":
+        rate = hw.gemm_flops * wave_efficiency(k.m, k.n, k.batch, hw.sm_count)
+    else:  # fused attention: one tile per (head, query block); the key loop is the reduction
+        rate = hw.attn_flops * wave_efficiency(k.m, 64, k.batch, hw.sm_count)
+    return max(k.flops / rate, k.bytes / hw.mem_bytes_s) + hw.kernel_latency_s
+
+
+def kernels_time_s(kernels: tuple[Kernel, ...], hw: Hardware) -> float:
+    """Device time of kernels run back to back."""
+    return sum(kernel_time_s(k, hw) for k in kernels)
+
+
+def host_device_s(host_s: float, device_s: float, hw: Hardware) -> float:
+    """Wall time of a stretch whose host issues work for `host_s` while the device needs `device_s`.
+
+    The host runs ahead of the device through the launch queue, so the longer of the two bounds
+    the stretch; the shorter is hidden under it only in part (`host_overlap`), as the device
+    starves whenever the host falls behind within the stretch.
+    """
+    longer, shorter = (host_s, device_s) if host_s > device_s else (device_s, host_s)
+    return longer + (1.0 - hw.host_overlap) * shorter

@@ -1,0 +1,96 @@
+"""Generation: a prefill pass over the prompts, then one decode step per generated token.
+
+Prefill is a forward pass over ``prompt_len`` tokens per sequence (compute-bound at realistic
+batch sizes) that also writes the key/value cache; only the last position's logits are computed.
+Each decode step runs every layer on one token per sequence: the GEMMs turn into matrix-vector
+products that stream the layer's weights from HBM, attention streams the sequences' key/value
+cache, each layer does its two tensor-parallel all-reduces on a tiny message (latency-bound),
+and the host issues every kernel (often the bound in eager frameworks). Attention cost is linear
+in the context, so the decode phase is ``gen_len`` steps at the mean context
+``prompt_len + (gen_len + 1) / 2``.
+
+How the decode layout's ``micro_batches`` = m splits a replica's sequences:
+
+- pp = 1: m *waves* run one after another (prefill then decode of each), so only one wave's
+  key/value cache is resident: generation trades time for memory;
+- pp > 1: m *groups* are pipelined through the stages, all resident, and a token takes
+  ``max(m, pp)`` stage times (each stage works on one group while the others wait their turn).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models import comm
+from cost_models.compute import kernels_time_s
+from cost_models.framework import Framework
+from cost_models.hardware import Hardware
+from cost_models.memory import kv_cache_bytes
+from cost_models.ops import embedding_work, gemm, layer_work, mem
+from cost_models.training import StepTimes, Stretch, Topology, forward_pass, stretch_of
+from plans.layout import Layout
+from plans.model import ModelSpec
+from plans.sharding import stage_layers
+
+SAMPLE_BYTES = 10  # per logit per step: softmax in fp32 and sampling
+
+
+@dataclass(frozen=True)
+class DecodeSplit:
+    """How a decode layout divides the sequences: waves in turn, groups in the pipeline."""
+
+    waves: int
+    groups: int
+    seqs_per_group: int  # on one replica
+
+    @property
+    def resident_seqs(self) -> int:
+        """Sequences whose cache one replica holds at once."""
+        return self.groups * self.seqs_per_group
+
+
+def decode_split(seqs: int, layout: Layout) -> DecodeSplit:
+    replicas = layout.dp * layout.cp  # decode treats context-parallel ranks as more replicas
+    m = layout.micro_batches
+    waves, groups = (m, 1) if layout.pp == 1 else (1, m)
+    return DecodeSplit(waves, groups, max(1, -(-seqs // (replicas * m))))
+
+
+def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, b: int, groups: int,
+                  ctx: int) -> tuple[float, float]:
+    """(wall time, tensor-parallel collective time) of one decode step of `groups` groups of `b` sequences."""
+    pp, tp = layout.pp, layout.tp
+    w = layer_work(spec, fw, b=b, s=1, tp=tp, cp=1, sp=False, kv_len=ctx)
+    g = {"tp": topo.group(layout, "tp"), "cp": comm.Group(1, 1, 1)}
+    layer = stretch_of(w.fwd, w.fwd_comm, g, hw)
+    ef, _ = embedding_work(spec, fw, b=b, s=1, tp=tp, cp=1)
+    head = (gemm(b, -(-spec.vocab_size // tp), spec.hidden_size), mem(SAMPLE_BYTES * b * spec.vocab_size / tp))
+    ends = Stretch(kernels_time_s(ef + head, hw), 0.0, (len(ef) + len(head)) * hw.host_kernel_s)
+    layers = [len(x) for x in stage_layers(spec.num_hidden_layers, pp, layout.interleave)]
+    stage = max(layer.scale(n).wall_s(hw) for n in layers) + ends.wall_s(hw) / pp
+    hop = comm.p2p_s(2.0 * b * spec.hidden_size, cross_node=topo.pp_cross_node(layout), senders_per_node=1, hw=hw)
+    turns = max(groups, pp)
+    return turns * stage + (pp - 1) * hop, turns * layer.comm_s * max(layers)
+
+
+def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, decode: Layout, topo: Topology, *,
+                   seqs: int, prompt_len: int, gen_len: int) -> StepTimes:
+    """Wall time of prefill, cache writes, layout change and decode, by kind."""
+    out = StepTimes()
+    split = decode_split(seqs, decode)
+    # Each wave prefills its own prompts: the prefill layout's micro-batches subdivide a wave.
+    pre_layout = layout.model_copy(update={"micro_batches": layout.micro_batches * split.waves}) if split.waves > 1 else layout
+    pre = forward_pass(spec, fw, hw, pre_layout, topo, head="lm", seqs=seqs, seq_len=prompt_len, last_token_logits=True)
+    out.add("prefill", pre.total_s)
+    per_rank = seqs / (layout.dp * layout.cp)
+    layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, layout.pp, layout.interleave))
+    cache = kv_cache_bytes(spec, seqs=per_rank, ctx=prompt_len, layers=layers, tp=layout.tp)
+    out.add("prefill", cache / hw.mem_bytes_s)
+    if (decode.tp, decode.pp, decode.dp, decode.cp) != (layout.tp, layout.pp, layout.dp, layout.cp):
+        whole = comm.group_at(first=topo.first, stride=1, n=topo.size, mesh_size=topo.size, gpus_per_node=topo.gpus_per_node)
+        out.add("reshard", comm.all_to_all_s(cache, whole, hw))
+    ctx = prompt_len + (gen_len + 1) // 2
+    step, tp_comm = decode_step_s(spec, fw, hw, decode, topo, b=split.seqs_per_group, groups=split.groups, ctx=ctx)
+    out.add("decode", split.waves * gen_len * (step - tp_comm))
+    out.add("tp_comm", split.waves * gen_len * tp_comm)
+    return out

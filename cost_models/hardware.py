@@ -1,0 +1,72 @@
+"""The effective hardware a cost model times kernels and collectives on.
+
+Datasheet peaks (`plans.hardware`), the cluster's bandwidth overrides (`plans.cluster`) and a
+calibration's measured figures combine into one immutable `Hardware`: achieved rates in SI units
+(FLOP/s, bytes/s, seconds), the calibration's efficiencies already applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_models.calibration import Calibration, Coefficients
+from plans.cluster import ClusterSpec
+
+GBIT = 1e9 / 8  # bytes per Gbit
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Achieved rates of one accelerator type in one cluster."""
+
+    peak_flops: float  # datasheet (or profiled) dense FLOP/s
+    gemm_flops: float  # what a large, well-shaped GEMM reaches
+    attn_flops: float  # what fused attention reaches
+    mem_bytes_s: float  # what a streaming kernel reaches
+    intra_bytes_s: float  # collective bus bandwidth over NVLink, per GPU
+    node_net_bytes_s: float  # collective bandwidth of all NICs of one node
+    intra_latency_s: float
+    inter_latency_s: float
+    gpus_per_node: int
+    sm_count: int | None
+    kernel_latency_s: float
+    host_kernel_s: float
+    host_collective_s: float
+    host_overlap: float
+    microbatch_overhead_s: float
+    step_overhead_s: float
+    mem_capacity_bytes: int
+
+
+def effective_hardware(cluster: ClusterSpec, cal: Calibration) -> Hardware:
+    """Combine datasheet, cluster overrides and calibration into achieved rates."""
+    sheet = cluster.sheet
+    hw = cal.hardware
+    co: Coefficients = cal.coefficients
+    assert cluster.intra_node_gbps is not None and cluster.inter_node_gbps is not None  # filled by the schema
+    peak = (hw.peak_tflops or sheet.peak_tflops) * 1e12
+    hbm = (hw.hbm_gb_s or sheet.hbm_gb_s) * 1e9
+    # The cluster's stated bandwidths win over a profile's only when the user overrode them.
+    intra_gbps = cluster.intra_node_gbps if cluster.intra_node_gbps != sheet.nvlink_gbps else (hw.intra_node_gbps or cluster.intra_node_gbps)
+    inter_gbps = cluster.inter_node_gbps if cluster.inter_node_gbps != sheet.nic_gbps_per_node else (hw.inter_node_gbps or cluster.inter_node_gbps)
+    intra_lat = hw.intra_latency_us if hw.intra_latency_us is not None else sheet.nvlink_latency_us
+    inter_lat = hw.inter_latency_us if hw.inter_latency_us is not None else sheet.net_latency_us
+    return Hardware(
+        peak_flops=peak,
+        gemm_flops=peak * co.gemm_efficiency,
+        attn_flops=peak * co.gemm_efficiency * co.attention_efficiency,
+        mem_bytes_s=hbm * co.hbm_efficiency,
+        intra_bytes_s=intra_gbps * GBIT * co.nvlink_efficiency,
+        node_net_bytes_s=inter_gbps * GBIT * co.network_efficiency,
+        intra_latency_s=intra_lat * 1e-6,
+        inter_latency_s=inter_lat * 1e-6,
+        gpus_per_node=cluster.gpus_per_node,
+        sm_count=sheet.sm_count,
+        kernel_latency_s=co.kernel_latency_us * 1e-6,
+        host_kernel_s=co.host_kernel_us * 1e-6,
+        host_collective_s=co.host_collective_us * 1e-6,
+        host_overlap=co.host_overlap,
+        microbatch_overhead_s=co.microbatch_overhead_ms * 1e-3,
+        step_overhead_s=co.step_overhead_ms * 1e-3,
+        mem_capacity_bytes=cluster.mem_bytes,
+    )

@@ -1,0 +1,114 @@
+"""Memory per GPU: model states by ZeRO stage, activations by recompute mode, KV cache, buffers.
+
+- Model states (Rajbhandari et al. 2020, ZeRO): 2 bytes of bf16/fp16 weights, 2 of gradients and
+  12 of fp32 master weights, Adam m and v per parameter; stage 1 shards the 12 over the
+  data-parallel group, stage 2 also the gradients, stage 3 also the weights.
+- Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation"): per layer and
+  micro-batch a GPT layer keeps ``s*b*h*(34 + 5*a*s/h)`` bytes; with tensor parallelism
+  ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``, with sequence parallelism ``s*b*h/t * (34 + 5*a*s/h)``;
+  selective recompute drops the ``5*a*s/h`` attention term; full recompute keeps only the layer
+  input, ``2*s*b*h`` (divided by t under sequence parallelism). Llama layers (SwiGLU, grouped-
+  query attention, no dropout) are counted from the same list of saved tensors.
+- 1F1B keeps ``pp - stage`` micro-batches in flight on a stage; the interleaved schedule keeps
+  ``pp * (1 + (pp-1)/(pp*v))`` on the first stage (Korthikanti et al. 2022, section 4.2.3).
+"""
+
+from __future__ import annotations
+
+from cost_models.framework import Framework
+from plans.layout import Layout
+from plans.model import Head, ModelSpec
+
+GIB = 1024**3
+RESERVE_MAX_BYTES = 2 * GIB  # CUDA context, cuBLAS/NCCL workspaces, allocator fragmentation
+RESERVE_FRACTION = 0.05  # ... bounded by this share of a small device
+
+
+def layer_activation_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, sp: bool,
+                           recompute: str) -> float:
+    """Bytes one layer keeps for backward, for one micro-batch of `b` sequences of `s` tokens."""
+    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_size
+    a, kv = spec.num_attention_heads, spec.kv_heads
+    sbh = float(s) * b * h
+    norm_div = tp if sp else 1
+    if recompute == "full":
+        return 2 * sbh / norm_div
+    if spec.model_type == "gpt":
+        # LN inputs (2+2), QKV and MLP inputs (2+2), two dropout masks (1+1): 10 sbh.
+        replicated = (8 + (2 if fw.dropout else 0)) * sbh
+        # Q, K, V (2 each), out-proj input (2), GELU input and down input (2 sbf each): 24 sbh at f=4h.
+        split = 2 * s * b * (a * d + 2 * kv * d) + 2 * sbh + 4.0 * s * b * f
+    else:
+        replicated = 8 * sbh  # two norm inputs, QKV and MLP inputs
+        split = 2 * s * b * (a * d + 2 * kv * d) + 2 * sbh + 6.0 * s * b * f  # gate, up, down inputs
+    if recompute == "selective" or fw.attention == "flash":
+        core = 0.0 if recompute == "selective" else 4.0 * a * s * b  # flash keeps fp32 log-sum-exp only
+    else:
+        core = (5.0 if fw.dropout else 2.0) * a * s * s * b  # softmax out (2), mask (1), dropout out (2)
+    return replicated / norm_div + (split + core) / tp
+
+
+def forward_working_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, kv_len: int | None = None) -> float:
+    """Peak live bytes inside one layer's forward when nothing is kept for backward (inference).
+
+    The residual stream in and out (2 x 2sbh) plus the larger of the MLP intermediates (GELU: up
+    and activation; SwiGLU: gate, up and product, 2 bytes each per element of s x b x f/t) and
+    the attention intermediates (q, k, v and the output; materialised scores and probabilities).
+    """
+    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_size
+    a, kv = spec.num_attention_heads, spec.kv_heads
+    keys = kv_len or s
+    tokens = float(s) * b
+    mlp = (2 if spec.model_type == "gpt" else 3) * 2 * tokens * f / tp
+    attn = 2 * tokens * (a + 2 * kv) * d / tp + 2 * tokens * a * d / tp
+    if fw.attention == "materialized":
+        attn += 2 * 2 * b * (a / tp) * s * keys
+    return 4 * tokens * h + max(mlp, attn)
+
+
+def in_flight_microbatches(layout: Layout, stage: int, m: int) -> float:
+    """Micro-batches whose activations a pipeline stage holds at its peak."""
+    pp, v = layout.pp, layout.interleave
+    if pp == 1:
+        return 1.0
+    if v == 1:
+        return float(min(m, pp - stage))
+    return min(float(m), pp * (1 + (pp - 1) / (pp * v)) - stage)
+
+
+def stage_params(spec: ModelSpec, *, head: Head, layers: int, first: bool, last: bool, tp: int,
+                 layer_params: float) -> float:
+    """Parameters one tensor-parallel rank of a stage holds (`layer_params` per decoder layer)."""
+    h, v = spec.hidden_size, spec.vocab_size
+    n = layers * layer_params
+    vocab_rows = -(-v // tp) * h
+    if first:
+        n += vocab_rows + (spec.max_position_embeddings * h if spec.model_type == "gpt" else 0)
+    if last:
+        n += h * (2 if spec.model_type == "gpt" else 1)  # final norm
+        if head == "value":
+            n += h
+        elif not spec.tied or not first:  # a tied head on its own stage keeps a copy
+            n += vocab_rows
+    return n
+
+
+def state_bytes(params: float, fw: Framework, *, layout: Layout, trainable: bool) -> dict[str, int]:
+    """Weights (+ gradients and optimizer states when trainable) per rank, by ZeRO stage."""
+    dp = layout.dp * layout.cp  # context-parallel ranks hold replicas and reduce gradients too
+    z = layout.zero
+    out = {"params": int(params * fw.param_bytes / (dp if z >= 3 else 1))}
+    if trainable:
+        out["grads"] = int(params * fw.grad_bytes / (dp if z >= 2 else 1))
+        out["optimizer"] = int(params * fw.optimizer_bytes / (dp if z >= 1 else 1))
+    return out
+
+
+def reserve_bytes(capacity_bytes: int) -> int:
+    """Memory the framework holds outside tensors (context, workspaces, fragmentation)."""
+    return int(min(RESERVE_MAX_BYTES, RESERVE_FRACTION * capacity_bytes))
+
+
+def kv_cache_bytes(spec: ModelSpec, *, seqs: float, ctx: int, layers: int, tp: int) -> float:
+    """K and V of `seqs` sequences of `ctx` tokens over `layers` layers on one tensor-parallel rank."""
+    return 2.0 * 2 * seqs * ctx * layers * spec.kv_heads * spec.head_dim / tp

@@ -1,0 +1,218 @@
+"""The kernels one decoder layer (and the embedding and head) launch per micro-batch, per GPU.
+
+Every kernel is a GEMM (with its M, N, K after tensor-parallel splitting), a fused attention
+kernel, or a memory-bound kernel (bytes read + written); collectives are listed apart. FLOPs are
+exact for both families:
+
+- per layer forward, tokens M = b*s on a rank: QKV ``2*M*h*(a+2*kv)*d/t``, attention scores and
+  context ``2 * 2*b*(a/t)*s_q*s_k*d`` (halved for causal flash attention), output projection
+  ``2*M*a*d*h/t``, MLP ``2*M*h*f/t`` per matrix (2 for GELU, 3 for SwiGLU);
+- backward: two GEMMs per forward GEMM (input and weight gradient), so twice the forward FLOPs;
+  flash attention backward is 2.5x its forward (FlashAttention-2, Dao 2023);
+- LM head ``2*M*h*V/t`` forward.
+
+Memory-bound kernels count fp16/bf16 bytes read and written: norms (read x, write y: 4 bytes per
+element), bias-dropout-add (read 2 inputs, write, 1-byte mask: 7), bias-GELU (4 per element of the
+4h activation), SwiGLU (6), materialised softmax over the s x s scores (4) and its dropout (5);
+backward kernels read the saved input and the incoming gradient and write one gradient.
+With sequence parallelism the norm/dropout region holds M/t tokens (Korthikanti et al. 2022).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+from cost_models.framework import Framework
+from plans.model import Head, ModelSpec
+
+KernelKind = Literal["gemm", "attn", "mem"]
+CommOp = Literal["all_reduce", "all_gather", "reduce_scatter", "ring_p2p"]
+FLASH_BWD_FLOPS_RATIO = 2.5  # FlashAttention-2 backward: 5 matmuls against 2 forward
+CE_FWD_BYTES = 14  # vocab-parallel cross entropy per logit: upcast (2+4), max (4), exp-sum (4)
+CE_BWD_BYTES = 6  # softmax minus one-hot: read fp32, write fp16 gradient
+LOGPROB_BYTES = 10  # log-softmax and gather for inference log-probs
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel launch: a GEMM of shape (m, n, k) x batch, fused attention, or a memory-bound op."""
+
+    kind: KernelKind
+    flops: float
+    bytes: float
+    m: int = 0
+    n: int = 0
+    k: int = 0
+    batch: int = 1
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One collective over the tensor- or context-parallel group, `bytes` per rank."""
+
+    op: CommOp
+    bytes: float
+    group: Literal["tp", "cp"]
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """The kernels and collectives of one decoder layer for one micro-batch on one rank."""
+
+    fwd: tuple[Kernel, ...]
+    bwd: tuple[Kernel, ...]
+    fwd_comm: tuple[Comm, ...]
+    bwd_comm: tuple[Comm, ...]
+    attn_core: tuple[Kernel, ...]  # what selective recompute reruns
+    grad_accum: Kernel  # adding the micro-batch's weight gradients into the gradient buffer
+    grad_tensors: int  # parameter tensors per layer (one accumulation kernel each)
+
+
+def gemm(m: int, n: int, k: int, batch: int = 1) -> Kernel:
+    """C[m, n] = A[m, k] @ B[k, n], `batch` times, fp16/bf16 operands."""
+    return Kernel("gemm", 2.0 * batch * m * n * k, 2.0 * batch * (m * k + k * n + m * n), m, n, k, batch)
+
+
+def gemm_bwd(g: Kernel) -> tuple[Kernel, Kernel]:
+    """Gradients of A (m, k, n) and of B (k, n, m) for a forward GEMM `g`."""
+    return gemm(g.m, g.k, g.n, g.batch), gemm(g.k, g.n, g.m, g.batch)
+
+
+def mem(nbytes: float) -> Kernel:
+    return Kernel("mem", 0.0, float(nbytes))
+
+
+def layer_params_per_rank(spec: ModelSpec, tp: int) -> float:
+    """Weights of one decoder layer held by one tensor-parallel rank (replicated norms counted whole)."""
+    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_size
+    q, kv = spec.num_attention_heads * d, spec.kv_heads * d
+    mats = h * (q + 2 * kv) + q * h + (2 if spec.model_type == "gpt" else 3) * h * f
+    if spec.model_type == "gpt":
+        split_bias, whole = q + 2 * kv + f, 6 * h  # 2 norms (w, b), out and down biases
+    else:
+        split_bias, whole = (q + 2 * kv) if spec.attention_bias else 0, 2 * h
+    return (mats + split_bias) / tp + whole
+
+
+def _attention(spec: ModelSpec, fw: Framework, *, b: int, s_q: int, s_k: int, tp: int, causal: bool) -> tuple[
+        tuple[Kernel, ...], tuple[Kernel, ...]]:
+    """Forward and backward kernels of the attention core (scores, softmax, context)."""
+    d = spec.head_dim
+    heads = b * spec.num_attention_heads // tp
+    m_q = b * s_q
+    q_bytes = 2.0 * m_q * spec.num_attention_heads * d / tp
+    kv_bytes = 2.0 * 2 * b * s_k * spec.kv_heads * d / tp
+    if fw.attention == "flash":
+        frac = (s_k + 1) / (2 * s_k) if causal else 1.0
+        flops = 4.0 * heads * s_q * s_k * d * frac
+        f = Kernel("attn", flops, 2 * q_bytes + kv_bytes, s_q, s_k, d, heads)
+        b_ = Kernel("attn", FLASH_BWD_FLOPS_RATIO * flops, 4 * q_bytes + 2 * kv_bytes, s_q, s_k, d, heads)
+        return (f,), (b_,)
+    scores = gemm(s_q, s_k, d, heads)
+    context = gemm(s_q, d, s_k, heads)
+    sq = float(heads) * s_q * s_k
+    if heads % fw.fused_softmax_multiple == 0 and s_k <= fw.fused_softmax_max_keys:
+        soft_f, soft_b = [mem(4 * sq)], [mem(6 * sq)]
+    else:  # scale (2+2), mask (2+1+2), to fp32 (2+4), softmax (4+4), to fp16 (4+2); backward in fp32
+        soft_f = [mem(4 * sq), mem(5 * sq), mem(6 * sq), mem(8 * sq), mem(6 * sq)]
+        soft_b = [mem(6 * sq), mem(12 * sq), mem(6 * sq), mem(4 * sq)]
+    fwd = [scores, *soft_f]
+    bwd = [*gemm_bwd(context)]
+    if fw.dropout:
+        fwd.append(mem(5 * sq))
+        bwd.append(mem(5 * sq))
+    fwd += [context, mem(2 * q_bytes)]  # context back to [s, b, h] (permute + contiguous)
+    bwd = [mem(2 * q_bytes), *bwd, *soft_b, *gemm_bwd(scores)]
+    return tuple(fwd), tuple(bwd)
+
+
+@lru_cache(maxsize=4096)
+def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: int, sp: bool,
+               kv_len: int | None = None) -> LayerWork:
+    """Kernels of one layer for a micro-batch of `b` sequences of `s` tokens on one rank.
+
+    Context parallelism splits each sequence into `cp` chunks (queries local, keys and values
+    exchanged around a ring); sequence parallelism shards the norm/dropout region over `tp`.
+    `kv_len` (decode) attends `s` new tokens to a cache of that many keys, without a causal mask.
+    """
+    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_size
+    a, kv = spec.num_attention_heads, spec.kv_heads
+    s_loc = s // cp
+    m = b * s_loc
+    mn = m // tp if sp else m  # tokens in the norm/residual region
+    gpt = spec.model_type == "gpt"
+    drop = fw.dropout
+    add_bytes = 7 if drop else 6
+
+    qkv = gemm(m, (a + 2 * kv) * d // tp, h)
+    out = gemm(m, h, a * d // tp)
+    if gpt:
+        ups, act_fwd, act_bwd = [gemm(m, f // tp, h)], mem(4.0 * m * f / tp), mem(6.0 * m * f / tp)
+    else:
+        ups, act_fwd, act_bwd = [gemm(m, 2 * f // tp, h)], mem(6.0 * m * f / tp), mem(10.0 * m * f / tp)
+    down = gemm(m, h, f // tp)
+    att_f, att_b = _attention(spec, fw, b=b, s_q=s_loc, s_k=kv_len or s, tp=tp, causal=kv_len is None)
+    rope = [] if gpt else [mem(4.0 * m * (a + kv) * d / tp)]
+
+    norm_f, norm_b = mem(4.0 * mn * h), mem(6.0 * mn * h)
+    add_f, add_b = mem(add_bytes * mn * h), mem((5 if drop else 6) * mn * h)
+    fwd = (norm_f, qkv, *rope, *att_f, out, add_f, norm_f, *ups, act_fwd, down, add_f)
+    bwd: list[Kernel] = [add_b, *gemm_bwd(down), act_bwd]
+    for g in ups:
+        bwd += gemm_bwd(g)
+    bwd += [norm_b, add_b, *gemm_bwd(out), *att_b, *rope, *gemm_bwd(qkv), norm_b]
+
+    act = 2.0 * m * h  # one [s, b, h] activation, bytes
+    if tp == 1:
+        fwd_comm: tuple[Comm, ...] = ()
+        bwd_comm: tuple[Comm, ...] = ()
+    elif sp:
+        # Each all-reduce becomes a reduce-scatter and an all-gather (Korthikanti et al. 2022); the
+        # backward's extra all-gather of the saved input for the weight gradient overlaps the
+        # input-gradient GEMM (Megatron-LM does it asynchronously), so it is not on the path.
+        fwd_comm = (Comm("all_gather", act, "tp"), Comm("reduce_scatter", act, "tp")) * 2
+        bwd_comm = fwd_comm
+    else:
+        fwd_comm = (Comm("all_reduce", act, "tp"),) * 2
+        bwd_comm = fwd_comm
+    if cp > 1:
+        kv_chunk = 2.0 * 2 * b * s_loc * kv * d / tp
+        fwd_comm += (Comm("ring_p2p", (cp - 1) * kv_chunk, "cp"),)
+        bwd_comm += (Comm("ring_p2p", 2 * (cp - 1) * kv_chunk, "cp"),)  # K, V and their gradients
+
+    n_tensors = (12 if gpt else 9) + (3 if spec.attention_bias else 0)
+    accum = mem(layer_params_per_rank(spec, tp) * fw.grad_accum_bytes)
+    return LayerWork(fwd, tuple(bwd), fwd_comm, bwd_comm, att_f, accum, n_tensors)
+
+
+@lru_cache(maxsize=4096)
+def head_work(spec: ModelSpec, fw: Framework, *, head: Head, b: int, s: int, tp: int, cp: int, sp: bool,
+              loss: bool) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
+    """Final norm, output head and loss (forward, backward) for one micro-batch on the last stage."""
+    h, v = spec.hidden_size, spec.vocab_size
+    m = b * (s // cp)
+    mn = m // tp if sp else m
+    if head == "value":
+        g = gemm(m, 1, h)
+        return (mem(4.0 * mn * h), g), (*gemm_bwd(g), mem(6.0 * mn * h))
+    g = gemm(m, -(-v // tp), h)
+    logits = float(m) * v / tp
+    fwd = (mem(4.0 * mn * h), g, mem((CE_FWD_BYTES if loss else LOGPROB_BYTES) * logits))
+    bwd = (mem(CE_BWD_BYTES * logits), *gemm_bwd(g), mem(6.0 * mn * h))
+    return fwd, bwd
+
+
+@lru_cache(maxsize=4096)
+def embedding_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: int) -> tuple[
+        tuple[Kernel, ...], tuple[Kernel, ...]]:
+    """Token (and position) embedding lookup forward and backward on the first stage."""
+    h = spec.hidden_size
+    m = b * (s // cp)
+    fwd = [mem(4.0 * m * h)]  # gather rows (read + write)
+    if spec.model_type == "gpt":
+        fwd.append(mem((7 if fw.dropout else 6) * m * h))  # add positions (+ dropout)
+    # Backward scatters into a dense [V/t, h] gradient: zero it, then index-add the rows.
+    bwd = (mem(2.0 * spec.vocab_size * h / tp), mem(6.0 * m * h))
+    return tuple(fwd), bwd

@@ -1,0 +1,300 @@
+"""Time of a training step and of a forward-only pass, per micro-batch, stage and pipeline.
+
+One layer's forward for one micro-batch is its kernels (`cost_models.ops`) timed on the device
+(`cost_models.compute`) plus its tensor-parallel collectives, which Megatron-style layers run on
+the critical path: 2 all-reduces forward, 2 backward, 2 more when full recompute reruns the
+forward. The host issues every kernel and collective; the longer of host and device bounds each
+stretch (`compute.host_device_s`). Backward adds the recompute (none, the attention core, or
+the whole forward) and the accumulation of the weight gradients.
+
+A stage's micro-batch time is its layers plus the embedding (first stage) or head and loss (last)
+plus its pipeline sends. 1F1B over m micro-batches then takes ``sum_s t_s + (m-1) max_s t_s``:
+``(m + pp - 1) t`` for equal stages, the bubble ``(pp-1)/m`` of the steady state (Narayanan et al.
+2021); interleaving with v chunks per stage cuts the fill and drain to ``1/v``. After the last
+backward the data-parallel group reduces gradients (ring all-reduce over the slowest link; ZeRO-2
+reduce-scatters every micro-batch; ZeRO-3 also gathers weights, prefetched under compute), then
+the optimizer streams its states through HBM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from cost_models import comm
+from cost_models.compute import host_device_s, kernels_time_s
+from cost_models.framework import Framework
+from cost_models.hardware import Hardware
+from cost_models.memory import stage_params
+from cost_models.ops import Comm, Kernel, embedding_work, head_work, layer_params_per_rank, layer_work
+from plans.layout import Layout
+from plans.model import Head, ModelSpec
+from plans.sharding import stage_layers
+
+
+DDP_BUCKET_BYTES = 25 * 1024**2  # PyTorch DDP's default gradient bucket (bucket_cap_mb=25)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a layout's process groups sit: the mesh's first rank and size, node size."""
+
+    first: int
+    size: int
+    gpus_per_node: int
+
+    def group(self, layout: Layout, kind: str) -> comm.Group:
+        """The process group of `kind` (tp, cp, dp, or dpcp: the gradient-reduction group)."""
+        # Rank order is tp fastest, then cp, then dp: ranks sharing (pp, tp) coordinates are the
+        # cp x dp grid, which strides by tp.
+        stride, n = {
+            "tp": (1, layout.tp),
+            "cp": (layout.tp, layout.cp),
+            "dp": (layout.tp * layout.cp, layout.dp),
+            "dpcp": (layout.tp, layout.dp * layout.cp),
+        }[kind]
+        return comm.group_at(first=self.first, stride=stride, n=n, mesh_size=self.size, gpus_per_node=self.gpus_per_node)
+
+    def pp_cross_node(self, layout: Layout) -> bool:
+        """Whether neighbouring pipeline stages sit on different nodes."""
+        stage_ranks = layout.tp * layout.cp * layout.dp
+        return layout.pp > 1 and (stage_ranks >= self.gpus_per_node or self.size > self.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """Device time (kernels + collectives) and host time of some work."""
+
+    device_s: float = 0.0
+    comm_s: float = 0.0  # all collectives on the critical path, context-parallel ones included
+    host_s: float = 0.0
+    cp_comm_s: float = 0.0  # the exposed part of the context-parallel ring exchange
+
+    def __add__(self, o: Stretch) -> Stretch:
+        return Stretch(self.device_s + o.device_s, self.comm_s + o.comm_s, self.host_s + o.host_s,
+                       self.cp_comm_s + o.cp_comm_s)
+
+    def scale(self, k: float) -> Stretch:
+        return Stretch(self.device_s * k, self.comm_s * k, self.host_s * k, self.cp_comm_s * k)
+
+    def wall_s(self, hw: Hardware) -> float:
+        return host_device_s(self.host_s, self.device_s + self.comm_s, hw)
+
+
+@dataclass
+class StepTimes:
+    """A step's wall time by kind, seconds (summed into the call's breakdown)."""
+
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, key: str, value: float) -> None:
+        self.parts[key] = self.parts.get(key, 0.0) + value
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.parts.values())
+
+
+def comm_time_s(c: Comm, g: comm.Group, hw: Hardware) -> float:
+    if c.op == "all_reduce":
+        return comm.all_reduce_s(c.bytes, g, hw)
+    if c.op in ("all_gather", "reduce_scatter"):
+        return comm.all_gather_s(c.bytes, g, hw)
+    # Ring attention: cp-1 neighbour exchanges carrying `bytes` in all, each paying a latency.
+    one = comm.p2p_s(c.bytes, cross_node=g.spans_nodes, senders_per_node=g.per_node * g.concurrent, hw=hw)
+    return one + max(0, g.n - 2) * (hw.inter_latency_s if g.spans_nodes else hw.intra_latency_s)
+
+
+def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dict[str, comm.Group],
+               hw: Hardware, *, hidden_comm: str | None = None, hide_under: float = 0.0) -> Stretch:
+    """Device, collective and host time of kernels and collectives run in order.
+
+    Collectives of the `hidden_comm` group overlap compute worth `hide_under` seconds.
+    """
+    dev = kernels_time_s(kernels, hw)
+    t_comm = host = t_cp = 0.0
+    for c in comms:
+        g = groups[c.group]
+        t = comm_time_s(c, g, hw)
+        if c.group == hidden_comm:  # ring attention overlaps the key/value exchange with compute
+            t = max(0.0, t - hide_under)
+        if c.group == "cp":
+            t_cp += t
+        t_comm += t
+        # Issuing a collective waits for the group's ranks to meet (a tree rendezvous), so its host
+        # cost grows with the tree's depth, log2 of the group.
+        host += hw.host_collective_s * math.log2(max(2, g.n))
+    return Stretch(dev, t_comm, len(kernels) * hw.host_kernel_s + host, t_cp)
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    fwd: Stretch
+    bwd: Stretch  # recompute + backward + gradient accumulation
+    fwd_only: Stretch  # forward without storing anything (inference)
+
+
+def layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, b: int, s: int,
+                training: bool) -> LayerTimes:
+    """Per-layer, per-micro-batch stretches on one rank."""
+    w = layer_work(spec, fw, b=b, s=s, tp=layout.tp, cp=layout.cp, sp=layout.sequence_parallel)
+    groups = {"tp": topo.group(layout, "tp"), "cp": topo.group(layout, "cp")}
+    attn_fwd = kernels_time_s(w.attn_core, hw)
+    fwd = stretch_of(w.fwd, w.fwd_comm, groups, hw, hidden_comm="cp", hide_under=attn_fwd)
+    if not training:
+        return LayerTimes(fwd, Stretch(), fwd)
+    bwd = stretch_of(w.bwd, w.bwd_comm, groups, hw, hidden_comm="cp", hide_under=2 * attn_fwd)
+    accum = Stretch(kernels_time_s((w.grad_accum,), hw), 0.0, w.grad_tensors * hw.host_kernel_s)
+    if layout.recompute == "full":
+        rec = fwd
+    elif layout.recompute == "selective":
+        rec = stretch_of(w.attn_core, (), groups, hw)
+    else:
+        rec = Stretch()
+    return LayerTimes(fwd, rec + bwd + accum, fwd)
+
+
+def _ends(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head, b: int, s: int,
+          loss: bool, head_tokens: int | None = None) -> tuple[Stretch, Stretch, Stretch, Stretch]:
+    """Embedding forward/backward (first stage) and head forward/backward (last stage).
+
+    `head_tokens` limits the head to the last positions of each sequence (prefill needs one).
+    """
+    tp, cp, sp = layout.tp, layout.cp, layout.sequence_parallel
+    ef, eb = embedding_work(spec, fw, b=b, s=s, tp=tp, cp=cp)
+    hs = s if head_tokens is None else head_tokens * cp
+    hf, hb = head_work(spec, fw, head=head, b=b, s=hs, tp=tp, cp=cp, sp=sp and head_tokens is None, loss=loss)
+    g = {"tp": topo.group(layout, "tp")}
+    act = 2.0 * b * (s // cp) * spec.hidden_size
+    emb_comm = (Comm("all_reduce", act, "tp"),) if tp > 1 else ()  # vocab-parallel lookup
+    return (stretch_of(ef, emb_comm, g, hw), stretch_of(eb, (), g, hw), stretch_of(hf, (), g, hw),
+            stretch_of(hb, emb_comm, g, hw))
+
+
+def pipeline_s(stage_s: list[float], *, m: int, interleave: int, host_s: float) -> tuple[float, float]:
+    """(steady-state time, fill-and-drain bubble) of m micro-batches over stages taking stage_s each.
+
+    `host_s` is per-micro-batch host work outside the layers (fetching the batch, the loss, the
+    schedule's bookkeeping): every stage pays it once per micro-batch in the steady state, but a
+    stage waiting in the fill or drain does it while it waits, so it adds nothing to the bubble.
+    """
+    t_max = max(stage_s)
+    steady = m * (t_max + host_s)
+    bubble = (sum(stage_s) - t_max) / interleave
+    return steady, bubble
+
+
+def microbatch_size(seqs: int, layout: Layout) -> int:
+    """Sequences per micro-batch (rounded up when the batch does not split evenly)."""
+    return max(1, -(-seqs // (layout.dp * layout.micro_batches)))
+
+
+def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head,
+               seqs: int, seq_len: int) -> StepTimes:
+    """Wall time of one optimizer step over `seqs` sequences of `seq_len` tokens, by kind."""
+    out = StepTimes()
+    b, m = microbatch_size(seqs, layout), layout.micro_batches
+    pp, v, tp = layout.pp, layout.interleave, layout.tp
+    lt = layer_times(spec, fw, hw, layout, topo, b=b, s=seq_len, training=True)
+    ef, eb, hf, hb = _ends(spec, fw, hw, layout, topo, head=head, b=b, s=seq_len, loss=True)
+    layers = [len(x) for x in stage_layers(spec.num_hidden_layers, pp, v)]
+    act_bytes = 2.0 * b * (seq_len // layout.cp) * spec.hidden_size / tp  # scatter-gather sends 1/t
+    cross = topo.pp_cross_node(layout)
+    senders = min(topo.gpus_per_node, layout.tp * layout.cp * layout.dp)
+    p2p = comm.p2p_s(act_bytes, cross_node=cross, senders_per_node=senders, hw=hw) if pp > 1 else 0.0
+
+    stage_s, compute_s, comm_s = [], [], []
+    for st, n_layers in enumerate(layers):
+        f = lt.fwd.scale(n_layers) + (ef if st == 0 else Stretch()) + (hf if st == pp - 1 else Stretch())
+        bw = lt.bwd.scale(n_layers) + (eb if st == 0 else Stretch()) + (hb if st == pp - 1 else Stretch())
+        sends = (2 if 0 < st < pp - 1 else 1) * p2p * v if pp > 1 else 0.0
+        wall = f.wall_s(hw) + bw.wall_s(hw)
+        stage_s.append(wall + sends)
+        compute_s.append(wall - f.comm_s - bw.comm_s)
+        cp_s = f.cp_comm_s + bw.cp_comm_s
+        comm_s.append((f.comm_s + bw.comm_s - cp_s, cp_s, sends))
+    steady, bubble = pipeline_s(stage_s, m=m, interleave=v, host_s=hw.microbatch_overhead_s)
+    crit = max(range(pp), key=lambda i: stage_s[i])
+    out.add("compute", compute_s[crit] * m)
+    out.add("tp_comm", comm_s[crit][0] * m)
+    out.add("cp_comm", comm_s[crit][1] * m)
+    out.add("pp_comm", comm_s[crit][2] * m)
+    out.add("overhead", hw.microbatch_overhead_s * m)
+    out.add("pp_bubble", bubble)
+
+    # Gradient reduction and optimizer, on the stage with the most parameters.
+    lp = layer_params_per_rank(spec, tp)
+    params = max(stage_params(spec, head=head, layers=n, first=i == 0, last=i == pp - 1, tp=tp, layer_params=lp)
+                 for i, n in enumerate(layers))
+    out.add("dp_comm", grad_sync_s(params, fw, hw, layout, topo, m=m, microbatch_s=stage_s[crit],
+                                   last_bwd_s=lt.bwd.wall_s(hw) * layers[crit]))
+    zero_div = layout.dp * layout.cp if layout.zero >= 1 else 1
+    out.add("optimizer", params / zero_div * fw.optimizer_step_bytes / hw.mem_bytes_s)
+    if layout.zero >= 1:  # ZeRO gathers the updated weight shards back to every rank
+        g = topo.group(layout, "dpcp")
+        out.add("dp_comm", comm.all_gather_s(params * fw.param_bytes, g, hw) if layout.zero < 3 else 0.0)
+    if spec.tied and head == "lm" and pp > 1:  # first and last stage sum the shared embedding's gradient
+        rows = -(-spec.vocab_size // tp) * spec.hidden_size
+        out.add("pp_comm", comm.all_reduce_s(rows * fw.grad_bytes, comm.Group(2, 1, 1) if cross else comm.Group(2, 2, 1), hw))
+    out.add("overhead", hw.step_overhead_s)
+    return out
+
+
+def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, m: int,
+                microbatch_s: float, last_bwd_s: float) -> float:
+    """Exposed time of the data-parallel gradient reduction (and ZeRO-3 weight gathers).
+
+    ZeRO 0/1 reduce once after the last backward (all-reduce, or reduce-scatter for ZeRO-1), in
+    full unless the framework buckets gradients and overlaps them with that backward, leaving the
+    last bucket exposed. ZeRO-2/3 cannot keep unsharded gradients, so they reduce-scatter after
+    every micro-batch, under the next one's compute; ZeRO-3 also all-gathers the weights for the
+    forward, the backward (and the recompute), prefetched under each micro-batch's compute.
+    """
+    if layout.dp * layout.cp == 1:
+        return 0.0
+    g = topo.group(layout, "dpcp")
+    grad = params * fw.grad_bytes
+    if layout.zero <= 1:
+        t = comm.all_reduce_s(grad, g, hw) if layout.zero == 0 else comm.reduce_scatter_s(grad, g, hw)
+        if fw.overlap_grad_reduce:
+            return max(t - last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw))
+        return t
+    rs = comm.reduce_scatter_s(grad, g, hw)
+    exposed = rs + (m - 1) * max(0.0, rs - microbatch_s)
+    if layout.zero == 3:
+        gathers = (3 if layout.recompute == "full" else 2) * comm.all_gather_s(params * fw.param_bytes, g, hw)
+        exposed += m * max(0.0, gathers - microbatch_s)
+    return exposed
+
+
+def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head,
+                 seqs: int, seq_len: int, last_token_logits: bool = False) -> StepTimes:
+    """Wall time of a forward-only pass (log-probs, values or scores) over `seqs` sequences.
+
+    Micro-batches are pipelined over the stages, or run one after another when pp = 1.
+    """
+    out = StepTimes()
+    b, m = microbatch_size(seqs, layout), layout.micro_batches
+    pp, v = layout.pp, layout.interleave
+    lt = layer_times(spec, fw, hw, layout, topo, b=b, s=seq_len, training=False)
+    ef, _, hf, _ = _ends(spec, fw, hw, layout, topo, head=head, b=b, s=seq_len, loss=False,
+                         head_tokens=1 if last_token_logits else None)
+    layers = [len(x) for x in stage_layers(spec.num_hidden_layers, pp, v)]
+    act_bytes = 2.0 * b * (seq_len // layout.cp) * spec.hidden_size / layout.tp
+    senders = min(topo.gpus_per_node, layout.tp * layout.cp * layout.dp)
+    p2p = comm.p2p_s(act_bytes, cross_node=topo.pp_cross_node(layout), senders_per_node=senders, hw=hw) if pp > 1 else 0.0
+    stage_s, comm_s = [], []
+    for st, n_layers in enumerate(layers):
+        f = lt.fwd_only.scale(n_layers) + (ef if st == 0 else Stretch()) + (hf if st == pp - 1 else Stretch())
+        stage_s.append(f.wall_s(hw) + (p2p * v if st < pp - 1 else 0.0))
+        comm_s.append((f.comm_s, f.cp_comm_s))
+    steady, bubble = pipeline_s(stage_s, m=m, interleave=v, host_s=hw.microbatch_overhead_s)
+    crit = max(range(pp), key=lambda i: stage_s[i])
+    sends = p2p * v if crit < pp - 1 else 0.0
+    out.add("compute", (stage_s[crit] - comm_s[crit][0] - sends) * m)
+    out.add("tp_comm", (comm_s[crit][0] - comm_s[crit][1]) * m)
+    out.add("cp_comm", comm_s[crit][1] * m)
+    out.add("pp_comm", sends * m)
+    out.add("overhead", hw.microbatch_overhead_s * m)
+    out.add("pp_bubble", bubble)
+    return out

@@ -1,0 +1,182 @@
+"""Commands on the cost model: estimate, calibrate, profile."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from plans.errors import PlannerError
+from plans.hardware import GIB
+
+
+class Recompute(str, Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class FrameworkName(str, Enum):
+    torch = "torch"
+    megatron = "megatron"
+
+
+FRAMEWORK_HELP = ("Software stack whose kernels are timed: 'torch' (the planner's runtime: flash attention, no "
+                  "dropout) or 'megatron' (Megatron-LM GPT: materialised attention scores, dropout).")
+
+
+def estimate(
+    model: str = typer.Option(..., "--model", help="Preset name, HF config.json path, or inline fields "
+                              "(model_type=gpt,hidden_size=12288,num_hidden_layers=96,num_attention_heads=96,vocab_size=51200)."),
+    cluster: str = typer.Option(..., "--cluster", help="GPU:NODESxPER_NODE[,intra_node_gbps=..,inter_node_gbps=..,mem_gib=..] or a .yaml/.json file."),
+    tp: int = typer.Option(..., "--tp", help="Tensor-parallel degree."),
+    pp: int = typer.Option(..., "--pp", help="Pipeline-parallel stages."),
+    dp: int = typer.Option(..., "--dp", help="Data-parallel degree."),
+    cp: int = typer.Option(1, "--cp", help="Context-parallel degree."),
+    micro_batch: int = typer.Option(..., "--micro-batch", help="Sequences per micro-batch."),
+    global_batch: int = typer.Option(..., "--global-batch", help="Sequences per optimizer step."),
+    seq_len: int = typer.Option(..., "--seq-len", help="Tokens per sequence."),
+    recompute: Recompute = typer.Option(Recompute.none, "--recompute", help="Activation recompute."),
+    zero: int = typer.Option(0, "--zero", min=0, max=3, help="ZeRO stage over the data-parallel group."),
+    sequence_parallel: bool = typer.Option(False, "--sequence-parallel", help="Shard norm/dropout activations over tp."),
+    interleave: int = typer.Option(1, "--interleave", help="Virtual pipeline stages per rank (interleaved 1F1B)."),
+    calibration: Path | None = typer.Option(None, "--calibration", help="Calibration file (planner calibrate / profile)."),
+    framework: FrameworkName = typer.Option(FrameworkName.torch, "--framework", help=FRAMEWORK_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Estimate one training iteration: time, throughput, MFU and memory per GPU.
+
+    model_tflops_per_gpu counts 6*N + 12*L*h*s FLOPs per token (N: parameters in matmuls, LM head
+    included; the attention term for full, non-causal scores; PaLM / Megatron-LM convention,
+    recompute not counted); mfu divides it by the datasheet peak. With --json the object has
+    iteration_s, tokens_per_s, model_flops, model_tflops_per_gpu, mfu, peak_mem_bytes,
+    mem_capacity_bytes, fits, and breakdown: {time_s: {kind: seconds}, memory_bytes: {kind: bytes}}.
+    """
+    from cost_models.calibration import load_calibration
+    from cost_models.estimate import estimate_training, training_layout
+    from plans.cluster import parse_cluster
+    from plans.model import resolve_model
+
+    spec = resolve_model(model)
+    cl = parse_cluster(cluster)
+    cal = load_calibration(calibration) if calibration is not None else None
+    layout = training_layout(spec, cl, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=micro_batch, global_batch=global_batch,
+                             seq_len=seq_len, recompute=recompute.value, zero=zero, sequence_parallel=sequence_parallel,
+                             interleave=interleave)
+    est = estimate_training(spec, cl, layout, global_batch=global_batch, seq_len=seq_len, calibration=cal,
+                            framework=framework.value)
+    if as_json:
+        out = est.to_json()
+        out.update(model=spec.display_name(), cluster=cl.short(), layout=layout.short(), framework=framework.value)
+        typer.echo(json.dumps(out, sort_keys=True))
+        return
+    console = Console(highlight=False)
+    title = escape(f"{spec.display_name()} on {cl.short()} [{layout.short()}] micro-batch {micro_batch}, seq {seq_len}")
+    head = Table(title=title, show_header=False, title_justify="left")
+    head.add_row("iteration", f"{est.iteration_s:.3f} s")
+    head.add_row("throughput", f"{est.to_json()['tokens_per_s']:,.0f} tokens/s")
+    head.add_row("model TFLOP/s per GPU", f"{est.model_tflops_per_gpu:.1f}  (6N + attention)")
+    head.add_row("MFU", f"{100 * est.mfu:.1f}%")
+    verdict = "fits" if est.fits else f"does NOT fit (over by {(est.peak_mem_bytes - est.mem_capacity_bytes) / GIB:.1f} GiB)"
+    head.add_row("peak memory per GPU", f"{est.peak_mem_bytes / GIB:.1f} of {est.mem_capacity_bytes / GIB:.0f} GiB: {verdict}")
+    if tp > cl.gpus_per_node:
+        head.add_row("note", f"tp={tp} spans nodes of {cl.gpus_per_node} GPUs: its all-reduces cross the network")
+    console.print(head)
+    times = Table("time", "seconds", "share", title_justify="left")
+    for k, v in sorted(est.time_breakdown_s.items(), key=lambda kv: -kv[1]):
+        times.add_row(k, f"{v:.3f}", f"{100 * v / est.iteration_s:.1f}%")
+    mems = Table("memory", "GiB", title_justify="left")
+    for k, v in sorted(est.mem_breakdown_bytes.items(), key=lambda kv: -kv[1]):
+        mems.add_row(k, f"{v / GIB:.2f}")
+    console.print(times)
+    console.print(mems)
+
+
+def calibrate(
+    measured: list[Path] = typer.Argument(..., help="Measured-runs CSV files (vTrain column names accepted)."),
+    gpu: str = typer.Option(..., "--gpu", help="Accelerator the runs were measured on (a preset name)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Calibration file to write."),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node of the measured cluster."),
+    intra_node_gbps: float | None = typer.Option(None, "--intra-node-gbps", help="Intra-node bandwidth per GPU (default: datasheet)."),
+    inter_node_gbps: float | None = typer.Option(None, "--inter-node-gbps", help="Network bandwidth per node (default: datasheet)."),
+    framework: FrameworkName = typer.Option(FrameworkName.megatron, "--framework", help=FRAMEWORK_HELP),
+    model_type: str = typer.Option("gpt", "--model-type", help="Family of rows without a model_type column."),
+    vocab_size: int = typer.Option(51200, "--vocab-size", help="Vocabulary of rows without a vocab_size column."),
+    recompute: Recompute = typer.Option(Recompute.full, "--recompute", help="Recompute of rows without a recompute column."),
+    start: Path | None = typer.Option(None, "--start", help="Calibration to start the search from (default: fixed datasheet-level guesses, so a fit reproduces from its inputs)."),
+    sweeps: int = typer.Option(8, "--sweeps", min=1, help="Most coordinate-search sweeps (stops early when a sweep gains < 0.01 points)."),
+) -> None:
+    """Fit the cost model's coefficients to measured iteration times and write a calibration.
+
+    The fit minimises the mean over the given files of each file's mean absolute percentage
+    error, so every file counts the same however many rows it has.
+    """
+    from cost_models.calibration import Calibration, load_calibration, save_calibration
+    from cost_models.fit import START, Setup, fit, mape, predict
+    from cost_models.measured import read_measured
+    from plans.hardware import gpu_spec
+
+    gpu_spec(gpu)  # unknown GPU: clear error before reading anything
+    if recompute.value not in ("none", "selective", "full"):
+        raise PlannerError(f"unknown recompute {recompute.value!r}")
+    groups = [read_measured(p, model_type=model_type, vocab_size=vocab_size, recompute=recompute.value) for p in measured]
+    setup = Setup(gpu, gpus_per_node, intra_node_gbps, inter_node_gbps, framework.value)
+    base = load_calibration(start) if start is not None else Calibration(coefficients=START)
+    console = Console(stderr=True, highlight=False)
+    before = [mape(predict(g, base, setup), g) for g in groups]
+    with console.status("fitting", spinner="dots") as status:
+        cal, _ = fit(groups, base, setup, sweeps=sweeps,
+                     progress=lambda name, value, obj: status.update(f"fitting: {name} = {value:.4g}, mean MAPE {obj:.2f}%"))
+    after = [mape(predict(g, cal, setup), g) for g in groups]
+    cmd = " ".join([f"planner calibrate {' '.join(str(p) for p in measured)} --gpu {gpu}",
+                    f"--gpus-per-node {gpus_per_node}",
+                    *( [f"--intra-node-gbps {intra_node_gbps:g}"] if intra_node_gbps else []),
+                    *( [f"--inter-node-gbps {inter_node_gbps:g}"] if inter_node_gbps else []),
+                    f"--framework {framework.value}"])
+    cal = cal.model_copy(update={"gpu": None, "framework": framework.value, "source": cmd,
+                                 "fit": {f"mape_{Path(p).stem}": round(m, 3) for p, m in zip(measured, after)}})
+    save_calibration(cal, output)
+    table = Table("file", "rows", "MAPE before", "MAPE after", title=f"calibration written to {output}", title_justify="left")
+    for p, g, b, a in zip(measured, groups, before, after):
+        table.add_row(str(p), str(len(g)), f"{b:.2f}%", f"{a:.2f}%")
+    Console(highlight=False).print(table)
+    coef = Table("coefficient", "value", title_justify="left")
+    for k, v in cal.coefficients.model_dump().items():
+        coef.add_row(k, f"{v:.4g}")
+    Console(highlight=False).print(coef)
+
+
+def profile(
+    output: Path = typer.Option(..., "-o", "--output", help="Calibration file to write."),
+    budget_s: float = typer.Option(20.0, "--budget-s", min=0.5, help="Rough wall-time budget of the benchmarks, seconds."),
+    ranks: int = typer.Option(2, "--ranks", min=1, max=16, help="Local processes for the all-reduce benchmark (1: skip)."),
+    device: str | None = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
+) -> None:
+    """Micro-benchmark the local devices (GEMMs, memory, attention, all-reduce) into a calibration."""
+    from cost_models.calibration import save_calibration
+    from planner.profiling import profile_devices
+
+    if device not in (None, "cpu", "cuda"):
+        raise PlannerError(f"unknown device {device!r}", hint="use --device cpu or --device cuda")
+    console = Console(stderr=True, highlight=False)
+    with console.status("profiling", spinner="dots") as status:
+        cal = profile_devices(budget_s=budget_s, ranks=ranks, device=device, progress=lambda m: status.update(f"profiling: {m}"))
+    save_calibration(cal, output)
+    table = Table("measured", "value", title=f"calibration written to {output}", title_justify="left")
+    for k, v in cal.hardware.model_dump().items():
+        if v is not None:
+            table.add_row(k, f"{v:.4g}")
+    for k in ("attention_efficiency", "host_kernel_us"):
+        table.add_row(k, f"{getattr(cal.coefficients, k):.4g}")
+    Console(highlight=False).print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(estimate)
+    app.command()(calibrate)
+    app.command()(profile)

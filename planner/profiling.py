@@ -1,0 +1,188 @@
+"""Micro-benchmarks of the local devices, written as a calibration (`planner profile`).
+
+Measures what the cost model's coefficients stand for, on this machine: the best GEMM throughput
+(the peak the wave model scales), streaming bandwidth (a large copy), fused attention throughput
+relative to GEMMs, the host time per small op, and all-reduce latency and bandwidth between
+`ranks` local processes (gloo on CPU, NCCL on GPUs), fitted to the alpha-beta model. What a single
+machine cannot measure (the network between nodes, framework overheads) keeps the shipped values.
+
+On a CPU there is no separate device: an op's host time includes its execution, so host and
+device time add (`host_overlap` 0) and the per-kernel device latency is already in the host time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cost_models.calibration import Calibration, Coefficients, HardwareOverrides, default_calibration
+from plans.errors import PlannerError
+
+# torch.cuda device names -> our presets (substring match, first hit wins)
+GPU_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-80gb"), ("A100 80GB", "a100-80gb"),
+             ("A100", "a100-40gb"), ("V100", "v100-16gb"))
+ALLREDUCE_BYTES = (4 * 1024, 256 * 1024, 4 * 1024 * 1024)
+
+
+def _timed(fn: Callable[[], object], *, budget_s: float, sync: Callable[[], None]) -> float:
+    """Median seconds per call of `fn`, repeating within `budget_s` (at least 3 runs)."""
+    fn()
+    sync()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < budget_s and len(times) < 200):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _allreduce_worker(rank: int, world: int, port: int, backend: str, budget_s: float, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
+        rows = []
+        for nbytes in ALLREDUCE_BYTES:
+            buf = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+            # Every rank must run the same number of collectives: agree on it from a probe.
+            probe = torch.tensor([_repeat(lambda: dist.all_reduce(buf), reps=3, sync=sync)])
+            dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+            reps = int(min(200, max(3, budget_s / len(ALLREDUCE_BYTES) / max(float(probe), 1e-6))))
+            t = torch.tensor([_repeat(lambda: dist.all_reduce(buf), reps=reps, sync=sync)])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the collective's time
+            rows.append((nbytes, float(t)))
+        if rank == 0:
+            np.savetxt(out, np.array(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def _repeat(fn: Callable[[], object], *, reps: int, sync: Callable[[], None]) -> float:
+    """Median seconds per call of `fn` over exactly `reps` calls after one warm-up."""
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def allreduce_alpha_beta(times: list[tuple[int, float]], ranks: int) -> tuple[float, float]:
+    """(latency per ring step s, bus bandwidth bytes/s) fitted to ring all-reduce times.
+
+    Ring all-reduce: ``t = 2(n-1) * alpha + 2(n-1)/n * S / B``; least squares on (alpha, 1/B),
+    both kept positive.
+    """
+    steps = 2 * (ranks - 1)
+    a = np.array([[steps, steps / ranks * s] for s, _ in times], dtype=float)
+    y = np.array([t for _, t in times], dtype=float)
+    (alpha, inv_bw), *_ = np.linalg.lstsq(a, y, rcond=None)
+    inv_bw = max(float(inv_bw), 1e-15)
+    alpha = max(float(alpha), 0.0)
+    return alpha, 1.0 / inv_bw
+
+
+def measure_allreduce(*, ranks: int, backend: str, budget_s: float) -> list[tuple[int, float]]:
+    """All-reduce times by message size between `ranks` local processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "allreduce.txt")
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=_allreduce_worker, args=(r, ranks, port, backend, budget_s, out)) for r in range(ranks)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120 + budget_s * 4)
+        failed = [p.exitcode for p in procs if p.exitcode != 0]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if failed or not Path(out).exists():
+            raise PlannerError(f"the all-reduce benchmark between {ranks} {backend} processes failed (exit codes {failed})",
+                               hint="run with --ranks 1 to skip collectives")
+        rows = np.loadtxt(out, ndmin=2)
+    return [(int(s), float(t)) for s, t in rows]
+
+
+def profile_devices(*, budget_s: float, ranks: int, device: str | None = None,
+                    progress: Callable[[str], None] = lambda _: None) -> Calibration:
+    """Run the micro-benchmarks on the local device and return them as a calibration."""
+    use_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise PlannerError("--device cuda asked for, but torch sees no CUDA device")
+    dev = torch.device("cuda" if use_cuda else "cpu")
+    sync = torch.cuda.synchronize if use_cuda else (lambda: None)
+    dtype = torch.bfloat16 if use_cuda else torch.float32
+    if use_cuda:
+        name = torch.cuda.get_device_name()
+        gpu = next((preset for key, preset in GPU_NAMES if key in name), None)
+    else:
+        gpu = "cpu"
+    share = budget_s / 6
+
+    progress("GEMM throughput")
+    sizes = (1024, 4096, 8192) if use_cuda else (128, 256, 512)
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+        t = _timed(lambda: a @ b, budget_s=share / len(sizes), sync=sync)
+        best = max(best, 2.0 * n**3 / t)
+
+    progress("memory bandwidth")
+    n_bytes = (1 << 30) if use_cuda else (64 << 20)
+    src = torch.empty(n_bytes // 4, device=dev, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    t = _timed(lambda: dst.copy_(src), budget_s=share, sync=sync)
+    mem_bw = 2.0 * n_bytes / t  # read + write
+
+    progress("attention")
+    heads, s, d = (16, 2048, 128) if use_cuda else (4, 256, 32)
+    q = torch.randn(1, heads, s, d, device=dev, dtype=dtype)
+    t = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), budget_s=share, sync=sync)
+    attn_eff = min(1.0, (4.0 * heads * s * s * d * 0.5 / t) / best)
+
+    progress("per-op host time")
+    tiny = torch.ones(1, device=dev)
+    reps = 200
+    t = _timed(lambda: [tiny.add_(1.0) for _ in range(reps)], budget_s=share, sync=sync) / reps
+    host_us = t * 1e6
+
+    base = default_calibration().coefficients  # what a profile cannot measure keeps the fitted values
+    hw = dict(peak_tflops=best / 1e12, hbm_gb_s=mem_bw / 1e9)
+    coef = base.model_dump()
+    coef.update(gemm_efficiency=1.0, hbm_efficiency=1.0, attention_efficiency=round(attn_eff, 4), host_kernel_us=round(host_us, 3))
+    if not use_cuda:
+        coef.update(kernel_latency_us=0.0, host_overlap=0.0, host_collective_us=0.0)
+    if ranks > 1:
+        progress(f"all-reduce between {ranks} processes")
+        times = measure_allreduce(ranks=ranks, backend="nccl" if use_cuda else "gloo", budget_s=2 * share)
+        alpha, bw = allreduce_alpha_beta(times, ranks)
+        hw.update(intra_node_gbps=bw * 8 / 1e9, intra_latency_us=alpha * 1e6)
+        coef.update(nvlink_efficiency=1.0)
+    return Calibration(
+        gpu=gpu, framework="torch",
+        source=f"planner profile on {torch.cuda.get_device_name() if use_cuda else 'cpu'} ({ranks} ranks)",
+        coefficients=Coefficients(**coef),
+        hardware=HardwareOverrides(**{k: round(v, 6) for k, v in hw.items()}),
+    )

@@ -1,0 +1,162 @@
+"""Memory estimates against closed forms: Korthikanti et al. 2022 (activations), ZeRO (model states),
+the parameter catalog of `plans.sharding`, and the vTrain configurations fitting in 80 GB."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cost_models import CostModel
+from cost_models.framework import FRAMEWORKS
+from cost_models.measured import read_measured
+from cost_models.memory import kv_cache_bytes, layer_activation_bytes, stage_params
+from cost_models.ops import layer_params_per_rank
+from plans import Call, Layout, Mesh, ModelDecl, parse_cluster, resolve_model
+from plans.sharding import parameters, shard_box, stage_layers, box_numel
+
+MEGATRON = FRAMEWORKS["megatron"]
+GPT = resolve_model(dict(model_type="gpt", hidden_size=4096, num_hidden_layers=8, num_attention_heads=32,
+                         vocab_size=51200, max_position_embeddings=2048))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+@pytest.mark.parametrize("b,s", [(1, 2048), (4, 1024)])
+def test_activations_match_korthikanti(tp, b, s):
+    """Korthikanti et al. 2022, Table 2, per layer in bytes."""
+    h, a = GPT.hidden_size, GPT.num_attention_heads
+    sbh = s * b * h
+    act = lambda **kw: layer_activation_bytes(GPT, MEGATRON, b=b, s=s, tp=tp, **kw)  # noqa: E731
+    assert act(sp=False, recompute="none") == pytest.approx(sbh * (10 + 24 / tp + 5 * a * s / (h * tp)))
+    assert act(sp=False, recompute="selective") == pytest.approx(sbh * (10 + 24 / tp))
+    assert act(sp=False, recompute="full") == pytest.approx(2 * sbh)
+    if tp > 1:
+        assert act(sp=True, recompute="none") == pytest.approx(sbh / tp * (34 + 5 * a * s / h))
+        assert act(sp=True, recompute="selective") == pytest.approx(34 * sbh / tp)
+        assert act(sp=True, recompute="full") == pytest.approx(2 * sbh / tp)
+
+
+def test_activations_without_parallelism_are_34_plus_5as_over_h():
+    h, a, s, b = GPT.hidden_size, GPT.num_attention_heads, 2048, 2
+    got = layer_activation_bytes(GPT, MEGATRON, b=b, s=s, tp=1, sp=False, recompute="none")
+    assert got == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt", "llama-2-7b", "qwen2.5-7b", "gpt3-1.3b"])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (4, 2)])
+def test_stage_params_match_the_sharding_catalog(name, tp, pp):
+    """The per-rank parameter count the cost model charges equals what plans.sharding assigns."""
+    spec = resolve_model(name)
+    lay = Layout(tp=tp, pp=pp)
+    if spec.num_attention_heads % tp or spec.kv_heads % tp:
+        pytest.skip("tp does not shard this model")
+    layers = [len(x) for x in stage_layers(spec.num_hidden_layers, pp)]
+    lp = layer_params_per_rank(spec, tp)
+    for stage in range(pp):
+        local = lay.local_rank(lay.coord(0)._replace(pp=stage))  # tp rank 0 holds the largest split
+        exact = sum(box_numel(bx) for p in parameters(spec) if (bx := shard_box(p, spec, lay, local)) is not None)
+        est = stage_params(spec, head="lm", layers=layers[stage], first=stage == 0, last=stage == pp - 1, tp=tp,
+                           layer_params=lp)
+        assert est == pytest.approx(exact, rel=1e-3, abs=64)
+
+
+def test_stage_params_of_whole_model_is_num_params():
+    for name in ("llama-2-7b", "gpt3-1.3b", "tiny-llama"):
+        spec = resolve_model(name)
+        est = stage_params(spec, head="lm", layers=spec.num_hidden_layers, first=True, last=True, tp=1,
+                           layer_params=layer_params_per_rank(spec, 1))
+        assert est == spec.num_params()
+
+
+@pytest.mark.parametrize("zero,per_param", [(0, 2 + 2 + 12), (1, 2 + 2 + 12 / 8), (2, 2 + (2 + 12) / 8), (3, 16 / 8)])
+def test_model_states_by_zero_stage(zero, per_param):
+    """Rajbhandari et al. 2020: 2 (weights) + 2 (gradients) + 12 (fp32 master, Adam m, v) bytes per
+    parameter, sharded over the data-parallel group stage by stage."""
+    spec = resolve_model("llama-2-7b")
+    cm = CostModel(parse_cluster("a100-80gb:1x8"))
+    call = Call(name="t", model="m", kind="train", seqs=64, seq_len=512, loss="sft")
+    cost = cm.call_cost(call, ModelDecl(spec=spec, trainable=True), Mesh.block(0, 8), Layout(dp=8, zero=zero, micro_batches=8))
+    assert cost.state_mem_bytes == pytest.approx(spec.num_params() * per_param, rel=1e-6)
+    frozen = cm.call_cost(Call(name="i", model="m", kind="inference", seqs=8, seq_len=512, returns="logprobs"),
+                          ModelDecl(spec=spec), Mesh.block(0, 8), Layout(dp=8))
+    assert frozen.state_mem_bytes == spec.num_params() * 2
+
+
+def test_full_recompute_keeps_only_layer_inputs_in_flight():
+    """1F1B: stage 0 holds pp micro-batches of its layers' inputs (2sbh each), plus one layer's
+    full activations while it recomputes (a small vocabulary keeps stage 0 the peak)."""
+    spec = GPT.model_copy(update={"vocab_size": 1024})
+    cm = CostModel(parse_cluster("a100-80gb:1x8"), framework="megatron")
+    b, s, pp = 2, 2048, 4
+    lay = Layout(pp=pp, dp=2, micro_batches=16, recompute="full")
+    call = Call(name="t", model="m", kind="train", seqs=2 * 2 * 16, seq_len=s, loss="sft")
+    cost = cm.call_cost(call, ModelDecl(spec=spec, trainable=True), Mesh.block(0, 8), lay)
+    sbh = s * b * spec.hidden_size
+    working = layer_activation_bytes(spec, MEGATRON, b=b, s=s, tp=1, sp=False, recompute="none")
+    assert working == pytest.approx(sbh * (34 + 5 * spec.num_attention_heads * s / spec.hidden_size))
+    layers0 = len(stage_layers(spec.num_hidden_layers, pp)[0])
+    assert cost.mem_breakdown_bytes["activations"] == int(2 * sbh * layers0 * pp + working)
+
+
+def test_kv_cache_closed_form():
+    spec = resolve_model("llama-2-70b")  # 8 key/value heads of 128
+    assert kv_cache_bytes(spec, seqs=16, ctx=4096, layers=80, tp=8) == 2 * 2 * 16 * 4096 * 80 * 8 * 128 / 8
+
+
+def test_generate_cache_shrinks_with_waves():
+    spec = resolve_model("llama-2-7b")
+    cm = CostModel(parse_cluster("a100-80gb:1x8"))
+    call = Call(name="g", model="m", kind="generate", seqs=256, seq_len=2048, gen_len=1024)
+    one = cm.call_cost(call, ModelDecl(spec=spec), Mesh.block(0, 8), Layout(dp=8))
+    four = cm.call_cost(call, ModelDecl(spec=spec), Mesh.block(0, 8), Layout(dp=8, micro_batches=4))
+    assert one.mem_breakdown_bytes["kv_cache"] == kv_cache_bytes(spec, seqs=32, ctx=2048, layers=32, tp=1)
+    assert four.mem_breakdown_bytes["kv_cache"] == one.mem_breakdown_bytes["kv_cache"] // 4
+    assert four.time_s > one.time_s  # waves trade time for memory
+
+
+def _vtrain_dir() -> Path | None:
+    env = os.environ.get("PLANNER_DATA_DIR")
+    root = Path(__file__).resolve().parents[1]
+    for p in ([Path(env)] if env else []) + [root.parent / "shared" / "data", root.parent.parent / "shared" / "data"]:
+        if (p / "vtrain").is_dir():
+            return p / "vtrain"
+    return None
+
+
+# Megatron-LM GPT configurations of the vTrain measurements with the largest memory per GPU
+# (model, tp, pp, dp, micro-batch, global batch); all ran on 80 GB A100s with full recompute.
+HEAVY = [((3072, 30, 32), 1, 1, 64, 8, 512), ((3072, 30, 32), 8, 1, 8, 64, 512), ((8192, 48, 64), 2, 8, 32, 6, 1536),
+         ((8192, 48, 64), 1, 16, 32, 3, 1536), ((12288, 96, 96), 4, 32, 4, 6, 1536), ((12288, 96, 96), 2, 32, 8, 3, 1536)]
+
+
+@pytest.mark.parametrize("model,tp,pp,dp,mb,gb", HEAVY)
+def test_heavy_megatron_configs_fit_in_80gb(model, tp, pp, dp, mb, gb):
+    h, layers, heads = model
+    spec = resolve_model(dict(model_type="gpt", hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                              vocab_size=51200, max_position_embeddings=2048))
+    n = tp * pp * dp
+    cm = CostModel(parse_cluster(f"a100-80gb:{n // 8}x8"), framework="megatron")
+    lay = Layout(tp=tp, pp=pp, dp=dp, micro_batches=gb // (dp * mb), recompute="full")
+    call = Call(name="t", model="m", kind="train", seqs=gb, seq_len=2048, loss="sft")
+    cost = cm.call_cost(call, ModelDecl(spec=spec, trainable=True), Mesh.block(0, n), lay)
+    assert 0.3 * cm.cluster.mem_bytes < cost.peak_mem_bytes <= cm.cluster.mem_bytes
+    # Without recompute the same configuration does not fit: the check can fail.
+    no_rc = cm.call_cost(call, ModelDecl(spec=spec, trainable=True), Mesh.block(0, n), lay.model_copy(update={"recompute": "none"}))
+    assert no_rc.peak_mem_bytes > cm.cluster.mem_bytes
+
+
+@pytest.mark.skipif(_vtrain_dir() is None, reason="vTrain data (../shared/data/vtrain) not present")
+def test_every_vtrain_configuration_fits_in_80gb():
+    vt = _vtrain_dir()
+    assert vt is not None
+    over = []
+    for csv in sorted(vt.glob("*.csv")):
+        for r in read_measured(csv):
+            cluster = r.cluster(gpu="a100-80gb", gpus_per_node=8, intra_node_gbps=None, inter_node_gbps=800)
+            cm = CostModel(cluster, framework="megatron")
+            call = Call(name="t", model="m", kind="train", seqs=r.global_batch, seq_len=r.seq_len, loss="sft")
+            cost = cm.call_cost(call, ModelDecl(spec=r.spec, trainable=True), Mesh.block(0, r.layout.size), r.layout)
+            if cost.peak_mem_bytes > cluster.mem_bytes:
+                over.append(f"{r.source}: {cost.peak_mem_bytes / 2**30:.1f} GiB")
+    assert not over, over

@@ -1,0 +1,300 @@
+"""Closed forms derived by hand, monotonicity, and every call kind of the cost model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cost_models import Calibration, CostModel, model_flops
+from cost_models.calibration import Coefficients
+from cost_models.comm import Group, all_gather_s, all_reduce_s, group_at
+from cost_models.training import pipeline_s
+from cost_models.transfer import rank_volumes
+from plans import Call, Layout, Mesh, ModelDecl, PlannerError, parse_cluster, resolve_model
+from plans.sharding import transfer_volume
+
+# Round coefficients so the closed forms below can be written out by hand.
+COEF = Coefficients(gemm_efficiency=0.5, attention_efficiency=0.5, hbm_efficiency=0.5, nvlink_efficiency=0.5,
+                    network_efficiency=0.5, kernel_latency_us=0.0, host_kernel_us=0.0, host_collective_us=0.0,
+                    host_overlap=1.0, microbatch_overhead_ms=0.0, step_overhead_ms=0.0)
+CAL = Calibration(coefficients=COEF)
+LLAMA = resolve_model("llama-2-7b")
+TRAIN = Call(name="t", model="m", kind="train", seqs=64, seq_len=1024, loss="sft")
+INFER = Call(name="i", model="m", kind="inference", seqs=64, seq_len=1024, returns="logprobs")
+GEN = Call(name="g", model="m", kind="generate", seqs=64, seq_len=1024, gen_len=512)
+
+
+def test_pure_data_parallel_step_costs_one_gradient_all_reduce():
+    """dp=8 in one node: one ring all-reduce of the bf16 gradients over NVLink (300 GB/s x 0.5),
+    2(n-1) steps of 6 us latency; nothing else communicates."""
+    cm = CostModel(parse_cluster("a100-80gb:1x8"), CAL)
+    cost = cm.call_cost(TRAIN, ModelDecl(spec=LLAMA, trainable=True), Mesh.block(0, 8), Layout(dp=8, micro_batches=8))
+    grad_bytes = 2 * LLAMA.num_params()
+    expected = 2 * 7 / 8 * grad_bytes / (300e9 * 0.5) + 2 * 7 * 6e-6
+    assert cost.breakdown_s["dp_comm"] == pytest.approx(expected, rel=1e-9)
+    assert "tp_comm" not in cost.breakdown_s and "pp_bubble" not in cost.breakdown_s
+
+
+def test_optimizer_streams_its_bytes_through_hbm():
+    cm = CostModel(parse_cluster("a100-80gb:1x8"), CAL, framework="megatron")
+    cost = cm.call_cost(TRAIN, ModelDecl(spec=LLAMA, trainable=True), Mesh.block(0, 8), Layout(dp=8, micro_batches=8))
+    assert cost.breakdown_s["optimizer"] == pytest.approx(LLAMA.num_params() * 34 / (2039e9 * 0.5), rel=1e-9)
+
+
+def test_tensor_parallel_all_reduces_per_layer():
+    """tp=2 without recompute: 2 all-reduces of one [s, b, h] activation per layer forward and 2
+    backward, plus the vocabulary-parallel embedding (forward) and LM head input (backward)."""
+    cm = CostModel(parse_cluster("a100-80gb:1x2"), CAL)
+    call = Call(name="t", model="m", kind="train", seqs=8, seq_len=1024, loss="sft")
+    lay = Layout(tp=2, micro_batches=4)
+    cost = cm.call_cost(call, ModelDecl(spec=LLAMA, trainable=True), Mesh.block(0, 2), lay)
+    act = 2 * 2 * 1024 * LLAMA.hidden_size  # b = 2 sequences per micro-batch
+    ar = all_reduce_s(act, Group(2, 2, 1), cm.hw)
+    assert ar == pytest.approx(2 * 1 / 2 * act / 150e9 + 2 * 6e-6)
+    assert cost.breakdown_s["tp_comm"] == pytest.approx(4 * (4 * LLAMA.num_hidden_layers + 2) * ar, rel=1e-9)
+    full = cm.call_cost(call, ModelDecl(spec=LLAMA, trainable=True), Mesh.block(0, 2), lay.model_copy(update={"recompute": "full"}))
+    assert full.breakdown_s["tp_comm"] == pytest.approx(4 * (6 * LLAMA.num_hidden_layers + 2) * ar, rel=1e-9)
+
+
+def test_one_f_one_b_bubble():
+    steady, bubble = pipeline_s([1.0] * 4, m=8, interleave=1, host_s=0.0)
+    assert (steady, bubble) == (8.0, 3.0)  # (m + pp - 1) t
+    _, bubble_v = pipeline_s([1.0] * 4, m=8, interleave=2, host_s=0.0)
+    assert bubble_v == 1.5  # interleaving divides the fill and drain by v
+    steady, bubble = pipeline_s([1.0, 2.0, 1.0], m=5, interleave=1, host_s=0.5)
+    assert (steady, bubble) == (5 * 2.5, 2.0)  # the slowest stage sets the pace; host work adds no bubble
+
+
+def test_pipeline_bubble_shrinks_with_more_microbatches():
+    cm = CostModel(parse_cluster("a100-80gb:1x8"), CAL)
+    decl = ModelDecl(spec=LLAMA, trainable=True)
+    call = Call(name="t", model="m", kind="train", seqs=256, seq_len=1024, loss="sft")
+    fractions = []
+    for m in (8, 32, 128):
+        c = cm.call_cost(call, decl, Mesh.block(0, 8), Layout(pp=4, dp=2, micro_batches=m, recompute="full"))
+        fractions.append(c.breakdown_s["pp_bubble"] / c.time_s)
+    assert fractions[0] > fractions[1] > fractions[2] > 0
+    assert fractions[0] == pytest.approx(3 / (8 + 3), rel=0.15)
+
+
+def test_collectives_over_the_network_use_the_nodes_nics():
+    """A data-parallel group of one rank per node shares each node's network with the node's 7
+    other groups; one that fills its nodes has the network to itself."""
+    cm = CostModel(parse_cluster("a100-80gb:4x8"), CAL)
+    hw = cm.hw
+    sparse = group_at(first=0, stride=8, n=4, mesh_size=32, gpus_per_node=8)
+    dense = group_at(first=0, stride=1, n=32, mesh_size=32, gpus_per_node=8)
+    assert (sparse.per_node, sparse.concurrent, dense.per_node, dense.concurrent) == (1, 8, 8, 1)
+    nbytes = 1e9
+    assert all_gather_s(nbytes, sparse, hw) == pytest.approx(3 / 4 * nbytes / (1600e9 / 8 * 0.5 / 8) + 3 * 10e-6)
+    assert all_reduce_s(nbytes, dense, hw) == pytest.approx(2 * 31 / 32 * nbytes / (200e9 * 0.5 / 1) + 2 * 31 * 10e-6)
+
+
+def test_small_messages_take_the_tree():
+    cm = CostModel(parse_cluster("a100-80gb:64x8"), CAL)
+    g = group_at(first=0, stride=1, n=512, mesh_size=512, gpus_per_node=8)
+    t = all_reduce_s(1024, g, cm.hw)
+    assert t == pytest.approx(2 * 1024 / (200e9 * 0.5) + 2 * math.log2(512) * 10e-6)
+
+
+def test_model_flops_match_megatron_formula():
+    """6N + 12Lhs per token equals Megatron-LM's 72Bslh^2(1 + s/6h + V/12lh) up to the biases and
+    norms it leaves out."""
+    spec = resolve_model(dict(model_type="gpt", hidden_size=12288, num_hidden_layers=96, num_attention_heads=96,
+                              vocab_size=51200, max_position_embeddings=2048))
+    call = Call(name="t", model="m", kind="train", seqs=1536, seq_len=2048, loss="sft")
+    b, s, l, h, v = 1536, 2048, 96, 12288, 51200
+    megatron = 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    assert model_flops(spec, call) == pytest.approx(megatron, rel=1e-3)
+    infer = Call(name="i", model="m", kind="inference", seqs=1536, seq_len=2048, returns="logprobs")
+    assert model_flops(spec, infer) == pytest.approx(model_flops(spec, call) / 3)
+
+
+@pytest.mark.parametrize("kind", ["train", "inference", "generate"])
+def test_more_bandwidth_is_never_slower(kind):
+    call = {"train": TRAIN, "inference": INFER, "generate": GEN}[kind]
+    decl = ModelDecl(spec=LLAMA, trainable=kind == "train")
+    layouts = [Layout(dp=16, micro_batches=4, zero=1), Layout(tp=8, dp=2, micro_batches=4, sequence_parallel=True),
+               Layout(tp=4, pp=2, dp=2, micro_batches=8), Layout(pp=4, dp=4, micro_batches=4, recompute="selective")]
+    if kind != "train":
+        layouts = [lay.model_copy(update={"zero": 0, "recompute": "none", "sequence_parallel": False}) for lay in layouts]
+    gains = []
+    for lay in layouts:
+        times = []
+        for intra, inter in [(600, 200), (1200, 200), (1200, 800), (2400, 800), (2400, 3200), (4800, 3200)]:
+            cm = CostModel(parse_cluster(f"a100-80gb:2x8,intra_node_gbps={intra},inter_node_gbps={inter}"))
+            times.append(cm.call_cost(call, decl, Mesh.block(0, 16), lay).time_s)
+        assert all(a >= b for a, b in zip(times, times[1:])), (lay.short(), times)
+        gains.append(times[0] - times[-1])
+    assert gains[0] >= 0 and max(gains) > 0  # layouts that communicate get faster; pure dp forward does not
+
+
+def test_faster_gpu_is_never_slower():
+    decl = ModelDecl(spec=LLAMA, trainable=True)
+    lay = Layout(tp=2, dp=4, micro_batches=8)
+    t = [CostModel(parse_cluster(f"{gpu}:1x8")).call_cost(TRAIN, decl, Mesh.block(0, 8), lay).time_s
+         for gpu in ("v100-16gb", "a100-80gb", "h100-sxm")]
+    assert t[0] > t[1] > t[2]
+
+
+def test_generation_grows_with_generated_tokens():
+    cm = CostModel(parse_cluster("a100-80gb:1x8"))
+    decl = ModelDecl(spec=LLAMA)
+    times = [cm.call_cost(Call(name="g", model="m", kind="generate", seqs=64, seq_len=512 + g, gen_len=g), decl,
+                          Mesh.block(0, 8), Layout(dp=8)).breakdown_s["decode"] for g in (64, 256, 1024)]
+    assert times[0] < times[1] < times[2]
+    flops = model_flops(LLAMA, GEN)
+    p, g = GEN.prompt_len, GEN.gen_len
+    n = LLAMA.num_params() - LLAMA.vocab_size * LLAMA.hidden_size + 0  # untied: the input embedding is a lookup
+    lh = LLAMA.num_hidden_layers * LLAMA.hidden_size
+    assert flops == pytest.approx(64 * (2 * n * (p + g) + 4 * lh * (p * p + g * p + g * (g + 1) / 2)), rel=1e-3)
+
+
+def test_decode_layout_adds_a_reshard():
+    cm = CostModel(parse_cluster("a100-80gb:1x8"))
+    decl = ModelDecl(spec=LLAMA)
+    mesh = Mesh.block(0, 8)
+    same = cm.call_cost(GEN, decl, mesh, Layout(tp=4, dp=2))
+    other = cm.call_cost(GEN, decl, mesh, Layout(tp=4, dp=2), decode_layout=Layout(tp=1, dp=8))
+    assert "reshard" not in same.breakdown_s and other.breakdown_s["reshard"] > 0
+    # 8 replicas of 8 sequences each read the whole model per token (memory-bound), against 2 of
+    # 32 reading a quarter plus their tensor-parallel all-reduces: both differ, neither is free.
+    assert other.breakdown_s["decode"] != same.breakdown_s["decode"] and other.breakdown_s["decode"] > 0
+
+
+def test_realloc_bytes_are_the_transfer_plans():
+    cm = CostModel(parse_cluster("a100-80gb:2x8"))
+    decl = ModelDecl(spec=resolve_model("tiny-llama"))
+    src = (Mesh.block(0, 8), Layout(tp=4, dp=2))
+    dst = (Mesh.block(8, 8), Layout(tp=2, pp=2, dp=2))
+    cost = cm.realloc_cost(decl, src, dst)
+    vol = transfer_volume(decl.spec, head="lm", src=src, dst=dst, gpus_per_node=8)
+    assert cost.bytes == 2 * vol.moved_numel == 2 * rank_volumes(decl.spec, head="lm", src=src, dst=dst, gpus_per_node=8).moved_numel
+    assert cost.time_s > 0
+    assert cm.realloc_cost(decl, src, src) == type(cost)(0, 0.0)
+
+
+def test_realloc_across_nodes_is_slower_than_within_one():
+    decl = ModelDecl(spec=LLAMA)
+    src = (Mesh.block(0, 4), Layout(tp=4))
+    dst = (Mesh.block(4, 4), Layout(tp=4))
+    within = CostModel(parse_cluster("a100-80gb:1x8")).realloc_cost(decl, src, dst)
+    across = CostModel(parse_cluster("a100-80gb:2x4")).realloc_cost(decl, src, dst)
+    assert within.bytes == across.bytes > 0
+    assert across.time_s > within.time_s
+
+
+def test_data_transfer():
+    cm = CostModel(parse_cluster("a100-80gb:2x8"))
+    a, b, c = Mesh.block(0, 4), Mesh.block(4, 4), Mesh.block(8, 8)
+    assert cm.data_transfer_s(10**9, a, a) == 0.0
+    assert 0 < cm.data_transfer_s(10**9, a, b) < cm.data_transfer_s(10**9, a, c)
+
+
+def test_layout_must_fill_the_mesh():
+    cm = CostModel(parse_cluster("a100-80gb:1x8"))
+    with pytest.raises(PlannerError, match="needs 4 ranks, mesh has 8"):
+        cm.call_cost(TRAIN, ModelDecl(spec=LLAMA, trainable=True), Mesh.block(0, 8), Layout(dp=4))
+
+
+def test_costs_are_deterministic_and_cached():
+    cm = CostModel(parse_cluster("h100-sxm:2x8"))
+    decl = ModelDecl(spec=LLAMA, trainable=True)
+    a = cm.call_cost(TRAIN, decl, Mesh.block(0, 16), Layout(tp=2, pp=2, dp=4, micro_batches=4, zero=2))
+    b = CostModel(parse_cluster("h100-sxm:2x8")).call_cost(TRAIN, decl, Mesh.block(0, 16),
+                                                           Layout(tp=2, pp=2, dp=4, micro_batches=4, zero=2))
+    assert a == b
+    assert a.peak_mem_bytes > a.state_mem_bytes > 0 and a.model_flops > 0
+    assert sum(a.breakdown_s.values()) == pytest.approx(a.time_s)
+    assert sum(a.mem_breakdown_bytes.values()) == a.peak_mem_bytes
+
+
+def test_zero_stages_trade_memory_for_traffic():
+    """Across nodes on a slow network: ZeRO-1 moves what an all-reduce moves, ZeRO-2
+    reduce-scatters every micro-batch, ZeRO-3 also gathers weights; each keeps less per GPU."""
+    cm = CostModel(parse_cluster("a100-80gb:2x8,inter_node_gbps=100"), CAL)
+    decl = ModelDecl(spec=LLAMA, trainable=True)
+    call = Call(name="t", model="m", kind="train", seqs=128, seq_len=1024, loss="sft")
+    costs = [cm.call_cost(call, decl, Mesh.block(0, 16), Layout(dp=16, zero=z, micro_batches=8)) for z in range(4)]
+    comm_s = [c.breakdown_s["dp_comm"] for c in costs]
+    state = [c.state_mem_bytes for c in costs]
+    assert comm_s[0] == pytest.approx(comm_s[1], rel=0.01)  # reduce-scatter + all-gather = all-reduce
+    assert comm_s[1] < comm_s[2] < comm_s[3]
+    assert state[0] > state[1] > state[2] > state[3]
+
+
+def test_bucketed_overlap_hides_the_gradient_reduction():
+    from cost_models.framework import FRAMEWORKS
+
+    overlap = FRAMEWORKS["torch"].__class__(**{**FRAMEWORKS["torch"].__dict__, "name": "ddp", "overlap_grad_reduce": True})
+    decl = ModelDecl(spec=LLAMA, trainable=True)
+    lay = Layout(dp=16, micro_batches=4)
+    plain = CostModel(parse_cluster("a100-80gb:2x8"), CAL).call_cost(TRAIN, decl, Mesh.block(0, 16), lay)
+    hidden = CostModel(parse_cluster("a100-80gb:2x8"), CAL, framework=overlap).call_cost(TRAIN, decl, Mesh.block(0, 16), lay)
+    assert 0 < hidden.breakdown_s["dp_comm"] < plain.breakdown_s["dp_comm"]
+
+
+def test_context_parallel_splits_the_sequence():
+    """cp=2 halves each rank's tokens (and activations) against dp=2, and adds a ring exchange of
+    keys and values that only shows where attention is too short to hide it."""
+    cm = CostModel(parse_cluster("a100-80gb:1x8"), CAL)
+    decl = ModelDecl(spec=LLAMA, trainable=True)
+    call = Call(name="t", model="m", kind="train", seqs=8, seq_len=16384, loss="sft")
+    dp = cm.call_cost(call, decl, Mesh.block(0, 8), Layout(tp=4, dp=2, micro_batches=4, sequence_parallel=True))
+    cp = cm.call_cost(call, decl, Mesh.block(0, 8), Layout(tp=4, cp=2, micro_batches=8, sequence_parallel=True))
+    assert cp.mem_breakdown_bytes["activations"] == pytest.approx(dp.mem_breakdown_bytes["activations"] / 2, rel=0.01)
+    slow = CostModel(parse_cluster("a100-80gb:1x8,intra_node_gbps=8"), CAL)
+    short = Call(name="t", model="m", kind="train", seqs=64, seq_len=1024, loss="sft")
+    exposed = slow.call_cost(short, decl, Mesh.block(0, 8), Layout(tp=4, cp=2, micro_batches=8, sequence_parallel=True))
+    assert exposed.breakdown_s["cp_comm"] > 0 and "cp_comm" not in dp.breakdown_s
+
+
+@pytest.mark.parametrize("name", ["llama-2-70b", "gpt3-1.3b", "qwen2.5-7b"])
+@pytest.mark.parametrize("tp", [1, 8])
+def test_layer_flops_are_exact(name, tp):
+    """The kernels of a layer carry exactly the closed-form FLOPs: projections 2*M*h*(a+2kv)*d/t and
+    2*M*a*d*h/t, MLP 2*M*h*f/t per matrix (SwiGLU 3, GELU 2), scores and context 2*2*b*a*s^2*d/t
+    (materialised); backward GEMMs twice the forward."""
+    from cost_models.framework import FRAMEWORKS
+    from cost_models.ops import layer_work
+
+    spec = resolve_model(name)
+    h, d, f, a, kv = spec.hidden_size, spec.head_dim, spec.ffn_size, spec.num_attention_heads, spec.kv_heads
+    b, s = 2, 1024
+    m = b * s
+    w = layer_work(spec, FRAMEWORKS["megatron"], b=b, s=s, tp=tp, cp=1, sp=False)
+    mats = 2 if spec.model_type == "gpt" else 3
+    gemms = 2 * m * h * (a + 2 * kv) * d / tp + 2 * m * a * d * h / tp + mats * 2 * m * h * f / tp
+    attn = 2 * 2 * b * a * s * s * d / tp
+    fwd = sum(k.flops for k in w.fwd)
+    assert fwd == pytest.approx(gemms + attn, rel=1e-12)
+    assert sum(k.flops for k in w.bwd) == pytest.approx(2 * fwd, rel=1e-12)
+    flash = layer_work(spec, FRAMEWORKS["torch"], b=b, s=s, tp=tp, cp=1, sp=False)
+    assert sum(k.flops for k in flash.fwd) == pytest.approx(gemms + attn * (s + 1) / (2 * s), rel=1e-12)
+
+
+def test_executed_flops_match_model_flops_without_recompute():
+    """Forward + backward of every layer and the head, with full attention, is 6N + 12Lhs per token."""
+    from cost_models.framework import FRAMEWORKS
+    from cost_models.ops import head_work, layer_work
+
+    spec = resolve_model("gpt3-1.3b")
+    fw = FRAMEWORKS["megatron"]
+    b, s = 4, 2048
+    w = layer_work(spec, fw, b=b, s=s, tp=1, cp=1, sp=False)
+    hf, hb = head_work(spec, fw, head="lm", b=b, s=s, tp=1, cp=1, sp=False, loss=True)
+    executed = spec.num_hidden_layers * sum(k.flops for k in w.fwd + w.bwd) + sum(k.flops for k in hf + hb)
+    call = Call(name="t", model="m", kind="train", seqs=b, seq_len=s, loss="sft")
+    assert executed == pytest.approx(model_flops(spec, call), rel=2e-3)  # model FLOPs count biases too
+
+
+def test_interleaving_shrinks_the_bubble():
+    cm = CostModel(parse_cluster("a100-80gb:1x8"), CAL)
+    decl = ModelDecl(spec=LLAMA, trainable=True)
+    call = Call(name="t", model="m", kind="train", seqs=64, seq_len=1024, loss="sft")
+    plain = cm.call_cost(call, decl, Mesh.block(0, 8), Layout(pp=8, micro_batches=16, recompute="full"))
+    inter = cm.call_cost(call, decl, Mesh.block(0, 8), Layout(pp=8, micro_batches=16, recompute="full", interleave=2))
+    assert inter.breakdown_s["pp_bubble"] == pytest.approx(plain.breakdown_s["pp_bubble"] / 2, rel=0.1)
+    assert inter.breakdown_s["pp_comm"] > plain.breakdown_s["pp_comm"]  # v times the sends
+    assert inter.mem_breakdown_bytes["activations"] > plain.mem_breakdown_bytes["activations"]
