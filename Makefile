@@ -28,6 +28,8 @@ bench: $(STAMP)
 	$(PY) bench/search.py
 	$(PY) bench/cost_accuracy.py
 	$(PY) bench/cost_speed.py
+	$(PY) bench/realloc.py
+	$(PY) bench/rlhf_learning.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

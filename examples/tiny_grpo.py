@@ -3,9 +3,12 @@
 A tiny Llama actor samples 4 responses to each of 8 prompts; `runtime.tasks:pattern_reward`
 scores them (no reward model); a frozen reference gives the KL term of the loss. Compiled for a
 `cpu:1x4` cluster, the plan trains the actor with one layout and reallocates its parameters to
-the generation layout every step. The reward rises from 0.25 to about 1.0 in 30 steps; Adam's
-epsilon and one optimizer step per call keep the run within float tolerance of the
-single-process reference for all of them (see `examples/tiny_ppo.py`).
+the generation layout every step. The calls form one chain (generate -> reference -> train ->
+next generate), so no call can run beside another and the compiler keeps them on one mesh.
+
+The reward rises from 0.25 to about 1.0 in 30 steps; Adam's epsilon and one optimizer step per
+call keep the 4-rank run within float tolerance of the single-process reference for all of them
+(see `examples/tiny_ppo.py`).
 
     planner compile examples/tiny_grpo.py -o plans/tiny_grpo.json
     torchrun --nproc-per-node 4 -m runtime plans/tiny_grpo.json --steps 30

@@ -2,8 +2,8 @@
 
 Tiny Llama actor and critic (a value head), a frozen reference, and a rule-based reward on the
 generated tokens (the toy task in `runtime/tasks.py`), on a `cpu:1x4` cluster. The compiled plan
-places the calls on several meshes and reallocates the actor's and the critic's parameters from
-their training layouts to the layouts of generation and inference every step.
+places the calls on several meshes and, every step, reallocates parameters from a model's
+training placement to the placement of its generation or inference call.
 
 Hyperparameters: the reward rises from 0.25 (random) to about 0.8 in 30 steps, with a light KL
 penalty (0.05 held the reward near 0.6). RL training amplifies float rounding (sampling is

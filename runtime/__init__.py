@@ -9,5 +9,9 @@ Imports `plans/` only (never `planner/`, `cost_models/` or ortools). Read in thi
 - `engine`: `parallelize` composes them in one documented order; `ModelRunner` runs train /
   inference / generate (`generate`) on a shard;
 - `losses` and `algorithms` (PPO, GRPO, RLOO, ReMax, DPO, SFT glue), `tasks` (toy data and
-  rewards), `executor` (walks the plan's calls), `__main__` (the command line).
+  rewards);
+- `realloc` (moving a model's parameters between two placements, exactly the transfer plan of
+  `plans.sharding`), `dataflow` (call outputs and statistics between ranks, point to point),
+  `executor` (walks the plan's calls: parameters from each model's home placement, reallocated
+  copies, data), `__main__` (the command line).
 """

@@ -140,7 +140,9 @@ class PlanRunner:
         self.distributed = not reference and world_size > 1
         _check_batches(plan, self.calls)
         self.glue = Glue(plan, reward_fn=load_reward_fn(plan.algorithm))
-        self.readers = {h: tuple(sorted({r for c in plan.calls if h in c.inputs for r in self.calls[c.name].where.mesh.ranks}))
+        # handle -> the ranks that read it: those of the meshes of the calls taking it as input
+        self.readers = {h: tuple(sorted({r for reader in plan.calls if h in reader.inputs
+                                         for r in self.calls[reader.name].where.mesh.ranks}))
                         for c in plan.calls for h in c.outputs}
         groups = Groups(distributed=self.distributed)
         self.groups: dict[str, RankGroups | None] = {}
@@ -206,31 +208,38 @@ class PlanRunner:
         return value.get() if isinstance(value, Incoming) else value
 
     def _generate(self, call: PlanCall, runner: ModelRunner | None, store: dict, step: int) -> tuple[Rows | None, Shapes]:
+        """Samples [seqs, seq_len] with their log-probs and mask [seqs, gen_len] (on the last stage)."""
+        g = call.gen_len
+        shapes: Shapes = {"tokens": ((call.seq_len,), torch.int64), "logprobs": ((g,), torch.float32),
+                          "mask": ((g,), torch.bool)}
+        if runner is None:  # not in the call's mesh: reads nothing
+            return None, shapes
         prompts = self._get(store, call.inputs[0])["tokens"].repeat_interleave(call.samples_per_prompt, dim=0)
-        local = None
-        if runner is not None:
-            local = runner.generate(prompts, gen_len=call.gen_len, temperature=call.temperature,
-                                    seed=call_seed(self.seed, step, call.name))
-        g, p = call.gen_len, prompts.shape[1]
-        return local, {"tokens": ((p + g,), torch.int64), "logprobs": ((g,), torch.float32), "mask": ((g,), torch.bool)}
+        _check_shape(call, prompts, (call.seqs, call.prompt_len))
+        return runner.generate(prompts, gen_len=g, temperature=call.temperature,
+                               seed=call_seed(self.seed, step, call.name)), shapes
 
     def _inference(self, call: PlanCall, runner: ModelRunner | None, store: dict) -> tuple[Rows | None, Shapes]:
+        """Per-token log-probs [seqs, seq_len-1] or values [seqs, seq_len], or one score per sequence."""
+        s = call.seq_len
+        what = "logprobs" if call.returns == "logprobs" else "values"
+        shapes: Shapes = {"scores": ((), torch.float32)} if call.returns == "scores" else \
+            {what: ((s - 1,) if what == "logprobs" else (s,), torch.float32)}
+        if runner is None:
+            return None, shapes
         data = self._get(store, call.inputs[0])
         tokens = data["tokens"]
-        s = tokens.shape[1]
-        what = "logprobs" if call.returns == "logprobs" else "values"
-        out = runner.forward(tokens.to(self.device), what=what) if runner is not None else None
+        _check_shape(call, tokens, (call.seqs, s))
+        out = runner.forward(tokens.to(self.device), what=what)
+        if out is None:  # not the last stage
+            return None, shapes
         if call.returns == "scores":  # the value head at the last real token of each sequence
-            if out is not None:
-                assert runner is not None
-                split = runner.split(tokens.shape[0])
-                mask = aligned(data, "mask") if "logprobs" in data else data.get("mask")  # samples or graph input
-                mask = None if mask is None else mask[split.start:split.stop]
-                last = torch.full((out.shape[0],), s - 1) if mask is None else last_index(mask) + 1
-                out = out.cpu().gather(1, last[:, None])[:, 0]
-            return (None if out is None else {"scores": out}), {"scores": ((), torch.float32)}
-        shape = (s - 1,) if what == "logprobs" else (s,)
-        return (None if out is None else {what: out}), {what: (shape, torch.float32)}
+            split = runner.split(tokens.shape[0])
+            mask = aligned(data, "mask") if "logprobs" in data else data.get("mask")  # samples or graph input
+            mask = None if mask is None else mask[split.start:split.stop]
+            last = torch.full((out.shape[0],), s - 1) if mask is None else last_index(mask) + 1
+            return {"scores": out.cpu().gather(1, last[:, None])[:, 0]}, shapes
+        return {what: out}, shapes
 
     def _train(self, call: PlanCall, runner: ModelRunner | None, store: dict) -> dict[str, float]:
         if runner is None:
@@ -277,6 +286,9 @@ class PlanRunner:
                     mail.report(stats, device=self.device)
             elif self.rank == 0:
                 inbox.expect(src, device=self.device)
+        for value in store.values():  # complete every receive posted, read or not
+            if isinstance(value, Incoming):
+                value.get()
         mail.flush()
         for stats in [*reports, *inbox.collect()]:
             metrics.update(stats)
@@ -291,6 +303,13 @@ class PlanRunner:
         where = self.calls[call.name].where
         return mail.share(local, mesh=where.mesh, layout=where.layout, rows=call.seqs, shapes=shapes,
                           needers=self.readers[call.outputs[0]], device=self.device)
+
+
+def _check_shape(call: PlanCall, tokens: torch.Tensor, want: tuple[int, int]) -> None:
+    if tuple(tokens.shape) != want:
+        raise PlannerError(f"call {call.name!r} declares {want[0]} sequences of {want[1]} tokens but reads "
+                           f"{tuple(tokens.shape)[0]} of {tuple(tokens.shape)[1]}",
+                           hint="the call's seqs and seq_len must match the data it reads")
 
 
 def _check_batches(plan: Plan, calls: dict[str, CallPlan]) -> None:

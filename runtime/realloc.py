@@ -130,6 +130,18 @@ def rank_plan(spec: ModelSpec, *, head: Head, src: tuple[Mesh, Layout], dst: tup
     return plan
 
 
+def _pack(held: Mapping[str, Tensor], pieces: list[Piece], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """One flat buffer of `pieces`, in order (one copy per piece, strided slices included)."""
+    buf = torch.empty(sum(p.numel for p in pieces), dtype=dtype, device=device)
+    off = 0
+    with torch.no_grad():
+        for p in pieces:
+            src = held[p.name][p.src]
+            buf[off:off + p.numel].view(src.shape).copy_(src)
+            off += p.numel
+    return buf
+
+
 def reallocate(plan: RankPlan, held: Mapping[str, Tensor], *, device: torch.device,
                dtype: torch.dtype = torch.float32) -> tuple[dict[str, Tensor], Traffic]:
     """Run `plan` on this rank: `held` are its slices under the source layout (empty when outside
@@ -140,7 +152,7 @@ def reallocate(plan: RankPlan, held: Mapping[str, Tensor], *, device: torch.devi
             raise ValueError(f"parameter {name} is {t.dtype}, the reallocation moves {dtype}")
     out = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in plan.shapes.items()}
     inbox = {s: torch.empty(sum(p.numel for p in ps), dtype=dtype, device=device) for s, ps in plan.recvs.items()}
-    outbox = {d: torch.cat([held[p.name][p.src].reshape(-1) for p in ps]) for d, ps in plan.sends.items()}
+    outbox = {d: _pack(held, ps, dtype=dtype, device=device) for d, ps in plan.sends.items()}
     ops = [dist.P2POp(dist.irecv, buf, s, tag=TAG) for s, buf in sorted(inbox.items())]
     # Receivers after this rank first, then wrapping around: the senders of a mesh do not all
     # start on the same receiver.

@@ -79,14 +79,12 @@ def compiled(tmp_path_factory) -> dict[str, Path]:
 def test_tiny_examples_compile_to_plans_that_reallocate(compiled: dict[str, Path]) -> None:
     for name, path in compiled.items():
         plan = load_plan(path)
-        assert [r.model for r in plan.reallocations] == ["actor"], f"{name}: {plan.reallocations}"
-        r = plan.reallocations[0]
-        src, dst = plan.call(r.from_call), plan.call(r.to_call)
-        assert (r.from_call, r.to_call) == ("actor_train", "actor_generate")
-        assert src.layout.tp != dst.layout.tp  # the copy is sliced differently
+        assert plan.reallocations, f"{name}: the plan moves no parameters"
+        for r in plan.reallocations:
+            src, dst = plan.call(r.from_call), plan.call(r.to_call)
+            assert (src.mesh, src.layout) != (dst.mesh, dst.layout) and r.bytes > 0
     ppo = load_plan(compiled["tiny_ppo"])
     assert len({c.mesh for c in ppo.calls}) >= 2
-    assert ppo.reallocations[0].bytes > 0 and ppo.call("actor_train").mesh != ppo.call("actor_generate").mesh
 
 
 @pytest.mark.slow

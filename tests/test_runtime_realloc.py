@@ -9,7 +9,7 @@ embedding held by the first and last stages). Each rank checks every slice it re
 the whole tensor, bit for bit, and reports the elements it put on the wire per receiver; the
 test compares them with `plans.sharding.transfer_plan`/`transfer_volume` (pair by pair), with
 the cost model's per-rank volumes (`cost_models.transfer.rank_volumes`) and with the bytes the
-cost model charges (`CostModel.realloc_cost`, bf16: 2 bytes per element, the runtime moves fp32).
+cost model charges (`CostModel.realloc_cost`, at its parameter width; the runtime moves fp32).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cost_models.api import BYTES_PARAM, CostModel
+from cost_models.api import CostModel
 from cost_models.transfer import rank_volumes
 from plans import PRESETS, Layout, Mesh, parse_cluster
 from plans.graph import ModelDecl
@@ -159,6 +159,6 @@ def test_bytes_sent_equal_the_transfer_plan_and_the_cost_model(traffic) -> None:
         element = traffic[i][0]["element_bytes"]
         assert element == 4  # fp32 parameters move as they are (bit-exact)
         charged = cm.realloc_cost(ModelDecl(spec=spec, head=head), src, dst).bytes
-        assert sum(sent.values()) * BYTES_PARAM == charged
+        assert sum(sent.values()) * cm.framework.param_bytes == charged
         moved_any += sum(sent.values()) > 0
     assert moved_any > len(cases()) // 2  # most cases move something (identity pairs move nothing)
