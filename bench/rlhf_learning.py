@@ -2,7 +2,9 @@
 metrics equal the single-process reference.
 
 For each plan (default: `plans/tiny_ppo.json`, `plans/tiny_grpo.json`, from
-`planner compile examples/tiny_*.py -o plans/tiny_*.json`) this runs
+`planner compile examples/tiny_*.py -o plans/tiny_*.json`, and the same graphs placed by hand
+over all 4 ranks with tensor, data and pipeline parallelism and ZeRO, reallocating every step
+between nested meshes, so that parallel arithmetic is exercised on every call) this runs
 
 - ``torchrun --nproc-per-node 4 -m runtime PLAN --steps N`` (the plan's meshes, layouts and
   reallocations) and ``python -m runtime PLAN --reference --steps N`` (one process, unsharded);
@@ -17,7 +19,7 @@ the 4-rank run and the reference (and between the twin and the reference), and b
 times; then the reward's rise and the first step (if any) at which the runs differ by more than
 the tolerance.
 
-    .venv/bin/python bench/rlhf_learning.py [--steps 30] [--seed 0] [PLAN ...]
+    .venv/bin/python bench/rlhf_learning.py [--steps 30] [--seed 0] [--no-spread] [PLAN ...]
 """
 
 from __future__ import annotations
@@ -35,7 +37,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from plans.plan import load_plan  # noqa: E402
+import runpy  # noqa: E402
+
+from planner.candidates import home_calls  # noqa: E402
+from plans import Layout, Mesh, PlanCall, Reallocation, save_plan  # noqa: E402
+from plans.plan import Plan, load_plan  # noqa: E402
+from plans.sharding import transfer_volume  # noqa: E402
 from runtime.executor import PlanRunner  # noqa: E402
 
 TOL = 1e-4
@@ -52,6 +59,38 @@ def _run(args: list[str]) -> None:
 
 def _metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+W, A, B = Mesh.block(0, 4), Mesh.block(0, 2), Mesh.block(2, 2)
+SPREAD = {  # per example: call (or model) -> (mesh, layout)
+    "tiny_ppo": {"actor_train": (A, Layout(tp=2, micro_batches=2, sequence_parallel=True)),
+                 "actor_generate": (W, Layout(tp=4)), "ref": (B, Layout(pp=2, micro_batches=2)),
+                 "critic_train": (W, Layout(dp=2, pp=2, zero=1, micro_batches=2)),
+                 "critic_inference": (B, Layout(dp=2))},
+    "tiny_grpo": {"actor_train": (W, Layout(dp=2, tp=2, zero=3, micro_batches=2, sequence_parallel=True)),
+                  "actor_generate": (A, Layout(tp=2)), "ref": (B, Layout(dp=2))},
+}
+
+
+def spread_plan(compiled: Plan, name: str) -> Plan:
+    """`compiled` with its calls placed by hand (`SPREAD`), listing the reallocations the
+    compiler would: each non-home call whose placement holds other slices than its home's."""
+    graph = runpy.run_path(str(ROOT / "examples" / f"{name}.py"))["graph"]
+    where = {c.name: SPREAD[name].get(c.name) or SPREAD[name][c.model] for c in graph.calls}
+    homes = home_calls(graph)
+    moves = []
+    for c in graph.calls:
+        home = homes[c.model]
+        if home != c.name and where[c.name] != where[home]:
+            decl = graph.models[c.model]
+            vol = transfer_volume(decl.spec, head=decl.head, src=where[home], dst=where[c.name],
+                                  gpus_per_node=compiled.cluster.gpus_per_node)
+            moves.append(Reallocation(model=c.model, from_call=home, to_call=c.name, bytes=2 * vol.moved_numel,
+                                      est_time_s=0))
+    calls = [PlanCall(**c.model_dump(), mesh=where[c.name][0], layout=where[c.name][1], est_start_s=0, est_time_s=0,
+                      est_peak_mem_bytes=0) for c in graph.calls]
+    return compiled.model_copy(update={"name": f"{name}_spread", "calls": calls, "reallocations": moves,
+                                       "transfers": []})
 
 
 def twin_run(plan_path: Path, *, steps: int, seed: int) -> list[dict]:
@@ -113,12 +152,20 @@ def main() -> None:
                                                   str(ROOT / "plans" / "tiny_grpo.json")])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-spread", action="store_true", help="skip the hand-placed variants of the tiny examples")
     args = ap.parse_args()
     for path in args.plans:
         if not Path(path).is_file():
             raise SystemExit(f"no plan {path}; compile it first: planner compile examples/{Path(path).stem}.py -o {path}")
-    for path in args.plans:
-        bench(Path(path), steps=args.steps, seed=args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [Path(p) for p in args.plans]
+        if not args.no_spread:
+            for path in list(paths):
+                if path.stem in SPREAD:
+                    paths.append(Path(tmp, f"{path.stem}_spread.json"))
+                    save_plan(spread_plan(load_plan(path), path.stem), paths[-1])
+        for path in paths:
+            bench(path, steps=args.steps, seed=args.seed)
 
 
 if __name__ == "__main__":
