@@ -1,6 +1,6 @@
 """Parameter reallocation on 4 gloo ranks: bandwidth against a plain broadcast, bytes against the minimum.
 
-For a ~50M-parameter Llama-shaped model (fp32, ~200 MB) and several (mesh, layout) pairs (the
+For a 110M-parameter Llama-shaped model (fp32, 440 MB) and several (mesh, layout) pairs (the
 tiny PPO plan's train -> generate move, re-shardings on one mesh, disjoint meshes, a ZeRO-3
 source), this measures `runtime.realloc.reallocate` side by side with
 ``torch.distributed.broadcast`` of a buffer holding the same total bytes, from the first rank to
