@@ -36,7 +36,7 @@ from planner.simulate import Op, Schedule, default_order, simulate
 from planner.timeline import gpu_groups
 
 STATE_PARTS = ("params", "grads", "optimizer")
-PER_SIZE = 2  # alternatives kept per mesh size before the overall cut
+PER_SIZE = 2  # alternatives kept per mesh size (its fastest, and its fastest that fits) before the cut
 TIE = 1e-4  # relative iteration-time difference below which two options tie
 
 
@@ -320,7 +320,12 @@ def alternatives(plan: Plan, problem: Problem, choice: list[int], cm: CostModel,
                         key=lambda k: (opts[k].time_s, opts[k].peak_mem_bytes, k[0], _describe(k[1], k[2])))
         picked: list[tuple[int, Layout, Layout | None]] = []
         for size in sorted({k[0] for k in ranked}):
-            picked += [k for k in ranked if k[0] == size][:PER_SIZE]
+            # The fastest on this mesh size (fitting or not), then the fastest ones that fit alone.
+            mine = [k for k in ranked if k[0] == size]
+            fitting = [k for k in mine if opts[k].peak_mem_bytes <= cap]
+            for k in [*mine[:1], *fitting]:
+                if k not in picked and len([x for x in picked if x[0] == size]) < PER_SIZE:
+                    picked.append(k)
         picked = sorted(picked, key=ranked.index)[:top]
         rows = []
         for key in picked:

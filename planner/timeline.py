@@ -180,9 +180,10 @@ def _draw_panel(ax: Axes, bars: list[Bar], groups: list[GpuGroup], colors: dict,
         text = f"↻ {b.model}" if realloc else b.call
         timed = f"{text}\n{_fmt_s(b.dur_s)}"
         full = timed if realloc else f"{text}\n{_fmt_s(b.dur_s)} · {layouts.get(b.call, '')}"
+        wrapped = text.replace("_", "_\n")  # narrow bars: the name over several lines
         t = ax.text(b.start_s * scale + width / 2, b.row, full, ha="center", va="center", fontsize=7.5,
                     clip_on=True, gid=f"label:{b.cat}:{b.call}:{b.row}", zorder=4)
-        labels.append((t, rect, (full, timed, text, "")))
+        labels.append((t, rect, (full, timed, text, f"{wrapped}\n{_fmt_s(b.dur_s)}", wrapped, "")))
     ax.set_yticks(range(len(groups)), [g.label for g in groups], fontsize=8.5)
     ax.set_ylim(len(groups) - 0.5, -0.5)
     ax.set_title(title, loc="left", fontsize=10)

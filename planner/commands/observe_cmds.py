@@ -188,7 +188,7 @@ def _render_explanation(ex, console: Console) -> None:  # noqa: ANN001, C901 - o
             style = "bold" if o is c.chosen else None
             t.add_row(str(o.mesh_size), o.layout, fmt_s(o.time_s), fmt_bytes(o.peak_mem_bytes),
                       fmt_s(o.iteration_s) if o.iteration_s is not None else "-",
-                      o.verdict + ("" if o.in_space else " (not a search candidate)"), style=style)
+                      o.verdict + (" (not a search candidate)" if o.fits and not o.in_space else ""), style=style)
         console.print(t)
 
 

@@ -93,8 +93,12 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
     notes: list[str] = []
     reward_pool: Mesh | None = None
     if r.reward_inference is not None:
+        # verl gives the reward model a pool of its own (after the global one) when asked; the
+        # global pool must then still be a whole number of equal nodes.
         rm = r.reward_inference.mesh
-        if all(not set(rm.ranks) & set(c.mesh.ranks) for c in role_calls(r) if c is not r.reward_inference):
+        rest = plan.cluster.world_size - rm.size
+        if all(not set(rm.ranks) & set(c.mesh.ranks) for c in role_calls(r) if c is not r.reward_inference) \
+                and (rest <= gpn or rest % gpn == 0):
             reward_pool = rm
     pool_gpus = plan.cluster.world_size - (reward_pool.size if reward_pool else 0)
     for c in role_calls(r):
@@ -179,8 +183,6 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
         settings["custom_reward_function"] = {"path": module.replace(".", "/") + ".py", "name": fn}
         notes.append(f"custom_reward_function.path is a file: {algo.reward_fn!r} assumed at "
                      f"{settings['custom_reward_function']['path']}")
-    if reward_pool is not None and pool_gpus % gpn and pool_gpus > gpn:
-        limits.append(f"the global pool of {pool_gpus} GPUs is not whole nodes of {gpn}")
     nodes, per = (plan.cluster.nodes, gpn) if reward_pool is None else (max(1, pool_gpus // gpn), min(pool_gpus, gpn))
     settings["trainer"] = {"nnodes": nodes, "n_gpus_per_node": per}
     overrides: list[tuple[str, Any]] = []
