@@ -127,8 +127,9 @@ def group_bars(items: list[Span], groups: list[GpuGroup], *, step: int, origin_s
             acc[k][1] = max(acc[k][1], s.end_s)
         else:
             acc[k] = [s.start_s, s.end_s, s.model, s.kind]
+    ordered = sorted(acc.items(), key=lambda kv: (kv[0][0], kv[1][0], kv[0]))  # row, then start
     return [Bar(row, cat, call, model, kind, lo - origin_s, hi - lo)
-            for (row, cat, call), (lo, hi, model, kind) in sorted(acc.items(), key=lambda kv: (kv[0][0], kv[1][0], kv[0]))]
+            for (row, cat, call), (lo, hi, model, kind) in ordered]
 
 
 def default_step(items: list[Span]) -> int:

@@ -96,7 +96,8 @@ def test_a_different_calibration_is_flagged() -> None:
 
     cal = default_calibration("cpu")
     coef = cal.coefficients
-    slower = cal.model_copy(update={"coefficients": coef.model_copy(update={"step_overhead_ms": coef.step_overhead_ms + 5})})
+    coef = coef.model_copy(update={"step_overhead_ms": coef.step_overhead_ms + 5})
+    slower = cal.model_copy(update={"coefficients": coef})
     ex = explain_plan(tiny_ppo(), cm=CostModel(tiny_ppo().cluster, calibration=slower), top=1)
     assert ex.notes and all("compiled with --calibration" in n for n in ex.notes)
     assert {n.split(":")[0] for n in ex.notes} == {"actor_train", "critic_train"}  # the calls with optimizer steps

@@ -57,7 +57,8 @@ _MEGATRON_BLOCK = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                    "context_parallel_size", "sequence_parallel", "use_distributed_optimizer", "param_offload")
 VERL_KEYS = {
     "data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
-    "actor_rollout_ref.hybrid_engine", "actor_rollout_ref.model.path", "actor_rollout_ref.model.enable_gradient_checkpointing",
+    "actor_rollout_ref.hybrid_engine", "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.enable_gradient_checkpointing",
     "actor_rollout_ref.actor.strategy", "actor_rollout_ref.actor.ppo_mini_batch_size",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_epochs",
     "actor_rollout_ref.actor.clip_ratio", "actor_rollout_ref.actor.optim.lr",
@@ -284,7 +285,8 @@ def test_export_cli(cli, tmp_path) -> None:  # noqa: ANN001
     save_plan(sft_70b(), path)
     r = cli("export", str(path), "--to", "deepspeed", "-o", str(tmp_path / "ds.json"))
     assert r.code == 0, r.err
-    assert json.loads((tmp_path / "ds.json").read_text())["zero_optimization"]["stage"] == sft_70b().calls[0].layout.zero
+    stage = json.loads((tmp_path / "ds.json").read_text())["zero_optimization"]["stage"]
+    assert stage == sft_70b().calls[0].layout.zero
     r = cli("export", str(path), "--to", "megatron", "--json")
     data = json.loads(r.out)
     assert r.code == 0 and set(data) == {"target", "settings", "cannot_express", "notes", "source"}

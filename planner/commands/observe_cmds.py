@@ -167,8 +167,8 @@ def _render_explanation(ex, console: Console) -> None:  # noqa: ANN001, C901 - o
         b = ex.bottleneck
         parts = next((c.breakdown_s for c in ex.calls if c.call == b.call), {})
         split = ", ".join(f"{k} {fmt_s(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
-        console.print(f"bottleneck: [bold]{b.call}[/] {fmt_s(b.time_s)}, {b.time_s / ex.iteration0_s * 100:.0f}% of the "
-                      f"iteration ({escape(split)})")
+        share = b.time_s / ex.iteration0_s * 100
+        console.print(f"bottleneck: [bold]{b.call}[/] {fmt_s(b.time_s)}, {share:.0f}% of the iteration ({escape(split)})")
     for g in ex.memory:
         t = Table(title=f"memory per GPU on {g.label}: resident " +
                   (", ".join(f"{m} {fmt_bytes(v)}" for m, v in g.resident.items()) or "nothing") +

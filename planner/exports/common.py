@@ -123,7 +123,8 @@ def roles(plan: Plan, *, target: str) -> Roles:
 
     actor_train = first(lambda c: c.kind == "train" and c.model == actor)
     if actor_train is None:
-        raise PlannerError(f"plan {plan.name!r} generates with {actor!r} but never trains it; {target} trains the actor")
+        raise PlannerError(f"plan {plan.name!r} generates with {actor!r} but never trains it; "
+                           f"{target} trains the actor")
     critic_train = first(lambda c: c.kind == "train" and plan.models[c.model].head == "value")
     critic = critic_train.model if critic_train else None
     critic_inf = first(lambda c: c.kind == "inference" and c.model == critic) if critic else None
@@ -162,6 +163,7 @@ def common_limits(plan: Plan, target: str) -> list[str]:
     """What no engine here expresses: overlapped iterations."""
     if overlapping_iterations(plan):
         end = max(c.est_start_s + c.est_time_s for c in plan.calls)
-        return [f"the plan overlaps iterations (the next starts {end - plan.estimate.iteration_s:.3g} s before this "
-                f"one ends; steady state {plan.estimate.iteration_s:.3g} s): {target} runs iterations one after another"]
+        early_s = end - plan.estimate.iteration_s
+        return [f"the plan overlaps iterations (the next starts {early_s:.3g} s before this one ends; steady "
+                f"state {plan.estimate.iteration_s:.3g} s): {target} runs iterations one after another"]
     return []

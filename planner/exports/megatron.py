@@ -132,7 +132,8 @@ def export(plan: Plan, *, call: str | None = None) -> Export:
             notes.append(f"{c.name}: {c.minibatches} optimizer steps per iteration (one per "
                          f"--global-batch-size {optimizer_batch(c)} sequences)")
         flags = model_flags(plan, c) + parallel_flags(plan, c, limits, notes)
-        jobs[c.name] = {"world_size": c.mesh.size, "ranks": [c.mesh.first, c.mesh.ranks[-1]], "flags": flags_dict(flags)}
+        jobs[c.name] = {"world_size": c.mesh.size, "ranks": [c.mesh.first, c.mesh.ranks[-1]],
+                        "flags": flags_dict(flags)}
         commands.append(f"# {c.name}: {c.model} on GPUs {c.mesh.short()} ({c.mesh.size} processes)\n"
                         + shell_command(PROGRAM, flags))
     exp = Export("megatron", "", {"jobs": jobs}, limits, notes, SOURCE)

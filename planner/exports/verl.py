@@ -123,7 +123,8 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
         actor["ulysses_sequence_parallel_size"] = r.actor_train.layout.cp
         actor["fsdp_config"] = {"fsdp_size": -1, "param_offload": False, "optimizer_offload": False}
     else:
-        actor["megatron"] = {**_megatron(r.actor_train.layout), "use_distributed_optimizer": r.actor_train.layout.zero > 0}
+        lay = r.actor_train.layout
+        actor["megatron"] = {**_megatron(lay), "use_distributed_optimizer": lay.zero > 0}
     if algo.name in ("grpo", "rloo", "remax"):
         actor.update(use_kl_loss=True, kl_loss_coef=algo.kl_coef, kl_loss_type="low_var_kl")
     rollout: dict[str, Any] = {
