@@ -267,10 +267,11 @@ class CallComparison:
 
     @property
     def error(self) -> float | None:
-        """(measured - predicted) / measured; None when not measured."""
+        """(predicted - measured) / measured: negative when the plan is optimistic; None when not
+        measured."""
         if self.measured_s is None or self.measured_s <= 0:
             return None
-        return (self.measured_s - self.predicted_s) / self.measured_s
+        return (self.predicted_s - self.measured_s) / self.measured_s
 
 
 def compare_calls(plan: Plan, measured: dict[str, Any], *, skip_steps: int = 1) -> list[CallComparison]:

@@ -101,7 +101,7 @@ def _comparison_table(rows, mae: float | None) -> Table:  # noqa: ANN001
     from planner.render import fmt_s
 
     t = Table(title="predicted vs measured (mean over steps)", title_justify="left")
-    for col in ("call", "model", "predicted", "measured", "error"):
+    for col in ("call", "model", "predicted", "measured", "error vs measured"):
         t.add_column(col, justify="left" if col in ("call", "model") else "right")
     for r in rows:
         name = r.call if r.cat == "call" else f"realloc for {r.call}"
