@@ -123,7 +123,7 @@ def test_compare_calls_and_merged_trace() -> None:
         ranks = plan.call(r.call).mesh.size if r.cat == "call" else 2
         skew = 1e-4 * (ranks - 1) if r.cat == "call" else 1e-4  # first rank's start to last rank's end
         assert r.measured_s == pytest.approx(1.25 * r.predicted_s + skew, rel=1e-6, abs=1e-9)
-    assert all(-0.21 < r.error < -0.19 for r in rows if r.cat == "call")  # the plan is 1.25x optimistic
+    assert all(-0.23 < r.error < -0.19 for r in rows if r.cat == "call")  # 1.25x slower (+ skew)
     assert mean_abs_error(rows) == pytest.approx(
         sum(abs(r.error) for r in rows if r.cat == "call") / len(plan.calls))
     doc = merged_trace(plan, meas)
