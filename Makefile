@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench timelines venv clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+EXAMPLES := tiny_ppo ppo_llama7b grpo_qwen7b sft_llama3_70b
+
+timelines: $(STAMP)
+	@mkdir -p out/timelines
+	@for n in $(EXAMPLES); do \
+		$(VENV)/bin/planner compile examples/$$n.py -o out/timelines/$$n.json --time-limit 10 > /dev/null && \
+		$(VENV)/bin/planner timeline out/timelines/$$n.json -o out/timelines/$$n.png \
+			--trace out/timelines/$$n.trace.json || exit 1; \
+	done
 
 bench: $(STAMP)
 	$(PY) bench/search.py

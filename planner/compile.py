@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from cost_models import CostModel
 from plans.cluster import ClusterSpec
@@ -34,7 +35,42 @@ from planner.exhaustive import topological_orders
 from planner.problem import Problem, build_problem
 from planner.simulate import Schedule, simulate
 
-Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class SearchProgress:
+    """Where the search is, for a progress display; reporting it never changes what is found."""
+
+    phase: str  # "costing", "beam", "cpsat", "polish"
+    detail: str = ""
+    candidates: int | None = None  # placed (call, candidate) pairs in the search
+    best_s: float | None = None  # iteration time of the best plan found so far (exact simulation)
+    bound_s: float | None = None  # proven lower bound on the iteration time
+    solver_s: float | None = None  # CP-SAT's incumbent (durations rounded up to ticks), not yet re-simulated
+
+    def __str__(self) -> str:
+        words = {"costing": "costing layouts", "beam": "beam search", "cpsat": "CP-SAT", "polish": "polishing"}
+        parts = [words.get(self.phase, self.phase) + (f" {self.detail}" if self.detail else "")]
+        if self.candidates is not None:
+            parts.append(f"{self.candidates} candidates")
+        if self.best_s is not None:
+            parts.append(f"best {_fmt_s(self.best_s)}")
+        if self.solver_s is not None:
+            parts.append(f"incumbent {_fmt_s(self.solver_s)}")
+        if self.bound_s is not None:
+            gap = f" (gap {(self.best_s - self.bound_s) / self.best_s * 100:.1f}%)" if self.best_s else ""
+            parts.append(f"bound {_fmt_s(self.bound_s)}{gap}")
+        return " · ".join(parts)
+
+
+def _fmt_s(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+        if seconds >= scale:
+            return f"{seconds / scale:.4g} {unit}"
+    return f"{seconds * 1e6:.4g} us"
+
+
+Progress = Callable[[SearchProgress], None]
 MAX_CPSAT_ROUNDS = 3  # re-solves after costing reallocations CP-SAT saw only as lower bounds
 CPSAT_WORK_SHARE = (0.3, 0.1, 0.1)  # of --time-limit, as CP-SAT deterministic time, per round
 MAX_ORDERS_TRIED = 5000  # list-scheduling orders tried for the final assignment
@@ -77,9 +113,9 @@ def _no_joint_fit_error(problem: Problem, baseline: str | None) -> PlannerError:
     )
 
 
-def trivial_lower_bound(problem: Problem) -> float:
-    """A bound every plan respects: the longest dependency chain at each call's fastest
-    candidate, and all calls' least GPU-seconds spread over the cluster (per iteration)."""
+def lower_bound_parts(problem: Problem) -> tuple[float, float]:
+    """(chain_s, work_s): the longest dependency chain at each call's fastest candidate, and all
+    calls' least GPU-seconds spread over the cluster (per iteration); each bounds every plan."""
     fastest = [min(c.time_s for c in s.cands) for s in problem.slots]
     finish = [0.0] * len(problem.slots)
     for s in problem.slots:  # slots are in topological order
@@ -87,7 +123,12 @@ def trivial_lower_bound(problem: Problem) -> float:
         finish[s.index] = ready + fastest[s.index]
     chain = max(finish, default=0.0)
     work = sum(min(c.time_s * c.mesh.size for c in s.cands) for s in problem.slots) / problem.cluster.world_size
-    return max(chain, work)
+    return chain, work
+
+
+def trivial_lower_bound(problem: Problem) -> float:
+    """A bound every plan respects: the larger of `lower_bound_parts`."""
+    return max(lower_bound_parts(problem))
 
 
 def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 10.0, baseline: str | None = None,
@@ -99,7 +140,7 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
     cm = CostModel(cluster) if calibration is None else CostModel(cluster, calibration=calibration)
     rule: Restriction | None = restriction(baseline, graph, cm) if baseline else None
     space = rule.space if rule is not None else (space or SearchSpace())
-    say("costing candidate layouts")
+    say(SearchProgress("costing", detail=f"of {len(graph.calls)} calls"))
     per_size = graph_candidates(graph, cm, space)
     for name, sizes in per_size.items():
         if not sizes:
@@ -131,19 +172,20 @@ def search(problem: Problem, *, rule: Restriction | None = None, time_limit_s: f
     wall-clock `deadline` is only a safety net (on a very loaded machine it may cut work short)."""
     deadline = deadline if deadline is not None else time.perf_counter() + time_limit_s
     use_cpsat = time_limit_s > 0
-    say = say or (lambda _msg: None)
-    say(f"beam search over {sum(len(s.cands) for s in problem.slots)} placed candidates")
+    say = say or (lambda _p: None)
+    n_cands = sum(len(s.cands) for s in problem.slots)
+    bound, status, rounds = trivial_lower_bound(problem), None, 0
+    say(SearchProgress("beam", candidates=n_cands, bound_s=bound))
     choice = beam_search(problem, width=beam_width, allowed=rule)
     sched = simulate(problem, choice) if choice is not None else None
-    bound, status, rounds = trivial_lower_bound(problem), None, 0
     while use_cpsat and rounds < MAX_CPSAT_ROUNDS:
         left = deadline - time.perf_counter()
         rounds += 1
-        best = f"best plan {sched.iteration_s:.3f} s" if sched else "no plan yet"
-        say(f"CP-SAT round {rounds} ({max(left, 0):.1f} s left), {best}, bound {bound:.3f} s")
+        heard = _cpsat_listener(say, detail=f"round {rounds}", candidates=n_cands,
+                                best_s=sched.iteration_s if sched else None, bound_s=bound)
         budget = CPSAT_WORK_SHARE[rounds - 1] * time_limit_s
         result = solve_cpsat(problem, hint=choice, time_limit_s=max(left, 0.5), work_budget=budget, workers=workers,
-                             allowed=rule)
+                             allowed=rule, on_progress=heard)
         status = result.status
         bound = max(bound, result.lower_bound_s)
         if result.choice is None:
@@ -160,9 +202,26 @@ def search(problem: Problem, *, rule: Restriction | None = None, time_limit_s: f
     if choice is None or sched is None:
         return None
     if rounds and time.perf_counter() < deadline:
-        say("polishing")
+        say(SearchProgress("polish", candidates=n_cands, best_s=sched.iteration_s,
+                           bound_s=min(bound, sched.iteration_s)))
         choice, sched = polish(problem, choice, sched, rule=rule, deadline=deadline)
     return choice, sched, min(bound, sched.iteration_s), status, rounds > 0
+
+
+def _cpsat_listener(say: Progress, *, detail: str, candidates: int, best_s: float | None,
+                    bound_s: float) -> Callable[[float | None, float], None]:
+    """Turn CP-SAT's incumbents and bounds into `SearchProgress` reports (display only)."""
+    live: dict[str, float | None] = {"bound": bound_s, "solver": None}
+
+    def heard(incumbent_s: float | None, bound_now_s: float) -> None:
+        live["bound"] = max(live["bound"] or 0.0, bound_now_s)
+        if incumbent_s is not None:
+            live["solver"] = incumbent_s
+        say(SearchProgress("cpsat", detail=detail, candidates=candidates, best_s=best_s, bound_s=live["bound"],
+                           solver_s=live["solver"]))
+
+    heard(None, bound_s)
+    return heard
 
 
 def polish(problem: Problem, choice: list[int], sched: Schedule, *, rule: Restriction | None, deadline: float,

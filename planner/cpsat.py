@@ -20,6 +20,7 @@ side of the reallocation). One NoOverlap per atom.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -27,6 +28,21 @@ from ortools.sat.python import cp_model
 from planner.beam import assignment_order, symmetric_cluster
 from planner.problem import Problem
 from planner.simulate import Op, Schedule, precedences, simulate
+
+
+CpsatProgress = Callable[[float | None, float], None]  # (incumbent iteration_s or None, bound on it)
+
+
+class _Incumbents(cp_model.CpSolverSolutionCallback):
+    """Reports each solution CP-SAT finds (its objective and bound, in seconds per iteration)."""
+
+    def __init__(self, report: CpsatProgress, *, scale: float, slack: int) -> None:
+        super().__init__()
+        self._report, self._scale, self._slack = report, scale, slack
+
+    def on_solution_callback(self) -> None:
+        self._report(self.objective_value * self._scale,
+                     max(0.0, self.best_objective_bound - self._slack) * self._scale)
 
 
 @dataclass
@@ -222,7 +238,8 @@ class _Model:
             for a, lit in lits.items():
                 m.add_hint(lit, int(a in chosen))
 
-    def solve(self, *, time_limit_s: float, work_budget: float, workers: int) -> CpsatResult:
+    def solve(self, *, time_limit_s: float, work_budget: float, workers: int,
+              on_progress: CpsatProgress | None = None) -> CpsatResult:
         solver = cp_model.CpSolver()
         prm = solver.parameters
         prm.max_time_in_seconds = time_limit_s
@@ -233,9 +250,15 @@ class _Model:
         prm.random_seed = 0
         prm.relative_gap_limit = 1e-4
         prm.log_search_progress = bool(__import__('os').environ.get('PLANNER_CPSAT_LOG'))
-        status = solver.solve(self.m)
-        name = solver.status_name(status)
         n_ops = len(self.p.slots) * self.p.unroll
+        if on_progress is None:
+            status = solver.solve(self.m)
+        else:
+            # Observers only: they read incumbents and bounds and never steer the search.
+            scale, slack = self.tick_s / self.p.unroll, 3 * n_ops
+            solver.best_bound_callback = lambda b: on_progress(None, max(0.0, b - slack) * scale)
+            status = solver.solve(self.m, _Incumbents(on_progress, scale=scale, slack=slack))
+        name = solver.status_name(status)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             bound = 0.0
             if status == cp_model.UNKNOWN:
@@ -252,12 +275,13 @@ class _Model:
 
 
 def solve_cpsat(problem: Problem, *, hint: list[int] | None, time_limit_s: float, work_budget: float | None = None,
-                workers: int = 1, allowed=None) -> CpsatResult:  # noqa: ANN001
+                workers: int = 1, allowed=None, on_progress: CpsatProgress | None = None) -> CpsatResult:  # noqa: ANN001
     """Optimise jointly, from the `hint` assignment when there is one; the result's order
     re-simulates to at most the CP-SAT objective (reallocations it knew exactly).
 
     `work_budget` (CP-SAT deterministic time) decides where the search stops, so results repeat;
-    `time_limit_s` is a wall-clock safety net only."""
+    `time_limit_s` is a wall-clock safety net only. `on_progress(incumbent_s, bound_s)` hears of
+    every solution found and bound proven (iteration seconds, durations rounded to ticks)."""
     if hint is not None:
         sched = simulate(problem, hint, exact=False)
         horizon = sched.makespan_s * 1.0001 + 1e-9
@@ -272,4 +296,4 @@ def solve_cpsat(problem: Problem, *, hint: list[int] | None, time_limit_s: float
     if hint is not None:
         model.hint(hint, sched)
     budget = work_budget if work_budget is not None else time_limit_s * 0.5
-    return model.solve(time_limit_s=time_limit_s, work_budget=budget, workers=workers)
+    return model.solve(time_limit_s=time_limit_s, work_budget=budget, workers=workers, on_progress=on_progress)

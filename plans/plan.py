@@ -200,13 +200,18 @@ def load_plan(path: str | Path) -> Plan:
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` so readers see the old file or the whole new one, never a part."""
+    """Write `text` (UTF-8) to `path` so readers see the old file or the whole new one, never a part."""
+    write_bytes_atomic(path, text.encode())
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` so readers see the old file or the whole new one, never a part."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from plans.errors import PlannerError
 
@@ -90,7 +92,7 @@ def compile_cmd(
 ) -> None:
     from plans.cluster import parse_cluster
     from plans.plan import plan_to_json, save_plan
-    from planner.compile import compile_graph
+    from planner.compile import SearchProgress, compile_graph
     from planner.render import print_plan
 
     graph, default_cluster = _graph_from_target(
@@ -107,9 +109,14 @@ def compile_cmd(
 
         calib = load_calibration(calibration)
     err = Console(stderr=True)
+    t0 = time.perf_counter()
     with err.status("compiling", spinner="dots") as status:
+        # Candidates, best plan so far and the proven bound, as the search reports them.
+        def show(p: SearchProgress) -> None:
+            status.update(f"{time.perf_counter() - t0:5.1f} s  {escape(str(p))}")
+
         plan = compile_graph(graph, cl, time_limit_s=time_limit, baseline=baseline.value if baseline else None,
-                             calibration=calib, progress=lambda msg: status.update(msg))
+                             calibration=calib, progress=show)
     if as_json:
         typer.echo(plan_to_json(plan), nl=False)
         if output is not None:

@@ -1,0 +1,89 @@
+"""Plans the observe tests share, compiled once per test session (beam search only: fast and
+deterministic), and a measured trace built the way the runtime writes one."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from plans.cluster import parse_cluster
+from plans.layout import Layout
+from plans.plan import Plan
+from plans.trace import TraceRecorder, trace_document
+from planner.algorithms import ppo, sft
+from planner.compile import compile_graph
+
+
+@cache
+def tiny_ppo() -> Plan:
+    """Tiny PPO on cpu:1x4: three GPU groups and one reallocation (critic train -> inference)."""
+    g = ppo("tiny-llama", critic="tiny-llama", reward_fn="runtime.tasks:pattern_reward", batch=16, prompt_len=8,
+            gen_len=8, ppo_minibatches=2, name="tiny_ppo", task="pattern", lr=1e-3)
+    return compile_graph(g, parse_cluster("cpu:1x4"), time_limit_s=0)
+
+
+@cache
+def tiny_ppo_rm() -> Plan:
+    """Tiny PPO with a reward model on cpu:2x4 (every role on its own GPUs)."""
+    g = ppo("tiny-llama", critic="tiny-llama", reward="tiny-llama", batch=16, prompt_len=8, gen_len=8,
+            ppo_minibatches=2, name="tiny_ppo_rm")
+    return compile_graph(g, parse_cluster("cpu:2x4"), time_limit_s=0)
+
+
+@cache
+def ppo_7b() -> Plan:
+    """PPO with four Llama-2-7B on a100-80gb:2x8 (memory-bound choices, 7B shapes)."""
+    g = ppo("llama-2-7b", critic="llama-2-7b", ref="llama-2-7b", reward="llama-2-7b", batch=512, prompt_len=1024,
+            gen_len=1024, ppo_minibatches=4, name="ppo_llama7b")
+    return compile_graph(g, parse_cluster("a100-80gb:2x8"), time_limit_s=0)
+
+
+@cache
+def sft_70b() -> Plan:
+    return compile_graph(sft("llama-3-70b", batch=512, seq_len=4096, name="sft_llama3_70b"),
+                         parse_cluster("h100-sxm:8x8"), time_limit_s=0)
+
+
+def with_layout(plan: Plan, call: str, layout: Layout) -> Plan:
+    """The plan with one call's layout replaced (validated like any plan)."""
+    data = plan.model_dump(mode="json")
+    for c in data["calls"]:
+        if c["name"] == call:
+            c["layout"] = layout.model_dump(mode="json")
+    return Plan.model_validate(data)
+
+
+def with_placement(plan: Plan, moves: dict[str, tuple[int, Layout]]) -> Plan:
+    """The plan with calls moved: call -> (first rank of its new mesh, layout filling it)."""
+    data = plan.model_dump(mode="json")
+    for c in data["calls"]:
+        if c["name"] in moves:
+            first, layout = moves[c["name"]]
+            c["mesh"] = {"ranks": list(range(first, first + layout.size))}
+            c["layout"] = layout.model_dump(mode="json")
+    return Plan.model_validate(data)
+
+
+def measured_trace(plan: Plan, *, steps: int, slowdown: float, skew_s: float = 0.0) -> dict:
+    """A trace in the runtime's format of `steps` steps in which every call takes `slowdown` times
+    its estimate and runs at its estimated start (rank r starting `skew_s * r` late), recorded by
+    `TraceRecorder` on a clock that the steps advance."""
+    now = [0.0]
+    period = max(c.est_start_s + c.est_time_s for c in plan.calls) * slowdown * 1.5
+    recorders = [TraceRecorder(r, clock=lambda: now[0]) for r in range(plan.cluster.world_size)]
+    calls = {c.name: c for c in plan.calls}
+    for step in range(1, steps + 1):
+        t0 = (step - 1) * period
+        for r, rec in enumerate(recorders):
+            for ra in plan.reallocations:
+                ranks = set(calls[ra.from_call].mesh.ranks) | set(calls[ra.to_call].mesh.ranks)
+                if r in ranks:
+                    now[0] = t0 + ra.est_start_s * slowdown + skew_s * r
+                    with rec.realloc(ra.to_call, step=step, model=ra.model, from_call=ra.from_call):
+                        now[0] += ra.est_time_s * slowdown
+            for c in plan.calls:
+                if r in c.mesh.ranks:
+                    now[0] = t0 + c.est_start_s * slowdown + skew_s * r
+                    with rec.call(c.name, step=step, kind=c.kind, model=c.model):
+                        now[0] += c.est_time_s * slowdown
+    events = [e for rec in recorders for e in rec.events]
+    return trace_document(events, source="measured", plan=plan.name, world_size=plan.cluster.world_size)
