@@ -299,14 +299,14 @@ def build_plan(problem: Problem, choice: list[int], sched: Schedule, search: Sea
         s = problem.slots[i]
         cand = s.cands[choice[i]]
         need = cand.work_bytes
-        if s.home is not None and problem.twin(i, choice[i]) != choice[s.home]:
+        if s.home is not None and not problem.shares_params(i, choice[i], choice[s.home]):
             need += cand.state_bytes
         peak = max(resident[a] for a in problem.atoms(cand)) + need
         flops += cand.cost.model_flops
         calls.append(PlanCall(**s.call.model_dump(), mesh=cand.mesh, layout=cand.layout,
                               decode_layout=cand.decode_layout, est_start_s=sched.run_start[(0, i)],
                               est_time_s=cand.time_s, est_peak_mem_bytes=peak))
-        if s.home is not None and problem.twin(i, choice[i]) != choice[s.home]:
+        if s.home is not None and not problem.shares_params(i, choice[i], choice[s.home]):
             nbytes, t = sched.realloc[i]
             reallocs.append(Reallocation(model=s.call.model, from_call=problem.slots[s.home].call.name,
                                          to_call=s.call.name, bytes=nbytes, est_start_s=sched.start[(0, i)],

@@ -197,11 +197,11 @@ class _Model:
                 term = c.work_bytes * self.x[s.index][k]
                 if s.home is not None:
                     term = term + c.state_bytes * self.x[s.index][k]
-                    h = p.twin(s.index, k)
-                    if h is not None:  # no copy when the home holds the very same slices
+                    twins = p.twins(s.index, k)
+                    if twins:  # no copy when the home holds the very same slices
                         y = m.new_bool_var(f"twin_{s.index}_{k}")
                         m.add_implication(y, self.x[s.index][k])
-                        m.add_implication(y, self.x[s.home][h])
+                        m.add(y <= sum(self.x[s.home][h] for h in twins))
                         self.y[s.index, k] = y
                         term = term - c.state_bytes * y
                 for a in p.atoms(c):
@@ -230,7 +230,7 @@ class _Model:
             for k, var in enumerate(ks):
                 m.add_hint(var, int(choice[i] == k))
         for (i, k), y in self.y.items():
-            m.add_hint(y, int(p.twin(i, k) == choice[p.slots[i].home]))
+            m.add_hint(y, int(choice[i] == k and p.shares_params(i, k, choice[p.slots[i].home])))
         for op, t in sched.start.items():
             m.add_hint(self.S[op], min(self.horizon, self.ticks(t)))
         for i, lits in enumerate(self.cov):

@@ -262,7 +262,7 @@ def memory_over_time(plan: Plan, problem: Problem, choice: list[int]) -> list[Gr
         for c in plan.calls:
             s = problem.slots[slot_of[c.name]]
             cand = s.cands[choice[s.index]]
-            copy = s.home is not None and problem.twin(s.index, choice[s.index]) != choice[s.home]
+            copy = s.home is not None and not problem.shares_params(s.index, choice[s.index], choice[s.home])
             if c.name in realloc and r0 in cand.mesh.ranks:
                 r = realloc[c.name]
                 arriving = {"params (arriving copy)": cand.state_bytes,

@@ -80,13 +80,23 @@ class Problem:
     def homes(self) -> dict[str, int]:
         return {s.call.model: s.index for s in self.slots if s.home is None}
 
-    def twin(self, slot: int, k: int) -> int | None:
-        """Index of the home candidate holding the same slices as candidate k of `slot`, if any."""
+    def twins(self, slot: int, k: int) -> list[int]:
+        """Home candidates holding exactly the slices candidate k of `slot` needs (no copy, no
+        reallocation when one of them is chosen); empty for a home slot."""
         s = self.slots[slot]
         if s.home is None:
-            return None
-        homes = self.cached(f"keys{s.home}", lambda: {c.param_key(): h for h, c in reversed(list(enumerate(self.slots[s.home].cands)))})
-        return homes.get(s.cands[k].param_key())
+            return []
+        home = s.home
+        keys = self.cached(f"keys{home}", lambda: _group_by_key(self.slots[home].cands))
+        return keys.get(s.cands[k].param_key(), [])
+
+    def shares_params(self, slot: int, k: int, h: int | None) -> bool:
+        """Whether candidate k of `slot` uses its home's parameters in place when the home runs
+        candidate h."""
+        s = self.slots[slot]
+        if s.home is None or h is None:
+            return False
+        return s.cands[k].param_key() == self.slots[s.home].cands[h].param_key()
 
     def realloc(self, slot: int, h: int, k: int) -> tuple[int, float]:
         """(bytes, seconds) to reallocate slot's model from home candidate h to candidate k."""
@@ -153,6 +163,13 @@ class Problem:
         if key not in self._transfer:
             self._transfer[key] = self.cm.data_transfer_s(nbytes, mi, mj)
         return self._transfer[key]
+
+
+def _group_by_key(cands: list[Candidate]) -> dict[tuple[int, ...], list[int]]:
+    out: dict[tuple[int, ...], list[int]] = {}
+    for h, c in enumerate(cands):
+        out.setdefault(c.param_key(), []).append(h)
+    return out
 
 
 def build_problem(graph: Graph, cm: CostModel, space: SearchSpace, *, unroll: int = 2,

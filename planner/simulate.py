@@ -71,7 +71,7 @@ def op_memory(problem: Problem, choice: list[int | None]) -> tuple[list[int], li
         need = c.work_bytes
         if s.home is not None:
             h = choice[s.home]
-            if h is None or problem.twin(s.index, k) != h:
+            if not problem.shares_params(s.index, k, h):
                 need += c.state_bytes  # a transient copy of the parameters
         for a in problem.atoms(c):
             peak[a] = max(peak[a], resident[a] + need)
