@@ -2,9 +2,13 @@
 
     torchrun --nproc-per-node 4 -m runtime plans/tiny_ppo.json --steps 30 --metrics-out m.jsonl
     python -m runtime plans/tiny_ppo.json --reference --steps 30 --metrics-out ref.jsonl
+    torchrun --nproc-per-node 4 -m runtime plans/tiny_ppo.json --steps 10 --trace-out run.trace.json
+    planner timeline plans/tiny_ppo.json --measured run.trace.json -o vs.png
 
-Both write one JSON object per step (the same keys), so the two runs compare line by line.
-Problems with the plan or the launch are reported on every rank as one message, exit status 2.
+Both write one JSON object per step (the same keys), so the two runs compare line by line; rank 0
+prints a progress line per step (`runtime.observe`, silenced by --quiet). --trace-out writes the
+measured timeline of all ranks as one planner trace (`plans.trace`). Problems with the plan or the
+launch are reported on every rank as one message, exit status 2.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.distributed as dist
 from plans.errors import PlannerError
 from plans.plan import load_plan, write_text_atomic
 from runtime.executor import PlanRunner
+from runtime.observe import gather_events, progress_line, write_measured_trace
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TIMEOUT = timedelta(minutes=10)  # a hung collective fails instead of blocking forever
@@ -34,6 +39,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="seed of weights, data and sampling (default 0)")
     ap.add_argument("--reference", action="store_true", help="run every call in this one process, unsharded")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
+    ap.add_argument("--trace-out", help="write the measured timeline of every rank to this trace JSON (rank 0)")
+    ap.add_argument("--quiet", action="store_true", help="print no progress lines")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be at least 1")
@@ -41,7 +48,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> None:
-    """Check the launch against the plan, run the steps, write metrics (rank 0)."""
+    """Check the launch against the plan, run the steps, write metrics and the trace (rank 0)."""
     plan = load_plan(args.plan)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -63,16 +70,21 @@ def run(args: argparse.Namespace) -> None:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
     try:
         runner = PlanRunner(plan, rank=rank, world_size=world, reference=args.reference, seed=args.seed,
-                            dtype=DTYPES[args.dtype], device=device)
+                            dtype=DTYPES[args.dtype], device=device, trace=args.trace_out is not None)
         lines: list[str] = []
         for step in range(1, args.steps + 1):
             metrics = runner.step(step)
             if rank == 0:
-                line = json.dumps(metrics, sort_keys=True)
-                lines.append(line)
-                print(line, flush=True)
+                lines.append(json.dumps(metrics, sort_keys=True))
                 if args.metrics_out:
                     write_text_atomic(args.metrics_out, "\n".join(lines) + "\n")
+                if not args.quiet:
+                    print(progress_line(metrics, plan=plan, steps=args.steps), flush=True)
+        if args.trace_out:
+            events = gather_events(runner.recorder.events, distributed=distributed, rank=rank, world_size=world)
+            if events is not None:
+                write_measured_trace(args.trace_out, events, plan=plan, world_size=world, steps=args.steps,
+                                     reference=args.reference)
     finally:
         if distributed:
             dist.destroy_process_group()

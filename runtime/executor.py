@@ -13,6 +13,11 @@ it, so calls on disjoint meshes run at the same time:
 2. *Data*. A call's outputs go, point to point, from its last stage to the ranks of the calls that
    read them (`runtime.dataflow`); a rank waits for a handle only when it runs a call reading it.
 3. *Metrics*. Each call's leader sends its statistics and times to rank 0.
+4. *Timeline*. Every rank records a span per call it runs and per reallocation it sends,
+   receives or copies in (`plans.trace.TraceRecorder`, one time origin taken right after the
+   barrier that ends `PlanRunner.__init__`). A call's span starts once its inputs have arrived
+   (waiting for a producer on other ranks is not the call's time) and ends before its outputs
+   are sent; a call's ``time_s`` metric is its leader's span.
 
 ``reference=True`` runs the same calls in one process with no parallelism (every layout replaced
 by dp = tp = pp = 1, every call on the model's one copy): the numbers a parallel run must
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +37,7 @@ import torch.distributed as dist
 from plans.errors import PlannerError
 from plans.layout import Layout, Mesh
 from plans.plan import Plan, PlanCall
+from plans.trace import US_PER_S, TraceRecorder
 from runtime.algorithms import Glue, Rows, aligned, last_index, load_reward_fn
 from runtime.data_parallel import AdamConfig
 from runtime.dataflow import Incoming, Mailbox, Shapes, StatsInbox, leader
@@ -128,7 +135,8 @@ class PlanRunner:
     """Runs a plan on this rank (or, with `reference`, all of it in this one process)."""
 
     def __init__(self, plan: Plan, *, rank: int, world_size: int, reference: bool, seed: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, trace: bool = False) -> None:
+        """`trace`: keep every step's spans in `recorder.events` (else only the current step's)."""
         self.plan, self.rank, self.world, self.seed = plan, rank, world_size, seed
         self.reference, self.device, self.dtype = reference, device, dtype
         self.calls = call_plans(plan)
@@ -176,10 +184,13 @@ class PlanRunner:
         self.vocab = min(plan.models[m].spec.vocab_size for m in plan.models)
         if self.distributed:
             dist.barrier()  # the default group's first collective involves every rank (NCCL p2p needs it)
+        # Created right after the barrier: every rank's spans share this time origin.
+        self.recorder = TraceRecorder(rank, sync=torch.cuda.synchronize if device.type == "cuda" else None)
+        self.keep_trace = trace
 
     # Parameters ------------------------------------------------------------------------------
 
-    def _runner(self, call: PlanCall) -> tuple[ModelRunner | None, float]:
+    def _runner(self, call: PlanCall, step: int) -> tuple[ModelRunner | None, float]:
         """The runner this rank uses for `call` (None outside its mesh) and the reallocation time."""
         cp = self.calls[call.name]
         if cp.source == "home":
@@ -189,17 +200,20 @@ class PlanRunner:
         move = self.moves[call.name]
         if not move.active:
             return None, 0.0
-        t0 = time.perf_counter()
-        home = self.homes.get(call.model)
-        held = home.local_parameters() if home is not None else {}
-        params, _ = reallocate(move, held, device=self.device)
-        mine = self.groups[call.name]
-        if mine is None:
-            return None, time.perf_counter() - t0
-        decl = self.plan.models[call.model]
-        runner = ModelRunner(decl.spec, head=decl.head, trainable=False, groups=mine, params=params,
-                             device=self.device, dtype=self.dtype)
-        return runner, time.perf_counter() - t0
+        runner = None
+        with self.recorder.realloc(call.name, step=step, model=call.model, from_call=cp.home):
+            home = self.homes.get(call.model)
+            held = home.local_parameters() if home is not None else {}
+            params, _ = reallocate(move, held, device=self.device)
+            mine = self.groups[call.name]
+            if mine is not None:
+                decl = self.plan.models[call.model]
+                runner = ModelRunner(decl.spec, head=decl.head, trainable=False, groups=mine, params=params,
+                                     device=self.device, dtype=self.dtype)
+        return runner, self._last_span_s()
+
+    def _last_span_s(self) -> float:
+        return self.recorder.events[-1]["dur"] / US_PER_S
 
     # Calls -----------------------------------------------------------------------------------
 
@@ -253,6 +267,8 @@ class PlanRunner:
 
     def step(self, step: int) -> dict[str, float | int]:
         """Run every call of the plan once; the step's metrics (complete on rank 0)."""
+        if not self.keep_trace:
+            self.recorder.events.clear()
         t0 = time.perf_counter()
         store: dict[str, Rows | Incoming] = dict(make_inputs(self.plan.algorithm.task, self.plan.inputs,
                                                             vocab_size=self.vocab, seed=self.seed, step=step))
@@ -261,21 +277,27 @@ class PlanRunner:
         reports: list[dict[str, float]] = []
         for call in self.plan.calls:
             cp = self.calls[call.name]
-            runner, realloc_s = self._runner(call)
-            tc = time.perf_counter()
+            runner, realloc_s = self._runner(call, step)
             stats: dict[str, float] = {}
-            if call.kind == "generate":
-                local, shapes = self._generate(call, runner, store, step)
-            elif call.kind == "inference":
-                local, shapes = self._inference(call, runner, store)
-            else:
-                local, shapes = None, {}
-                stats = {(k if k in ("reward_mean", "response_len", "kl_mean") else f"{call.name}.{k}"): v
-                         for k, v in self._train(call, runner, store).items()}
+            if runner is not None:
+                for handle in call.inputs:  # wait for the inputs outside the call's span
+                    self._get(store, handle)
+            span = nullcontext() if runner is None else \
+                self.recorder.call(call.name, step=step, kind=call.kind, model=call.model)
+            with span:
+                if call.kind == "generate":
+                    local, shapes = self._generate(call, runner, store, step)
+                elif call.kind == "inference":
+                    local, shapes = self._inference(call, runner, store)
+                else:
+                    local, shapes = None, {}
+                    stats = {(k if k in ("reward_mean", "response_len", "kl_mean") else f"{call.name}.{k}"): v
+                             for k, v in self._train(call, runner, store).items()}
+            if runner is not None:
+                stats[f"{call.name}.time_s"] = self._last_span_s()
             if call.kind != "train":  # a train call's output handle orders calls; it carries no tensors
                 store[call.outputs[0]] = self._share(call, local, shapes, mail)
             del runner  # a reallocated copy is freed here
-            stats[f"{call.name}.time_s"] = time.perf_counter() - tc
             if call.name in self.moved:
                 stats[f"{call.name}.realloc_time_s"] = realloc_s
             src = leader(cp.where.mesh, cp.where.layout)
