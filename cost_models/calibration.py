@@ -35,6 +35,7 @@ class Coefficients(Strict):
     gemm_efficiency: float = Field(gt=0, le=1, description="Fraction of peak dense FLOP/s a large GEMM reaches (before wave-quantisation losses).")
     attention_efficiency: float = Field(gt=0, le=1, description="Fused (flash) attention throughput relative to gemm_efficiency.")
     hbm_efficiency: float = Field(gt=0, le=1, description="Fraction of datasheet HBM bandwidth a streaming kernel reaches.")
+    elementwise_efficiency: float = Field(1.0, gt=0, le=1, description="Bytes the cost model counts for a layer's memory-bound kernels (norms, activations, residual adds, rotary embedding) over the time they take, as a fraction of the streaming bandwidth: 1 for fused kernels, below 1 for eager PyTorch (several float32 passes per kernel, each with its own setup).")
     nvlink_efficiency: float = Field(gt=0, le=1, description="Collective bus bandwidth over the intra-node link bandwidth per GPU.")
     network_efficiency: float = Field(gt=0, le=1, description="Collective bus bandwidth over the network bandwidth available to the group.")
     kernel_latency_us: float = Field(ge=0, description="GPU time floor per kernel launch, us.")
@@ -43,6 +44,9 @@ class Coefficients(Strict):
     host_overlap: float = Field(ge=0, le=1, description="Fraction of the shorter of host and device time hidden under the longer.")
     microbatch_overhead_ms: float = Field(ge=0, description="Host time per micro-batch per pipeline stage outside the layers (batch, loss, schedule), ms.")
     step_overhead_ms: float = Field(ge=0, description="Fixed time per optimizer step (loss-scale checks, logging, scheduling), ms.")
+    decode_step_overhead_ms: float = Field(0.0, ge=0, description="Host time per generated token outside the layers (sampling, cache bookkeeping), ms.")
+    attention_head_us: float = Field(0.0, ge=0, description="Fused attention time per (sequence, head) not hidden under its matmuls (a CPU core's setup of each tile), us; 0 on GPUs.")
+    attention_score_ns: float = Field(0.0, ge=0, description="Fused attention time per score not hidden under its matmuls (the exponential on a CPU core), ns; 0 on GPUs.")
 
 
 class HardwareOverrides(Strict):
@@ -54,6 +58,8 @@ class HardwareOverrides(Strict):
     inter_node_gbps: float | None = Field(None, gt=0, description="Network bandwidth per node, Gbit/s.")
     intra_latency_us: float | None = Field(None, ge=0, description="Intra-node collective step latency, us.")
     inter_latency_us: float | None = Field(None, ge=0, description="Inter-node collective step latency, us.")
+    cpu_cores: int | None = Field(None, ge=1, description="CPU: cores one node's ranks share (None: each rank has a device of its own).")
+    rank_threads: int | None = Field(None, ge=1, description="CPU: threads each rank computes with (what the figures were measured with).")
 
 
 class Calibration(Strict):

@@ -38,6 +38,7 @@ class Framework:
     # Accumulating one micro-batch's weight gradient into the buffer: read grad, read+write buffer.
     grad_accum_bytes: int
     overlap_grad_reduce: bool  # data-parallel reduction overlaps the last backward (bucketed DDP)
+    zero3_prefetch: bool = True  # ZeRO-3 gathers the next weights under the current compute (FSDP, DeepSpeed)
     # Megatron's fused scale-mask-softmax kernel needs batch*heads divisible by 4 and keys <= 2048;
     # otherwise PyTorch runs scale, mask, fp32 cast, softmax and cast back as separate kernels.
     fused_softmax_multiple: int = 1
@@ -52,7 +53,7 @@ FRAMEWORKS: dict[str, Framework] = {
     ),
     "torch": Framework(
         name="torch", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
-        optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=False,
+        optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=False, zero3_prefetch=False,
     ),
 }
 

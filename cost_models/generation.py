@@ -1,13 +1,15 @@
-"""Generation: a prefill pass over the prompts, then one decode step per generated token.
+"""Generation: a prefill pass over the prompts, then one decode step per further generated token.
 
 Prefill is a forward pass over ``prompt_len`` tokens per sequence (compute-bound at realistic
-batch sizes) that also writes the key/value cache; only the last position's logits are computed.
-Each decode step runs every layer on one token per sequence: the GEMMs turn into matrix-vector
+batch sizes) that also writes the key/value cache; only the last position's logits are computed,
+and they give the first generated token. Each of the ``gen_len - 1`` decode steps runs every
+layer on the last token of each sequence: the GEMMs turn into matrix-vector
 products that stream the layer's weights from HBM, attention streams the sequences' key/value
 cache, each layer does its two tensor-parallel all-reduces on a tiny message (latency-bound),
 and the host issues every kernel (often the bound in eager frameworks). Attention cost is linear
-in the context, so the decode phase is ``gen_len`` steps at the mean context
-``prompt_len + (gen_len + 1) / 2``.
+in the context, so the decode phase is ``gen_len - 1`` steps at the mean context
+``prompt_len + (gen_len + 1) / 2``. Choosing each token (sampling, cache bookkeeping) costs the
+host `decode_step_overhead_ms` besides its kernels.
 
 How the decode layout's ``micro_batches`` = m splits a replica's sequences:
 
@@ -91,6 +93,8 @@ def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout,
         out.add("reshard", comm.all_to_all_s(cache, whole, hw))
     ctx = prompt_len + (gen_len + 1) // 2
     step, tp_comm = decode_step_s(spec, fw, hw, decode, topo, b=split.seqs_per_group, groups=split.groups, ctx=ctx)
-    out.add("decode", split.waves * gen_len * (step - tp_comm))
-    out.add("tp_comm", split.waves * gen_len * tp_comm)
+    steps = split.waves * (gen_len - 1)
+    out.add("decode", steps * (step - tp_comm))
+    out.add("tp_comm", steps * tp_comm)
+    out.add("overhead", split.waves * gen_len * hw.decode_step_overhead_s)
     return out

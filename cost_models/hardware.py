@@ -3,6 +3,11 @@
 Datasheet peaks (`plans.hardware`), the cluster's bandwidth overrides (`plans.cluster`) and a
 calibration's measured figures combine into one immutable `Hardware`: achieved rates in SI units
 (FLOP/s, bytes/s, seconds), the calibration's efficiencies already applied.
+
+A CPU "GPU" is a process of a local gloo cluster. When a node's ranks need more threads than the
+machine has cores (`HardwareOverrides.cpu_cores`, `rank_threads`), the operating system gives
+every thread an equal share of the cores, so each rank computes and runs its host code at that
+share of the speed it was profiled at: its speed while all ranks work.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class Hardware:
     gemm_flops: float  # what a large, well-shaped GEMM reaches
     attn_flops: float  # what fused attention reaches
     mem_bytes_s: float  # what a streaming kernel reaches
+    elementwise_bytes_s: float  # modeled bytes per second of a layer's memory-bound kernels
     intra_bytes_s: float  # collective bus bandwidth over NVLink, per GPU
     node_net_bytes_s: float  # collective bandwidth of all NICs of one node
     intra_latency_s: float
@@ -30,10 +36,13 @@ class Hardware:
     gpus_per_node: int
     sm_count: int | None
     kernel_latency_s: float
+    attn_head_s: float  # fused attention softmax, per (sequence, head) (0 where hidden under the matmuls)
+    attn_score_s: float  # and per score
     host_kernel_s: float
     host_collective_s: float
     host_overlap: float
     microbatch_overhead_s: float
+    decode_step_overhead_s: float
     step_overhead_s: float
     mem_capacity_bytes: int
 
@@ -51,11 +60,13 @@ def effective_hardware(cluster: ClusterSpec, cal: Calibration) -> Hardware:
     inter_gbps = cluster.inter_node_gbps if cluster.inter_node_gbps != sheet.nic_gbps_per_node else (hw.inter_node_gbps or cluster.inter_node_gbps)
     intra_lat = hw.intra_latency_us if hw.intra_latency_us is not None else sheet.nvlink_latency_us
     inter_lat = hw.inter_latency_us if hw.inter_latency_us is not None else sheet.net_latency_us
+    share = core_share(cluster, cal)
     return Hardware(
         peak_flops=peak,
-        gemm_flops=peak * co.gemm_efficiency,
-        attn_flops=peak * co.gemm_efficiency * co.attention_efficiency,
-        mem_bytes_s=hbm * co.hbm_efficiency,
+        gemm_flops=peak * co.gemm_efficiency * share,
+        attn_flops=peak * co.gemm_efficiency * co.attention_efficiency * share,
+        mem_bytes_s=hbm * co.hbm_efficiency * share,
+        elementwise_bytes_s=hbm * co.hbm_efficiency * co.elementwise_efficiency * share,
         intra_bytes_s=intra_gbps * GBIT * co.nvlink_efficiency,
         node_net_bytes_s=inter_gbps * GBIT * co.network_efficiency,
         intra_latency_s=intra_lat * 1e-6,
@@ -63,10 +74,22 @@ def effective_hardware(cluster: ClusterSpec, cal: Calibration) -> Hardware:
         gpus_per_node=cluster.gpus_per_node,
         sm_count=sheet.sm_count,
         kernel_latency_s=co.kernel_latency_us * 1e-6,
-        host_kernel_s=co.host_kernel_us * 1e-6,
+        attn_head_s=co.attention_head_us * 1e-6 / share,
+        attn_score_s=co.attention_score_ns * 1e-9 / share,
+        host_kernel_s=co.host_kernel_us * 1e-6 / share,
         host_collective_s=co.host_collective_us * 1e-6,
         host_overlap=co.host_overlap,
-        microbatch_overhead_s=co.microbatch_overhead_ms * 1e-3,
-        step_overhead_s=co.step_overhead_ms * 1e-3,
+        microbatch_overhead_s=co.microbatch_overhead_ms * 1e-3 / share,
+        decode_step_overhead_s=co.decode_step_overhead_ms * 1e-3 / share,
+        step_overhead_s=co.step_overhead_ms * 1e-3 / share,
         mem_capacity_bytes=cluster.mem_bytes,
     )
+
+
+def core_share(cluster: ClusterSpec, cal: Calibration) -> float:
+    """The fraction of its profiled speed a rank keeps while all ranks of its node work: 1 on
+    devices of their own; on a CPU, cores / (ranks x threads), at most 1."""
+    hw = cal.hardware
+    if hw.cpu_cores is None:
+        return 1.0
+    return min(1.0, hw.cpu_cores / (cluster.gpus_per_node * (hw.rank_threads or 1)))

@@ -37,7 +37,11 @@ LOGPROB_BYTES = 10  # log-softmax and gather for inference log-probs
 
 @dataclass(frozen=True)
 class Kernel:
-    """One kernel launch: a GEMM of shape (m, n, k) x batch, fused attention, or a memory-bound op."""
+    """One kernel launch: a GEMM of shape (m, n, k) x batch, fused attention, or a memory-bound op.
+
+    Fused attention is (m, n, k) = (queries, keys, head dim) x batch (sequences x heads); it
+    computes `scores` attention scores (the causal half) in each of its `passes` (1 forward;
+    the backward recomputes the scores and forms their gradients, `FLASH_BWD_FLOPS_RATIO`)."""
 
     kind: KernelKind
     flops: float
@@ -46,6 +50,8 @@ class Kernel:
     n: int = 0
     k: int = 0
     batch: int = 1
+    scores: float = 0.0
+    passes: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -106,9 +112,11 @@ def _attention(spec: ModelSpec, fw: Framework, *, b: int, s_q: int, s_k: int, tp
     kv_bytes = 2.0 * 2 * b * s_k * spec.kv_heads * d / tp
     if fw.attention == "flash":
         frac = (s_k + 1) / (2 * s_k) if causal else 1.0
-        flops = 4.0 * heads * s_q * s_k * d * frac
-        f = Kernel("attn", flops, 2 * q_bytes + kv_bytes, s_q, s_k, d, heads)
-        b_ = Kernel("attn", FLASH_BWD_FLOPS_RATIO * flops, 4 * q_bytes + 2 * kv_bytes, s_q, s_k, d, heads)
+        n_scores = float(heads) * s_q * s_k * frac
+        flops = 4.0 * d * n_scores
+        f = Kernel("attn", flops, 2 * q_bytes + kv_bytes, s_q, s_k, d, heads, n_scores)
+        b_ = Kernel("attn", FLASH_BWD_FLOPS_RATIO * flops, 4 * q_bytes + 2 * kv_bytes, s_q, s_k, d, heads, n_scores,
+                    FLASH_BWD_FLOPS_RATIO)
         return (f,), (b_,)
     scores = gemm(s_q, s_k, d, heads)
     context = gemm(s_q, d, s_k, heads)

@@ -226,8 +226,11 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
     lp = layer_params_per_rank(spec, tp)
     params = max(stage_params(spec, head=head, layers=n, first=i == 0, last=i == pp - 1, tp=tp, layer_params=lp)
                  for i, n in enumerate(layers))
+    # Parameter groups a stage gathers one at a time under ZeRO-3: its layers, plus the embeddings
+    # on the first stage and the final norm and head on the last.
+    groups = max(n + (1 if i == 0 else 0) + (2 if i == pp - 1 else 0) for i, n in enumerate(layers))
     out.add("dp_comm", grad_sync_s(params, fw, hw, layout, topo, m=m, microbatch_s=stage_s[crit],
-                                   last_bwd_s=lt.bwd.wall_s(hw) * layers[crit]))
+                                   last_bwd_s=lt.bwd.wall_s(hw) * layers[crit], zero3_groups=groups))
     zero_div = layout.dp * layout.cp if layout.zero >= 1 else 1
     out.add("optimizer", params / zero_div * fw.optimizer_step_bytes / hw.mem_bytes_s)
     if layout.zero >= 1:  # ZeRO gathers the updated weight shards back to every rank
@@ -241,7 +244,7 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
 
 
 def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, m: int,
-                microbatch_s: float, last_bwd_s: float) -> float:
+                microbatch_s: float, last_bwd_s: float, zero3_groups: int = 1) -> float:
     """Exposed time of the data-parallel gradient reduction (and ZeRO-3 weight gathers).
 
     ZeRO 0/1 reduce once after the last backward (all-reduce, or reduce-scatter for ZeRO-1), in
@@ -249,6 +252,10 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
     last bucket exposed. ZeRO-2/3 cannot keep unsharded gradients, so they reduce-scatter after
     every micro-batch, under the next one's compute; ZeRO-3 also all-gathers the weights for the
     forward, the backward (and the recompute), prefetched under each micro-batch's compute.
+    A framework that does not prefetch (`Framework.zero3_prefetch`) gathers each of the
+    `zero3_groups` parameter groups when it runs and reduce-scatters its gradient in backward,
+    each a blocking collective paying its own latency; it keeps the gathered weights for the
+    backward, so only the forward and a full recompute gather.
     """
     if layout.dp * layout.cp == 1:
         return 0.0
@@ -259,6 +266,10 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
         if fw.overlap_grad_reduce:
             return max(t - last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw))
         return t
+    if layout.zero == 3 and not fw.zero3_prefetch:
+        n = zero3_groups
+        gathers = (2 if layout.recompute == "full" else 1) * n * comm.all_gather_s(params * fw.param_bytes / n, g, hw)
+        return m * (gathers + n * comm.reduce_scatter_s(grad / n, g, hw))
     rs = comm.reduce_scatter_s(grad, g, hw)
     exposed = rs + (m - 1) * max(0.0, rs - microbatch_s)
     if layout.zero == 3:

@@ -8,6 +8,18 @@ machine cannot measure (the network between nodes, framework overheads) keeps th
 
 On a CPU there is no separate device: an op's host time includes its execution, so host and
 device time add (`host_overlap` 0) and the per-kernel device latency is already in the host time.
+A CPU "GPU" is one rank of a local gloo cluster, so everything is measured as a rank runs:
+
+- with the threads a rank has (`rank_threads`: torchrun gives each rank one unless
+  OMP_NUM_THREADS says otherwise);
+- the framework overheads on the planner's own runtime (`planner.runtime_profile`): host time per
+  kernel, per micro-batch, per optimizer step and per generated token, attention's softmax cost
+  per (sequence, head) and per score, and the throughput of its eager memory-bound kernels;
+- the cores the ranks share (`cpu_cores`) and the threads of a rank (`rank_threads`): a small
+  machine may run more rank threads than it has cores, and the cost model then slows every rank
+  to its share of the cores (`cost_models.hardware.core_share`), what each gets while all of
+  them work. Other processes are assumed away: on a shared machine their load makes runs slower
+  than predicted.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import torch.multiprocessing as mp
 
 from cost_models.calibration import Calibration, Coefficients, HardwareOverrides, default_calibration
 from plans.errors import PlannerError
+from planner.runtime_profile import attention_softmax, runtime_costs
 
 # torch.cuda device names -> our presets (substring match, first hit wins)
 GPU_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-80gb"), ("A100 80GB", "a100-80gb"),
@@ -53,19 +66,30 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rank_threads(ranks: int) -> int:
+    """Threads of one CPU rank: OMP_NUM_THREADS, else what torchrun gives each of several ranks (1),
+    else torch's default for a single process."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return 1 if ranks > 1 else torch.get_num_threads()
+
+
 def _allreduce_worker(rank: int, world: int, port: int, backend: str, budget_s: float, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         sync = torch.cuda.synchronize if backend == "nccl" else (lambda: None)
+        if backend == "gloo":
+            torch.set_num_threads(rank_threads(world))
         rows = []
         for nbytes in ALLREDUCE_BYTES:
             buf = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
             # Every rank must run the same number of collectives: agree on it from a probe.
-            probe = torch.tensor([_repeat(lambda: dist.all_reduce(buf), reps=3, sync=sync)])
-            dist.all_reduce(probe, op=dist.ReduceOp.MAX)
-            reps = int(min(200, max(3, budget_s / len(ALLREDUCE_BYTES) / max(float(probe), 1e-6))))
+            probe_t = torch.tensor([_repeat(lambda: dist.all_reduce(buf), reps=3, sync=sync)])
+            dist.all_reduce(probe_t, op=dist.ReduceOp.MAX)
+            reps = int(min(200, max(3, budget_s / len(ALLREDUCE_BYTES) / max(float(probe_t), 1e-6))))
             t = torch.tensor([_repeat(lambda: dist.all_reduce(buf), reps=reps, sync=sync)])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the collective's time
             rows.append((nbytes, float(t)))
@@ -125,39 +149,50 @@ def measure_allreduce(*, ranks: int, backend: str, budget_s: float) -> list[tupl
     return [(int(s), float(t)) for s, t in rows]
 
 
+def _peak_and_bandwidth(dev: torch.device, *, dtype: torch.dtype, sync: Callable[[], None],
+                        budget_s: float) -> tuple[float, float]:
+    """(best GEMM FLOP/s, streaming bytes/s read + written) on `dev`."""
+    cuda = dev.type == "cuda"
+    sizes = (1024, 4096, 8192) if cuda else (128, 256, 512)
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+        t = _timed(lambda: a @ b, budget_s=budget_s / 2 / len(sizes), sync=sync)
+        best = max(best, 2.0 * n**3 / t)
+    n_bytes = (1 << 30) if cuda else (64 << 20)
+    src = torch.empty(n_bytes // 4, device=dev, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    t = _timed(lambda: dst.copy_(src), budget_s=budget_s / 2, sync=sync)
+    return best, 2.0 * n_bytes / t
+
+
 def profile_devices(*, budget_s: float, ranks: int, device: str | None = None,
                     progress: Callable[[str], None] = lambda _: None) -> Calibration:
     """Run the micro-benchmarks on the local device and return them as a calibration."""
     use_cuda = device == "cuda" or (device is None and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise PlannerError("--device cuda asked for, but torch sees no CUDA device")
-    dev = torch.device("cuda" if use_cuda else "cpu")
-    sync = torch.cuda.synchronize if use_cuda else (lambda: None)
-    dtype = torch.bfloat16 if use_cuda else torch.float32
     if use_cuda:
-        name = torch.cuda.get_device_name()
-        gpu = next((preset for key, preset in GPU_NAMES if key in name), None)
-    else:
-        gpu = "cpu"
+        return _profile_cuda(budget_s=budget_s, ranks=ranks, progress=progress)
+    before = torch.get_num_threads()
+    torch.set_num_threads(rank_threads(ranks))
+    try:
+        return _profile_cpu(budget_s=budget_s, ranks=ranks, progress=progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _profile_cuda(*, budget_s: float, ranks: int, progress: Callable[[str], None]) -> Calibration:
+    dev, sync, dtype = torch.device("cuda"), torch.cuda.synchronize, torch.bfloat16
+    name = torch.cuda.get_device_name()
+    gpu = next((preset for key, preset in GPU_NAMES if key in name), None)
     share = budget_s / 6
 
-    progress("GEMM throughput")
-    sizes = (1024, 4096, 8192) if use_cuda else (128, 256, 512)
-    best = 0.0
-    for n in sizes:
-        a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-        t = _timed(lambda: a @ b, budget_s=share / len(sizes), sync=sync)
-        best = max(best, 2.0 * n**3 / t)
-
-    progress("memory bandwidth")
-    n_bytes = (1 << 30) if use_cuda else (64 << 20)
-    src = torch.empty(n_bytes // 4, device=dev, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    t = _timed(lambda: dst.copy_(src), budget_s=share, sync=sync)
-    mem_bw = 2.0 * n_bytes / t  # read + write
+    progress("GEMM throughput and memory bandwidth")
+    best, mem_bw = _peak_and_bandwidth(dev, dtype=dtype, sync=sync, budget_s=2 * share)
 
     progress("attention")
-    heads, s, d = (16, 2048, 128) if use_cuda else (4, 256, 32)
+    heads, s, d = 16, 2048, 128
     q = torch.randn(1, heads, s, d, device=dev, dtype=dtype)
     t = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), budget_s=share, sync=sync)
     attn_eff = min(1.0, (4.0 * heads * s * s * d * 0.5 / t) / best)
@@ -172,17 +207,52 @@ def profile_devices(*, budget_s: float, ranks: int, device: str | None = None,
     hw = dict(peak_tflops=best / 1e12, hbm_gb_s=mem_bw / 1e9)
     coef = base.model_dump()
     coef.update(gemm_efficiency=1.0, hbm_efficiency=1.0, attention_efficiency=round(attn_eff, 4), host_kernel_us=round(host_us, 3))
-    if not use_cuda:
-        coef.update(kernel_latency_us=0.0, host_overlap=0.0, host_collective_us=0.0)
     if ranks > 1:
         progress(f"all-reduce between {ranks} processes")
-        times = measure_allreduce(ranks=ranks, backend="nccl" if use_cuda else "gloo", budget_s=2 * share)
+        times = measure_allreduce(ranks=ranks, backend="nccl", budget_s=2 * share)
         alpha, bw = allreduce_alpha_beta(times, ranks)
         hw.update(intra_node_gbps=bw * 8 / 1e9, intra_latency_us=alpha * 1e6)
         coef.update(nvlink_efficiency=1.0)
     return Calibration(
-        gpu=gpu, framework="torch",
-        source=f"planner profile on {torch.cuda.get_device_name() if use_cuda else 'cpu'} ({ranks} ranks)",
+        gpu=gpu, framework="torch", source=f"planner profile on {name} ({ranks} ranks)",
         coefficients=Coefficients(**coef),
         hardware=HardwareOverrides(**{k: round(v, 6) for k, v in hw.items()}),
+    )
+
+
+def _profile_cpu(*, budget_s: float, ranks: int, progress: Callable[[str], None]) -> Calibration:
+    part = budget_s / 6
+    threads = torch.get_num_threads()
+
+    progress("GEMM throughput and memory bandwidth")
+    best, mem_bw = _peak_and_bandwidth(torch.device("cpu"), dtype=torch.float32, sync=lambda: None, budget_s=part)
+    progress("attention")
+    head_s, score_s = attention_softmax(peak_flops=best, budget_s=part)
+
+    # What a CPU cannot show (the network, NVLink) keeps the fitted values; the CPU has no
+    # separate device, so nothing overlaps and a kernel has no launch latency of its own.
+    coef = default_calibration().coefficients.model_copy(update=dict(
+        gemm_efficiency=1.0, hbm_efficiency=1.0, attention_efficiency=1.0, kernel_latency_us=0.0, host_overlap=0.0,
+        host_collective_us=0.0, attention_head_us=round(head_s * 1e6, 4), attention_score_ns=round(score_s * 1e9, 4)))
+    hw = HardwareOverrides(peak_tflops=round(best / 1e12, 6), hbm_gb_s=round(mem_bw / 1e9, 6))
+
+    progress("the runtime's host and eager costs")
+    costs = runtime_costs(hw, coef, budget_s=2 * part)
+    coef = coef.model_copy(update=dict(host_kernel_us=costs.host_kernel_us,
+                                       microbatch_overhead_ms=costs.microbatch_overhead_ms,
+                                       step_overhead_ms=costs.step_overhead_ms,
+                                       decode_step_overhead_ms=costs.decode_step_overhead_ms,
+                                       elementwise_efficiency=costs.elementwise_efficiency))
+    if ranks > 1:
+        progress(f"all-reduce between {ranks} processes")
+        times = measure_allreduce(ranks=ranks, backend="gloo", budget_s=2 * part)
+        alpha, bw = allreduce_alpha_beta(times, ranks)
+        hw = hw.model_copy(update=dict(intra_node_gbps=round(bw * 8 / 1e9, 6), intra_latency_us=round(alpha * 1e6, 6)))
+        coef = coef.model_copy(update=dict(nvlink_efficiency=1.0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    hw = hw.model_copy(update=dict(cpu_cores=cores, rank_threads=threads))
+    return Calibration(
+        gpu="cpu", framework="torch", source=f"planner profile on cpu ({ranks} ranks of {threads} thread(s))",
+        coefficients=Coefficients.model_validate(coef.model_dump()),
+        hardware=HardwareOverrides.model_validate(hw.model_dump()),
     )

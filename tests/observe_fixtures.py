@@ -1,16 +1,50 @@
 """Plans the observe tests share, compiled once per test session (beam search only: fast and
-deterministic), and a measured trace built the way the runtime writes one."""
+deterministic), and a measured trace built the way the runtime writes one.
+
+The tests check the tiny plans' shapes (which GPUs run what), so those are compiled with a fixed
+CPU calibration (`FIXED_CPU`, an earlier `planner profile` of a 2-core machine) rather than the
+shipped one, which follows whichever machine was profiled last; explain them with `cpu_model`."""
 
 from __future__ import annotations
 
 from functools import cache
 
-from plans.cluster import parse_cluster
+from cost_models import CostModel
+from cost_models.calibration import Calibration
+from plans.cluster import ClusterSpec, parse_cluster
 from plans.layout import Layout
 from plans.plan import Plan
 from plans.trace import TraceRecorder, trace_document
 from planner.algorithms import ppo, sft
 from planner.compile import compile_graph
+
+FIXED_CPU = Calibration.model_validate({
+    "gpu": "cpu", "framework": "torch", "source": "planner profile on cpu (4 ranks), kept for these tests",
+    "coefficients": {
+        "attention_efficiency": 0.2534,
+        "gemm_efficiency": 1.0,
+        "hbm_efficiency": 1.0,
+        "host_collective_us": 0.0,
+        "host_kernel_us": 2.507,
+        "host_overlap": 0.0,
+        "kernel_latency_us": 0.0,
+        "microbatch_overhead_ms": 2.776921,
+        "network_efficiency": 0.941215,
+        "nvlink_efficiency": 1.0,
+        "step_overhead_ms": 0.467186,
+    },
+    "hardware": {
+        "hbm_gb_s": 6.723184,
+        "intra_latency_us": 1163.382801,
+        "intra_node_gbps": 8.442735,
+        "peak_tflops": 0.200612,
+    },
+})
+
+
+def cpu_model(cluster: ClusterSpec) -> CostModel:
+    """The cost model the tiny plans were compiled with."""
+    return CostModel(cluster, calibration=FIXED_CPU)
 
 
 @cache
@@ -18,7 +52,7 @@ def tiny_ppo() -> Plan:
     """Tiny PPO on cpu:1x4: three GPU groups and one reallocation (critic train -> inference)."""
     g = ppo("tiny-llama", critic="tiny-llama", reward_fn="runtime.tasks:pattern_reward", batch=16, prompt_len=8,
             gen_len=8, ppo_minibatches=2, name="tiny_ppo", task="pattern", lr=1e-3)
-    return compile_graph(g, parse_cluster("cpu:1x4"), time_limit_s=0)
+    return compile_graph(g, parse_cluster("cpu:1x4"), time_limit_s=0, calibration=FIXED_CPU)
 
 
 @cache
@@ -26,7 +60,7 @@ def tiny_ppo_rm() -> Plan:
     """Tiny PPO with a reward model on cpu:2x4 (every role on its own GPUs)."""
     g = ppo("tiny-llama", critic="tiny-llama", reward="tiny-llama", batch=16, prompt_len=8, gen_len=8,
             ppo_minibatches=2, name="tiny_ppo_rm")
-    return compile_graph(g, parse_cluster("cpu:2x4"), time_limit_s=0)
+    return compile_graph(g, parse_cluster("cpu:2x4"), time_limit_s=0, calibration=FIXED_CPU)
 
 
 @cache

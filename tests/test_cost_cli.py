@@ -166,6 +166,13 @@ def test_profile_on_cpu_writes_a_usable_calibration(cli, tmp_path):
     assert hw.peak_tflops and hw.peak_tflops > 0 and hw.hbm_gb_s and hw.hbm_gb_s > 0
     assert hw.intra_node_gbps and hw.intra_node_gbps > 0 and hw.intra_latency_us is not None
     assert cal.coefficients.host_kernel_us > 0 and cal.coefficients.host_overlap == 0.0
+    # The runtime's own costs: per kernel, per generated token, attention's softmax, eager kernels.
+    co = cal.coefficients
+    assert co.decode_step_overhead_ms > 0 and co.attention_head_us + co.attention_score_ns > 0
+    assert 0 < co.elementwise_efficiency <= 1 and co.attention_efficiency == 1.0
+    from planner.profiling import rank_threads
+
+    assert hw.cpu_cores and hw.cpu_cores >= 1 and hw.rank_threads == rank_threads(2)  # 1 unless OMP_NUM_THREADS
     r = cli("estimate", "--model", "tiny-llama", "--cluster", "cpu:1x4", "--tp", "2", "--pp", "1", "--dp", "2",
             "--micro-batch", "2", "--global-batch", "8", "--seq-len", "64", "--calibration", str(out), "--json")
     assert r.code == 0, r.err

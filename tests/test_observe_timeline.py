@@ -48,7 +48,7 @@ def test_gpu_groups_merge_ranks_that_run_the_same_calls() -> None:
     groups = gpu_groups(plan)
     assert [g.label for g in groups] == ["GPU 0", "GPU 1", "GPUs 2-3"]
     assert [r for g in groups for r in g.ranks] == list(range(plan.cluster.world_size))
-    assert [g.label for g in gpu_groups(ppo_7b())] == ["GPUs 0-15"]  # every call on every GPU
+    assert [g.label for g in gpu_groups(ppo_7b())] == ["GPUs 0-7", "GPUs 8-15"]  # each trains a model
 
 
 def test_chart_has_one_row_per_group_and_one_bar_per_call_and_group() -> None:

@@ -1,9 +1,10 @@
 """`python -m runtime`: the compiled tiny examples on 4 gloo ranks against `--reference`, and errors.
 
 `examples/tiny_ppo.py` and `examples/tiny_grpo.py` are compiled here (as `planner compile` does)
-and run for a few steps under torchrun: the plans reallocate parameters from the training
-layouts to generation and inference every step (PPO across several meshes), the metrics must
-equal the single-process reference step by step, and the reward must rise. Launch and plan
+and run for a few steps under torchrun: the PPO plan spreads its calls over several meshes and
+reallocates parameters from a training layout to a generation or inference one every step (the
+GRPO plan may keep one layout: on the profiled `cpu` preset its calls all run best on dp4), the
+metrics must equal the single-process reference step by step, and the reward must rise. Launch and plan
 errors use plans placed by hand.
 """
 
@@ -79,7 +80,7 @@ def compiled(tmp_path_factory) -> dict[str, Path]:
 def test_tiny_examples_compile_to_plans_that_reallocate(compiled: dict[str, Path]) -> None:
     for name, path in compiled.items():
         plan = load_plan(path)
-        assert plan.reallocations, f"{name}: the plan moves no parameters"
+        assert plan.reallocations or name != "tiny_ppo", f"{name}: the plan moves no parameters"
         for r in plan.reallocations:
             src, dst = plan.call(r.from_call), plan.call(r.to_call)
             assert (src.mesh, src.layout) != (dst.mesh, dst.layout) and r.bytes > 0

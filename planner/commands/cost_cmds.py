@@ -171,7 +171,10 @@ def profile(
     for k, v in cal.hardware.model_dump().items():
         if v is not None:
             table.add_row(k, f"{v:.4g}")
-    for k in ("attention_efficiency", "host_kernel_us"):
+    shown = ("attention_efficiency", "host_kernel_us") if device == "cuda" or cal.gpu != "cpu" else \
+        ("elementwise_efficiency", "attention_head_us", "attention_score_ns", "host_kernel_us", "microbatch_overhead_ms",
+         "step_overhead_ms", "decode_step_overhead_ms")
+    for k in shown:
         table.add_row(k, f"{getattr(cal.coefficients, k):.4g}")
     Console(highlight=False).print(table)
 

@@ -1,0 +1,143 @@
+"""Predicted against measured per-call times: the tiny PPO on 4 CPU ranks of this machine.
+
+Each repetition:
+
+1. calibrates the `cpu` cluster preset on this machine now: `planner profile --ranks 4`
+   (`planner.profiling`: GEMM and memory throughput of one rank's thread, attention's softmax
+   cost, the runtime's own host and eager costs, the cores the 4 ranks get while all of them
+   work, gloo all-reduce latency and bandwidth), or takes `--calibration FILE` instead;
+2. compiles `examples/tiny_ppo.py` for ``cpu:1x4`` with that calibration;
+3. runs the plan for `--steps` steps under torchrun on 4 gloo ranks with ``--trace-out``;
+4. prints each call's predicted time next to its measured time, exactly what
+   ``planner timeline PLAN --measured TRACE`` compares (`planner.timeline.compare_calls`: the
+   mean over steps, the first left out as warm-up, of the span from the call's first rank
+   starting to its last rank ending), the error (predicted - measured) / measured, and the mean
+   absolute error over the calls (the aim: at most 25%).
+
+As context it also prints each call's *busiest rank* time (the mean over steps of the longest
+span any of its ranks spent in it): a call whose ranks do not synchronise (data parallel with no
+collective) is skewed by however late each rank got its inputs or its turn on a core, which the
+first-start-to-last-end span includes and the busiest rank does not. The machine's load average
+before and after each run is printed: other processes on a shared machine take cores the
+profile could not see.
+
+    .venv/bin/python bench/predict_vs_measure.py [--repeats 3] [--steps 20] [--calibration FILE] [--out DIR]
+
+With --out DIR each run's calibration, plan and trace stay there (``planner timeline
+DIR/plan1.json --measured DIR/run1.trace.json`` draws one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cost_models.calibration import Calibration, load_calibration, save_calibration  # noqa: E402
+from planner.compile import compile_graph  # noqa: E402
+from planner.profiling import profile_devices  # noqa: E402
+from planner.timeline import compare_calls, mean_abs_error  # noqa: E402
+from plans import parse_cluster  # noqa: E402
+from plans.plan import Plan, save_plan  # noqa: E402
+from plans.trace import Span, load_trace, spans  # noqa: E402
+
+RANKS = 4
+AIM = 0.25
+
+
+def busiest_rank_s(items: list[Span], *, skip_steps: int = 1) -> dict[tuple[str, str], float]:
+    """Per (cat, call): the mean over steps (after `skip_steps`) of its longest span on any rank."""
+    steps = sorted({s.step for s in items})[skip_steps:]
+    longest: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+    for s in items:
+        if s.step in steps:
+            longest[s.key][s.step] = max(longest[s.key].get(s.step, 0.0), s.dur_s)
+    return {k: statistics.mean(v.values()) for k, v in longest.items()}
+
+
+def run_plan(plan_path: Path, trace_path: Path, *, steps: int) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"  # what torchrun gives each rank anyway, said out loud
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
+                          "-m", "runtime", str(plan_path), "--steps", str(steps), "--quiet", "--trace-out",
+                          str(trace_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise SystemExit(f"the run failed:\n{out.stderr[-3000:]}")
+
+
+def report(plan: Plan, trace: dict, *, label: str) -> float:
+    rows = compare_calls(plan, trace)
+    busy = busiest_rank_s(spans(trace))
+    print(f"\n{label}")
+    print(f"{'call':<30} {'mesh':<6} {'layout':<16} {'predicted':>10} {'measured':>10} {'error':>7}   "
+          f"{'busiest rank':>12} {'error':>7}")
+    for r in rows:
+        name = r.call if r.cat == "call" else f"realloc for {r.call}"
+        c = plan.call(r.call)
+        where = (f"{c.mesh.short()}", c.layout.short()) if r.cat == "call" else ("", "")
+        b = busy.get((r.cat, r.call))
+        err = "" if r.error is None else f"{r.error * 100:+.0f}%"
+        berr = "" if not b else f"{(r.predicted_s - b) / b * 100:+.0f}%"
+        measured = "-" if r.measured_s is None else f"{r.measured_s * 1e3:.2f} ms"
+        busy_txt = "-" if b is None else f"{b * 1e3:.2f} ms"
+        print(f"{name:<30} {where[0]:<6} {where[1]:<16} {r.predicted_s * 1e3:7.2f} ms {measured:>10} {err:>7}   "
+              f"{busy_txt:>12} {berr:>7}")
+    mae = mean_abs_error(rows)
+    assert mae is not None
+    busy_errs = [abs(r.predicted_s - busy[(r.cat, r.call)]) / busy[(r.cat, r.call)] for r in rows
+                 if r.cat == "call" and busy.get((r.cat, r.call))]
+    print(f"mean |error| over calls: {mae * 100:.1f}% (aim: at most {AIM * 100:.0f}%); "
+          f"against the busiest rank: {statistics.mean(busy_errs) * 100:.1f}%")
+    return mae
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3, help="profile + compile + run this many times (default 3)")
+    ap.add_argument("--steps", type=int, default=20, help="steps per run, the first left out (default 20)")
+    ap.add_argument("--calibration", type=Path, help="use this calibration instead of profiling the machine")
+    ap.add_argument("--profile-budget-s", type=float, default=20.0, help="budget of each profile (default 20)")
+    ap.add_argument("--out", type=Path, help="keep each run's calibration, plan and trace in this folder")
+    args = ap.parse_args()
+    example = runpy.run_path(str(ROOT / "examples" / "tiny_ppo.py"))
+    cluster = parse_cluster(example["CLUSTER"])
+    print(f"tiny PPO on {cluster.short()}, {os.cpu_count()} CPU cores, {args.steps} steps per run; calibration: "
+          f"{args.calibration or 'planner profile --ranks 4 before each run'}")
+    maes = []
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.out or Path(scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
+        for k in range(1, args.repeats + 1):
+            if args.calibration is not None:
+                cal: Calibration = load_calibration(args.calibration)
+            else:
+                cal = profile_devices(budget_s=args.profile_budget_s, ranks=RANKS, device="cpu")
+                save_calibration(cal, Path(tmp) / f"cpu{k}.json")
+            co, hw = cal.coefficients, cal.hardware
+            plan = compile_graph(example["graph"], cluster, time_limit_s=5, calibration=cal)
+            plan_path, trace_path = Path(tmp) / f"plan{k}.json", Path(tmp) / f"run{k}.trace.json"
+            save_plan(plan, plan_path)
+            before = os.getloadavg()[0]
+            run_plan(plan_path, trace_path, steps=args.steps)
+            after = os.getloadavg()[0]
+            label = (f"== run {k}: load average {before:.1f} before, {after:.1f} after; calibration: host "
+                     f"{co.host_kernel_us:.1f} us/kernel, {hw.peak_tflops or 0:.3f} TFLOP/s and "
+                     f"{hw.cpu_cores or 0:.2f} cores for {RANKS} ranks; predicted iteration "
+                     f"{plan.estimate.iteration_s * 1e3:.1f} ms")
+            maes.append(report(plan, load_trace(trace_path), label=label))
+    if len(maes) > 1:
+        print(f"\nmean |error| over {len(maes)} runs: " + ", ".join(f"{m * 100:.1f}%" for m in maes)
+              + f"; median {statistics.median(maes) * 100:.1f}%, spread {min(maes) * 100:.1f}-{max(maes) * 100:.1f}%")
+
+
+if __name__ == "__main__":
+    main()
