@@ -19,7 +19,9 @@ span any of its ranks spent in it): a call whose ranks do not synchronise (data 
 collective) is skewed by however late each rank got its inputs or its turn on a core, which the
 first-start-to-last-end span includes and the busiest rank does not. The machine's load average
 before and after each run is printed: other processes on a shared machine take cores the
-profile could not see.
+profile could not see. And it runs the plan's calls in one process (``--reference``: every call
+alone on one rank, what a ``cpu:1x1`` cluster predicts), the cost model without ranks sharing
+cores.
 
     .venv/bin/python bench/predict_vs_measure.py [--repeats 3] [--steps 20] [--calibration FILE] [--out DIR]
 
@@ -42,13 +44,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cost_models import CostModel  # noqa: E402
 from cost_models.calibration import Calibration, load_calibration, save_calibration  # noqa: E402
 from planner.compile import compile_graph  # noqa: E402
 from planner.profiling import profile_devices  # noqa: E402
 from planner.timeline import compare_calls, mean_abs_error  # noqa: E402
-from plans import parse_cluster  # noqa: E402
+from plans import Layout, Mesh, parse_cluster  # noqa: E402
 from plans.plan import Plan, save_plan  # noqa: E402
-from plans.trace import Span, load_trace, spans  # noqa: E402
+from plans.trace import Span, call_times_s, load_trace, spans  # noqa: E402
 
 RANKS = 4
 AIM = 0.25
@@ -64,14 +67,31 @@ def busiest_rank_s(items: list[Span], *, skip_steps: int = 1) -> dict[tuple[str,
     return {k: statistics.mean(v.values()) for k, v in longest.items()}
 
 
-def run_plan(plan_path: Path, trace_path: Path, *, steps: int) -> None:
+def run_plan(plan_path: Path, trace_path: Path, *, steps: int, reference: bool = False) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"  # what torchrun gives each rank anyway, said out loud
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
-                          "-m", "runtime", str(plan_path), "--steps", str(steps), "--quiet", "--trace-out",
-                          str(trace_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    launch = ["-m", "runtime", str(plan_path), "--reference"] if reference else \
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", "-m", "runtime", str(plan_path)]
+    out = subprocess.run([sys.executable, *launch, "--steps", str(steps), "--quiet", "--trace-out", str(trace_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise SystemExit(f"the run failed:\n{out.stderr[-3000:]}")
+
+
+def report_alone(plan: Plan, trace: dict, cal: Calibration) -> float:
+    """Each call alone in one process against the cost model of one rank on the machine."""
+    cm = CostModel(parse_cluster("cpu:1x1"), cal)
+    got = call_times_s(spans(trace))
+    graph = plan.graph()
+    errs = []
+    print("one process, every call alone on one rank (--reference):")
+    for c in plan.calls:
+        predicted = cm.call_cost(graph.call(c.name), plan.models[c.model], Mesh.block(0, 1), Layout()).time_s
+        measured = got[("call", c.name)]
+        errs.append(abs(predicted - measured) / measured)
+        print(f"  {c.name:<28} {predicted * 1e3:7.2f} ms {measured * 1e3:7.2f} ms {(predicted - measured) / measured * 100:+6.0f}%")
+    print(f"  mean |error| over calls: {statistics.mean(errs) * 100:.1f}%")
+    return statistics.mean(errs)
 
 
 def report(plan: Plan, trace: dict, *, label: str) -> float:
@@ -112,7 +132,7 @@ def main() -> None:
     cluster = parse_cluster(example["CLUSTER"])
     print(f"tiny PPO on {cluster.short()}, {os.cpu_count()} CPU cores, {args.steps} steps per run; calibration: "
           f"{args.calibration or 'planner profile --ranks 4 before each run'}")
-    maes = []
+    maes, alone = [], []
     with tempfile.TemporaryDirectory() as scratch:
         tmp = args.out or Path(scratch)
         tmp.mkdir(parents=True, exist_ok=True)
@@ -121,22 +141,27 @@ def main() -> None:
                 cal: Calibration = load_calibration(args.calibration)
             else:
                 cal = profile_devices(budget_s=args.profile_budget_s, ranks=RANKS, device="cpu")
-                save_calibration(cal, Path(tmp) / f"cpu{k}.json")
+                save_calibration(cal, tmp / f"cpu{k}.json")
             co, hw = cal.coefficients, cal.hardware
             plan = compile_graph(example["graph"], cluster, time_limit_s=5, calibration=cal)
-            plan_path, trace_path = Path(tmp) / f"plan{k}.json", Path(tmp) / f"run{k}.trace.json"
+            plan_path, trace_path, alone_path = tmp / f"plan{k}.json", tmp / f"run{k}.trace.json", tmp / f"alone{k}.trace.json"
             save_plan(plan, plan_path)
             before = os.getloadavg()[0]
             run_plan(plan_path, trace_path, steps=args.steps)
             after = os.getloadavg()[0]
             label = (f"== run {k}: load average {before:.1f} before, {after:.1f} after; calibration: host "
                      f"{co.host_kernel_us:.1f} us/kernel, {hw.peak_tflops or 0:.3f} TFLOP/s and "
-                     f"{hw.cpu_cores or 0:.2f} cores for {RANKS} ranks; predicted iteration "
+                     f"{hw.cpu_cores} cores for {RANKS} ranks; predicted iteration "
                      f"{plan.estimate.iteration_s * 1e3:.1f} ms")
             maes.append(report(plan, load_trace(trace_path), label=label))
+            run_plan(plan_path, alone_path, steps=args.steps, reference=True)
+            alone.append(report_alone(plan, load_trace(alone_path), cal))
     if len(maes) > 1:
-        print(f"\nmean |error| over {len(maes)} runs: " + ", ".join(f"{m * 100:.1f}%" for m in maes)
-              + f"; median {statistics.median(maes) * 100:.1f}%, spread {min(maes) * 100:.1f}-{max(maes) * 100:.1f}%")
+        for what, errs in (("4 ranks", maes), ("one process", alone)):
+            print(f"\n{what}: mean |error| over {len(errs)} runs: " + ", ".join(f"{m * 100:.1f}%" for m in errs)
+                  + f"; median {statistics.median(errs) * 100:.1f}%, spread {min(errs) * 100:.1f}-{max(errs) * 100:.1f}%",
+                  end="")
+        print()
 
 
 if __name__ == "__main__":
