@@ -156,6 +156,18 @@ class Graph(Strict):
         prod = self.producers()
         return [(prod[h], c.name, h) for c in self.calls for h in c.inputs if h in prod]
 
+    def home_calls(self) -> dict[str, str]:
+        """Model -> its *home* call, whose placement holds the model's parameters (and optimizer
+        state) between iterations: its last train call, else its first call, in dependency order.
+        Every other call on the model works on a transient copy reallocated from the home, unless
+        its placement holds the very same slices. Compiler and runtime both follow this rule."""
+        home: dict[str, str] = {}
+        for name in self.topo_order():
+            c = self.call(name)
+            if c.kind == "train" or c.model not in home:
+                home[c.model] = name
+        return home
+
     def topo_order(self) -> list[str]:
         """Call names in a dependency order; ties keep the declared order."""
         return _topo_order(self) or []
