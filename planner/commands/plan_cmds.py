@@ -75,7 +75,7 @@ def compile_cmd(
     cluster: Annotated[Optional[str], typer.Option("--cluster", "-c", help="GPU:NODESxPER_NODE or a file (default: the graph file's CLUSTER).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Plan file to write [default: plans/<name>.json].")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON to stdout instead of tables (writes a file only with -o).")] = False,
-    time_limit: Annotated[float, typer.Option("--time-limit", min=0, help="CP-SAT time limit in seconds; 0 keeps the beam-search plan.")] = 10.0,
+    time_limit: Annotated[float, typer.Option("--time-limit", min=0, help="Search budget in seconds: CP-SAT work (deterministic, about wall seconds on an idle machine), so the same inputs give the same plan; 0 keeps the beam-search plan.")] = 10.0,
     baseline: Annotated[Optional[Baseline], typer.Option("--baseline", help="Emit a baseline's best plan instead: colocate, split, heuristic.")] = None,
     calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Cost-model calibration file (from `planner calibrate` or `planner profile`).")] = None,
     actor: Annotated[Optional[str], typer.Option(help="Actor / policy model SPEC (algorithms).")] = None,
