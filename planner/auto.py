@@ -50,7 +50,7 @@ from plans.graph import Graph as GraphSpec
 from plans.model import ModelSpec, resolve_model
 from plans.plan import PLAN_VERSION, Plan, load_plan, parse_plan, plan_to_json, save_plan
 from planner.graph import Graph as GraphBuilder
-from planner.tracing import TracedData, TracedModel, Tracer, _const_repr, traceback_location
+from planner.tracing import TracedData, TracedModel, Tracer, traceback_location
 
 ModelArg = str | ModelSpec | ModelDecl | dict[str, Any]
 
@@ -142,7 +142,7 @@ class AutoFunction:
         self.data_params: list[str] = []
         self.defaults: dict[str, Any] = {}
         self._classify_parameters()
-        self._traced: tuple[str, GraphSpec] | None = None  # (constants key, graph)
+        self._traced: GraphSpec | None = None
         self._launch: Any = None  # runtime.session.Launch once a call started the runtime
         self._session: Any = None  # runtime.session.Session
         self._metrics: dict[str, float | int] = {}
@@ -183,12 +183,12 @@ class AutoFunction:
         return self.fn(*args, **kwargs)
 
     def trace(self, constants: dict[str, Any] | None = None) -> GraphSpec:
-        """The graph of one iteration, traced with the plain arguments `constants` (default: the
-        function's defaults)."""
+        """The graph of one iteration, traced once, with the plain arguments `constants` of the
+        first call (default: the function's defaults). Later iterations must make the same calls
+        and host steps, whatever their plain arguments (`runtime.session` checks it)."""
+        if self._traced is not None:
+            return self._traced
         constants = {**self.defaults, **(constants or {})}
-        key = json.dumps({k: _const_repr(v) for k, v in constants.items()}, sort_keys=True)
-        if self._traced is not None and self._traced[0] == key:
-            return self._traced[1]
         g = GraphBuilder(self.name, algorithm=self.algorithm, **self.shape)  # type: ignore[arg-type]
         tracer = Tracer(g)
         values: dict[str, Any] = dict(constants)
@@ -207,12 +207,8 @@ class AutoFunction:
                                f"{type(e).__name__} while traced: {e}") from None
         finally:
             tracer.open = False
-        graph = g.build()
-        if self._traced is not None and self._traced[1] != graph:
-            raise PlannerError(f"{self.fn.__qualname__}: its calls change with its plain arguments ({key}); one "
-                               "decorated loop runs one plan", hint="decorate one function per variant of the loop")
-        self._traced = (key, graph)
-        return graph
+        self._traced = g.build()
+        return self._traced
 
     def cluster(self) -> ClusterSpec:
         """The cluster the loop is planned for."""

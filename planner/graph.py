@@ -96,7 +96,7 @@ class Graph:
         return unique_name(base, {c.name for c in self._calls} | {s.name for s in self._host_steps})
 
     def host_step(self, name: str, *, function: str, source_sha256: str, inputs: list[Data],
-                  outputs: list[str], constants: dict[str, str] | None = None) -> list[Data]:
+                  outputs: list[str]) -> list[Data]:
         """Record a host step (`planner.host`) reading `inputs` and writing one handle per entry of
         `outputs` (named ``<step>.<output>``). The search sees no cost in it; its outputs take the
         shape of its first input, so a call reading one knows its sequence count and length."""
@@ -106,7 +106,7 @@ class Graph:
         out_names = [f"{step}.{o}" for o in outputs]
         try:
             spec = HostStep(name=step, function=function, source_sha256=source_sha256,
-                            inputs=[d.name for d in inputs], outputs=out_names, constants=constants or {})
+                            inputs=[d.name for d in inputs], outputs=out_names)
         except ValidationError as e:
             raise PlannerError(format_validation_error(e, source=f"host step {step!r}")) from None
         self._host_steps.append(spec)

@@ -83,7 +83,7 @@ def load_target(path: str | Path, *, function: str | None = None) -> LoadedGraph
         return LoadedGraph(_as_graph(ns["build"](), str(path)), cluster)
     loop = _pick_loop(ns, path, function)
     if loop is None:
-        raise PlannerError(f"{path} defines neither `graph`, `build()` nor a @planner.auto function",
+        raise PlannerError(f"{path} defines neither `graph` nor `build()`, and no @planner.auto function",
                            hint="end the file with `graph = ...` (a Graph), define `def build(): return ...`, "
                            "or decorate a training loop with @planner.auto(...)")
     return LoadedGraph(loop.trace(), loop.cluster_arg, loop)

@@ -4,8 +4,8 @@
 `TracedData` per data argument. A model method (`generate`, `inference`, `train`) records a call
 on a `planner.Graph` and returns the `TracedData` of its output, so the data edges come from the
 data, as with the graph API. A `@planner.host` function (`HostFunction`) called on traced data
-records a host step (its qualified name, a hash of its source, the handles it reads and the
-arguments that are not handles) and returns the handles of its outputs without running.
+records a host step (its qualified name, a hash of its source, the handles it reads) and
+returns the handles of its outputs without running.
 
 A placeholder has no value, so Python in the loop that looks at data (arithmetic, comparisons,
 `if`/`while` on it, indexing, iteration, `len`, torch functions, attributes such as `.shape`)
@@ -41,7 +41,6 @@ from planner.graph import Graph as GraphBuilder
 
 _PLANNER_DIR = str(Path(__file__).resolve().parent)
 _TORCH_DIR = "/torch/"
-_CONST_REPR_CHARS = 200  # longer argument reprs are cut (their hash still changes with them)
 NO_VALUE_HINT = ("the loop is traced once with placeholders, before any data exists, so its Python cannot look at "
                  "data, and model calls cannot depend on data values; compute on data inside a @planner.host "
                  "function, which runs on real tensors at run time")
@@ -111,17 +110,6 @@ def source_sha256(fn: Callable) -> str:
                                hint="decorate a `def` function with @planner.host") from None
         text = code.co_code.hex() + repr(code.co_consts)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _const_repr(value: Any) -> str:
-    """A deterministic short text of an argument that holds no handle (objects without a stable
-    repr are named by their type)."""
-    text = repr(value)
-    if " at 0x" in text:
-        return f"<{type(value).__module__}.{type(value).__qualname__}>"
-    if len(text) > _CONST_REPR_CHARS:
-        return text[:_CONST_REPR_CHARS] + f"... sha256:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
-    return text
 
 
 # Host steps ------------------------------------------------------------------------------------
@@ -213,7 +201,7 @@ class TracedData:
 
 
 def _refusing(dunder: str, what: str) -> Callable:
-    def refuse(self: TracedData, *args: Any) -> Any:
+    def refuse(self: TracedData, *args: Any, **kwargs: Any) -> Any:
         self._refuse(what)
 
     refuse.__name__ = dunder
@@ -272,7 +260,9 @@ class Tracer:
             raise PlannerError(f"{user_location()} {what} gets a {type(value).__name__}, not a data handle",
                                hint="pass the handles that model calls, host steps and the loop's data arguments return")
         if value.__planner_owner__ is not self or not self.open:
-            raise PlannerError(f"{user_location()} {what} gets data handle {value.name!r} of another trace")
+            which = "another trace" if value.__planner_owner__ is not self else "a finished trace"
+            raise PlannerError(f"{user_location()} {what} gets data handle {value.name!r} of {which}",
+                               hint="use a loop's handles only inside the loop, while it runs")
         return value.data
 
     def call(self, model: TracedModel, kind: str, inputs: tuple, kwargs: dict[str, Any]) -> TracedData:
@@ -301,8 +291,7 @@ class Tracer:
         except TypeError as e:
             raise PlannerError(f"{where}: {e}") from None
         inputs: list[Data] = []
-        constants: dict[str, str] = {}
-        for param, value in bound.arguments.items():
+        for value in bound.arguments.values():
             handles = [x for x in leaves(value) if isinstance(x, TracedData)]
             if any(isinstance(x, TracedModel) for x in leaves(value)):
                 raise PlannerError(f"{where} gets a model", hint="call models in the loop; host steps get data")
@@ -312,9 +301,7 @@ class Tracer:
                                        "after the iteration (on rank 0)",
                                        hint="return them from the loop instead; the call returns them as a dict")
                 inputs.append(self._data(h, what=f"host step {step.function}"))
-            if not handles:
-                constants[param] = _const_repr(value)
         made = self.builder.host_step(step.name, function=step.function, source_sha256=step.source_sha256,
-                                      inputs=inputs, outputs=list(step.outputs), constants=constants)
+                                      inputs=inputs, outputs=list(step.outputs))
         out = [TracedData(self, d, producer_kind=None) for d in made]
         return out[0] if len(out) == 1 else tuple(out)

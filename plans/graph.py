@@ -121,16 +121,15 @@ class Call(Strict):
 class HostStep(Strict):
     """A Python function a traced training loop runs on the host between calls (`planner.host`).
 
-    Its identity is the function's qualified name, the hash of its source and the arguments
-    that are not data handles, so an edited function is a different step (and a new plan)."""
+    Its identity is the function's qualified name and the hash of its source, so an edited
+    function is a different step (and a new plan). Arguments that are not data handles are not
+    part of it: they may change from one iteration to the next (a step number, a coefficient)."""
 
     name: str = Field(description="Unique step name (distinct from call names).")
     function: str = Field(description="The function's qualified name (Python `__qualname__`).")
     source_sha256: str = Field(description="SHA-256 of the function's source text.")
     inputs: list[str] = Field(min_length=1, description="Data handles read, in argument order.")
     outputs: list[str] = Field(min_length=1, description="Data handles written.")
-    constants: dict[str, str] = Field(default_factory=dict,
-                                      description="repr of each argument holding no data handle, by parameter name.")
 
     @model_validator(mode="after")
     def check_names(self) -> HostStep:

@@ -111,8 +111,8 @@ class Session:
         """One iteration: `invoke` the loop with live handles for the `models` arguments (argument
         -> model name) and the `data_params`, those in `data` holding the caller's tensors.
         Returns (the loop's return value with handles replaced by values, the metrics)."""
-        self.steps += 1
         given = {name: _rows(self.plan, name, value) for name, value in data.items()}
+        self.steps += 1
         it = _Iteration(self, self.runner.begin_step(self.steps, inputs=given))
         handles: dict[str, Any] = {p: LiveModel(it, m) for p, m in models.items()}
         handles.update({p: LiveData(it, p) for p in data_params})
@@ -169,10 +169,10 @@ class _Iteration:
                                hint="use the handles of the current call of the loop only")
         return x.name
 
-    def _differs(self, what: str, detail: str) -> PlannerError:
-        return PlannerError(f"the loop {what} {detail} than when it was traced",
-                            hint="a loop must make the same calls and host steps on every iteration; if a Python "
-                            "value decides them, decorate one function per variant")
+    def _differs(self, message: str) -> PlannerError:
+        return PlannerError(f"the loop {message}",
+                            hint="a loop must make the same calls and host steps on every iteration as when it was "
+                            "traced; if a Python value decides them, decorate one function per variant")
 
     def call(self, model: str, kind: str, inputs: tuple, fields: dict[str, Any]) -> LiveData:
         """Run model call `model.kind(*inputs, **fields)` as the plan's call of the same name."""
@@ -181,14 +181,17 @@ class _Iteration:
         what = f"{model}.{kind}()"
         names = [self._handle(x, what=what) for x in inputs]
         call = self.calls.get(name)
-        if call is None or name in self.made:
-            raise self._differs(f"makes call {name!r}", "more often" if name in self.made else "and it made no such call")
+        if name in self.made:
+            raise self._differs(f"makes call {name!r} more often than when it was traced")
+        if call is None:
+            raise self._differs(f"makes call {name!r}, which it did not make when it was traced")
         if (call.model, call.kind, call.inputs) != (model, kind, names):
-            raise self._differs(f"calls {name!r} as {model}.{kind}({', '.join(names)})",
-                                f"instead of {call.model}.{call.kind}({', '.join(call.inputs)})")
+            raise self._differs(f"makes call {name!r} as {model}.{kind}({', '.join(names)}); when traced it was "
+                                f"{call.model}.{call.kind}({', '.join(call.inputs)})")
         for key, value in fields.items():
             if value is not None and getattr(call, key, value) != value:
-                raise self._differs(f"calls {name!r} with {key}={value!r}", f"(not {getattr(call, key)!r})")
+                raise self._differs(f"makes call {name!r} with {key}={value!r}; when traced it had "
+                                    f"{key}={getattr(call, key)!r}")
         self.made.append(name)
         self.session.runner.run_call(call, self.state)
         return LiveData(self, call.outputs[0], call=call)
@@ -198,10 +201,12 @@ class _Iteration:
         name = unique_name(step.name, self.made)
         spec: HostStep | None = self.host_steps.get(name)
         if spec is None or spec.function != step.function:
-            raise self._differs(f"runs host step {step.function} (as {name!r})", "where it ran none")
+            raise self._differs(f"runs host step {step.function} (as {name!r}), which it did not run there when it "
+                                "was traced")
         found = [self._handle(x, what=f"host step {name!r}") for x in _leaves((args, kwargs)) if isinstance(x, LiveData)]
         if sorted(found) != sorted(spec.inputs):
-            raise self._differs(f"passes {', '.join(found)} to host step {name!r}", f"(not {', '.join(spec.inputs)})")
+            raise self._differs(f"passes {', '.join(found)} to host step {name!r}; when traced it passed "
+                                f"{', '.join(spec.inputs)}")
         self.made.append(name)
         real = _tree_map(lambda x: self.state.get(x.name) if isinstance(x, LiveData) else x, (args, kwargs))
         t0 = time.perf_counter()
@@ -224,7 +229,7 @@ class _Iteration:
         """Every call and host step of the plan ran (each exactly once, checked as they ran)."""
         missing = [n for n in (*self.calls, *self.host_steps) if n not in self.made]
         if missing:
-            raise self._differs(f"skipped {', '.join(map(repr, missing))}", "which it made")
+            raise self._differs(f"skipped {', '.join(map(repr, missing))}, which it made when it was traced")
 
     def value(self, handle: LiveData, metrics: dict[str, float | int]) -> Any:
         """What `handle` holds on this rank once the iteration is over."""
