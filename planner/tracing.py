@@ -176,7 +176,7 @@ class TracedData:
     def __init__(self, tracer: Tracer, data: Data, *, producer_kind: str | None) -> None:
         self.__planner_owner__ = tracer
         self.data = data
-        self.producer_kind = producer_kind  # kind of the call that wrote it, None for inputs and host steps
+        self.producer_kind = producer_kind  # the kind of call that wrote it, "host", or None for inputs
 
     @property
     def name(self) -> str:
@@ -271,6 +271,11 @@ class Tracer:
         data = [self._data(x, what=what) for x in inputs]
         if not data:
             raise PlannerError(f"{user_location()} {what} reads no data handle")
+        hosted = [x.name for x in inputs if x.producer_kind == "host"]
+        if kind == "train" and hosted and inputs[0].producer_kind != "host":
+            raise PlannerError(f"{user_location()} {what} reads host step output {hosted[0]!r} after "
+                               f"{inputs[0].name!r}; a train call trains on the host step output it reads first",
+                               hint="pass the batch your host step computed as the first argument")
         method = getattr(model._handle, kind)
         try:
             out = method(*data, **kwargs)
@@ -303,5 +308,5 @@ class Tracer:
                 inputs.append(self._data(h, what=f"host step {step.function}"))
         made = self.builder.host_step(step.name, function=step.function, source_sha256=step.source_sha256,
                                       inputs=inputs, outputs=list(step.outputs))
-        out = [TracedData(self, d, producer_kind=None) for d in made]
+        out = [TracedData(self, d, producer_kind="host") for d in made]
         return out[0] if len(out) == 1 else tuple(out)

@@ -183,6 +183,10 @@ class Glue:
         first = call.inputs[0] if call.inputs else None
         if first in self.host_producer:
             return prepared_batch(call, store[first], source=f"host step {self.host_producer[first]!r}'s {first!r}")
+        hosted = [h for h in call.inputs if h in self.host_producer]
+        if hosted:  # the glue below would not read it: refuse rather than train on something else
+            raise PlannerError(f"train call {call.name!r} reads host step output {hosted[0]!r} after {first!r}",
+                               hint="a train call trains on the host step output it reads first")
         roles = self._inputs(call, store)
         if kind in ("sft", "dpo"):
             data = roles["data"][0] if roles["data"] else roles["samples"][0]

@@ -141,6 +141,16 @@ def _rows(plan: Plan, name: str, value: Any) -> dict[str, Tensor]:
     return {k: v.cpu() for k, v in rows.items()}
 
 
+def _check_model_input(plan: Plan, handle: str, value: Any, *, step: HostStep) -> None:
+    """A host step output a generate or inference call reads holds rows with ``tokens``, as the
+    runtime's own data handles do (a train call checks its batch itself)."""
+    readers = [c.name for c in plan.calls if c.kind != "train" and c.inputs and c.inputs[0] == handle]
+    if readers and not (isinstance(value, dict) and isinstance(value.get("tokens"), Tensor)):
+        raise PlannerError(f"host step {step.function} returned a {type(value).__name__} as {handle!r}, which call "
+                           f"{readers[0]!r} reads as its sequences",
+                           hint="return a dict of tensors with 'tokens' [n, seq_len] (and 'mask' where the call needs it)")
+
+
 def _tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
     if isinstance(obj, list):
         return [_tree_map(fn, x) for x in obj]
@@ -219,6 +229,7 @@ class _Iteration:
                                                                else ""),
                                hint=f"return a tuple of {len(spec.outputs)} values")
         for handle, out in zip(spec.outputs, outs):
+            _check_model_input(self.plan, handle, out, step=spec)
             self.state.store[handle] = out
         if self.session.launch.rank == 0:
             self.state.reports.append({f"{name}.time_s": elapsed_s})

@@ -148,6 +148,59 @@ def test_plain_arguments_may_change_between_iterations(tmp_path, monkeypatch):
     assert set(out[1]["train"]) == {"loss", "time_s"} and 0 < out[1]["train"]["loss"] != out[0]["train"]["loss"]
 
 
+@pytest.mark.parametrize("returned,needle", [
+    ("{'tokens': tokens['tokens']}", "trains on host step 'shape_of''s 'shape_of.out', which lacks mask"),
+    ("{**tokens, 'extra': tokens['mask'][:2]}", "but the batch has tokens (4, 8) and extra (2, 7)"),
+    ("tokens['tokens']", "returned a Tensor, not a dict of tensors"),
+])
+def test_a_batch_a_host_step_gets_wrong_is_a_clear_error(tmp_path, monkeypatch, returned, needle):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    path = tmp_path / "loop.py"
+    path.write_text(f"""
+import planner
+
+@planner.host
+def shape_of(tokens):
+    return {returned}
+
+@planner.auto(cluster="cpu:1x2", plan={str(tmp_path / 'p.json')!r}, batch=4, seq_len=8, time_limit_s=0,
+              verbose=False, models={{"policy": planner.model("tiny-gpt", trainable=True)}}, algorithm={{"task": "pattern"}})
+def step(policy, tokens):
+    return policy.train(shape_of(tokens), loss="sft")
+""")
+    loop = runpy.run_path(str(path))["step"]
+    try:
+        with pytest.raises(PlannerError) as err:
+            loop()
+    finally:
+        loop.close()
+    assert needle in str(err.value), str(err.value)
+
+
+def test_prompts_a_host_step_prepares_must_be_rows_with_tokens(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for as_rows in (True, False):
+        @planner.host
+        def flip(prompts):
+            tokens = prompts["tokens"].flip(0)
+            return {"tokens": tokens} if as_rows else tokens
+
+        @planner.auto(cluster="cpu:1x2", plan=tmp_path / "gen.json", batch=4, prompt_len=4, gen_len=3,
+                      time_limit_s=0, verbose=False, models={"actor": "tiny-llama"})
+        def sample(actor, prompts):
+            return actor.generate(flip(prompts))
+
+        try:
+            if as_rows:
+                assert sample()["tokens"].shape == (4, 7)
+            else:
+                with pytest.raises(PlannerError, match="returned a Tensor as 'flip.out', which call 'actor_generate' "
+                                                       "reads as its sequences"):
+                    sample()
+        finally:
+            sample.close()
+
+
 def test_a_launch_of_the_wrong_size_is_a_clear_error(tmp_path):
     from runtime.session import Launch, Session
 

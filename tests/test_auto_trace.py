@@ -144,10 +144,15 @@ def test_other_mistakes_in_a_loop_name_the_line():
     def not_a_handle(actor, critic, ref, prompts):
         ref.inference([prompts])  # MARK: list
 
+    def batch_not_first(actor, critic, ref, prompts):
+        samples = actor.generate(prompts)
+        actor.train(samples, score(samples), loss="ppo_policy")  # MARK: batch
+
     for fn, mark, what in ((unknown_keyword, "keyword", "actor.generate(): "),
                            (stats_into_host, "stats", "the statistics of a train call"),
                            (raises, "raises", "raised KeyError while traced"),
-                           (not_a_handle, "list", "ref.inference() gets a list, not a data handle")):
+                           (not_a_handle, "list", "ref.inference() gets a list, not a data handle"),
+                           (batch_not_first, "batch", "reads host step output 'score.out' after")):
         with pytest.raises(PlannerError) as err:
             _loop(fn).trace()
         assert f"{__file__}:{_line(fn, mark)}" in err.value.message and what in err.value.message, err.value.message
@@ -218,6 +223,7 @@ def test_planner_compile_traces_a_decorated_loop_into_the_plan_it_reuses(tmp_pat
     r = cli("compile", str(loop_file), "--time-limit", "0")
     assert r.code == 0, r.err
     assert "sft_step() reuses it while the loop, cluster and models are unchanged" in r.out
+    assert "host steps, run as written on every rank: keep (tokens -> keep.out)" in r.out
     path = tmp_path / "plans" / "sft_step.json"
     plan = load_plan(path)
     assert plan.host_steps[0].name == "keep" and plan.calls[0].inputs == ["keep.out"]
