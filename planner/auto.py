@@ -62,7 +62,7 @@ def model(spec: str | ModelSpec | dict[str, Any], *, trainable: bool = False, he
     return ModelDecl(spec=resolve_model(spec), trainable=trainable, head=head)
 
 
-def plan_hash(graph: GraphSpec, cluster: ClusterSpec, *, baseline: str | None = None,
+def plan_hash(graph: GraphSpec, *, cluster: ClusterSpec, baseline: str | None = None,
               calibration_sha256: str | None = None) -> str:
     """SHA-256 of canonical JSON of what a plan is compiled from: the graph (models, calls, data
     edges, host steps with their source hashes, algorithm), the cluster and the options that
@@ -73,7 +73,7 @@ def plan_hash(graph: GraphSpec, cluster: ClusterSpec, *, baseline: str | None = 
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def ensure_plan(graph: GraphSpec, cluster: ClusterSpec, path: Path, *, digest: str, time_limit_s: float,
+def ensure_plan(graph: GraphSpec, *, cluster: ClusterSpec, path: Path, digest: str, time_limit_s: float,
                 baseline: str | None = None, calibration: Path | None = None,
                 say: Callable[[str], None] = lambda _m: None) -> tuple[Plan, bool]:
     """(the plan at `path` if it carries `digest`, else a new one compiled and written there;
@@ -203,7 +203,7 @@ class AutoFunction:
         except PlannerError:
             raise
         except Exception as e:  # the loop's own code failed while traced: show where, in the user's file
-            raise PlannerError(f"{traceback_location(e, filename)}: the loop {self.fn.__qualname__} raised "
+            raise PlannerError(f"{traceback_location(e, filename=filename)}: the loop {self.fn.__qualname__} raised "
                                f"{type(e).__name__} while traced: {e}") from None
         finally:
             tracer.open = False
@@ -216,13 +216,13 @@ class AutoFunction:
 
     def source_hash(self, graph: GraphSpec | None = None) -> str:
         """`plan_hash` of the traced loop (or `graph`) with this decorator's cluster and options."""
-        return plan_hash(graph or self.trace(), self.cluster(), baseline=self.baseline,
+        return plan_hash(graph or self.trace(), cluster=self.cluster(), baseline=self.baseline,
                          calibration_sha256=file_sha256(self.calibration))
 
     def compile(self) -> tuple[Plan, bool]:
         """(the loop's plan, reused or compiled and written; whether it was compiled), in this process."""
         graph = self.trace()
-        return ensure_plan(graph, self.cluster(), self.plan_path, digest=self.source_hash(graph),
+        return ensure_plan(graph, cluster=self.cluster(), path=self.plan_path, digest=self.source_hash(graph),
                            time_limit_s=self.time_limit_s, baseline=self.baseline, calibration=self.calibration,
                            say=self._say)
 

@@ -60,7 +60,7 @@ def user_location() -> str:
     return "(unknown location)"
 
 
-def traceback_location(err: BaseException, filename: str) -> str:
+def traceback_location(err: BaseException, *, filename: str) -> str:
     """``file:line`` of the innermost frame of `err`'s traceback in `filename` (else its last frame)."""
     frames = [(tb.tb_frame.f_code.co_filename, tb.tb_lineno) for tb in _tb_walk(err.__traceback__)]
     mine = [f for f in frames if f[0] == filename]
@@ -88,7 +88,7 @@ def leaves(obj: Any) -> Iterator[Any]:
         yield obj
 
 
-def owner_of(args: tuple, kwargs: dict) -> Any:
+def _owner_of(args: tuple, kwargs: dict) -> Any:
     """The owner of the handles among the arguments (None when there is none); a `PlannerError`
     when handles of two owners (a trace and a run, or two iterations) are mixed."""
     owners = {id(o): o for x in leaves((args, kwargs)) if (o := getattr(x, "__planner_owner__", None)) is not None}
@@ -133,10 +133,14 @@ class HostFunction:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        owner = owner_of(args, kwargs)
+        owner = _owner_of(args, kwargs)
         if owner is None:
             return self.fn(*args, **kwargs)
         return owner.host_step(self, args, kwargs)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """As a method: bound to `obj` like a plain function (its identity stays the function's)."""
+        return self if obj is None else functools.partial(self.__call__, obj)
 
     def __repr__(self) -> str:
         return f"<planner.host {self.function}>"

@@ -123,7 +123,7 @@ def _denoms(counts: Tensor, minibatches: int, group: int) -> list[float]:
     return out
 
 
-def prepared_batch(call: PlanCall, batch: object, *, source: str) -> TrainBatch:
+def prepared_batch(call: PlanCall, *, batch: object, source: str) -> TrainBatch:
     """The batch of train call `call` as a host step computed it: a dict of tensors, one row per
     sequence, with the rows its loss reads; a `PlannerError` naming `source` otherwise."""
     assert call.loss is not None
@@ -182,7 +182,7 @@ class Glue:
         kind, algo = call.loss, self.algo
         first = call.inputs[0] if call.inputs else None
         if first in self.host_producer:
-            return prepared_batch(call, store[first], source=f"host step {self.host_producer[first]!r}'s {first!r}")
+            return prepared_batch(call, batch=store[first], source=f"host step {self.host_producer[first]!r}'s {first!r}")
         hosted = [h for h in call.inputs if h in self.host_producer]
         if hosted:  # the glue below would not read it: refuse rather than train on something else
             raise PlannerError(f"train call {call.name!r} reads host step output {hosted[0]!r} after {first!r}",

@@ -289,7 +289,7 @@ class PlanRunner:
                                f"--nproc-per-node {self.plan.cluster.gpus_per_node} for the plan's layouts")
         state = self.begin_step(step)
         for call in self.plan.calls:
-            self.run_call(call, state)
+            self.run_call(call, state=state)
         return self.finish_step(state)
 
     def begin_step(self, step: int, *, inputs: dict[str, Rows] | None = None) -> StepState:
@@ -300,7 +300,7 @@ class PlanRunner:
         store.update(inputs or {})
         return StepState(step=step, store=store, mail=Mailbox(self.rank), inbox=StatsInbox(), t0=t0)
 
-    def run_call(self, call: PlanCall, state: StepState) -> None:
+    def run_call(self, call: PlanCall, *, state: StepState) -> None:
         """Run one call of the step on this rank (its reallocation first), post its output's
         sends and receives and its statistics. Every rank runs the same calls in the same order."""
         cp = self.calls[call.name]

@@ -203,7 +203,7 @@ class _Iteration:
                 raise self._differs(f"makes call {name!r} with {key}={value!r}; when traced it had "
                                     f"{key}={getattr(call, key)!r}")
         self.made.append(name)
-        self.session.runner.run_call(call, self.state)
+        self.session.runner.run_call(call, state=self.state)
         return LiveData(self, call.outputs[0], call=call)
 
     def host_step(self, step: Any, args: tuple, kwargs: dict) -> Any:

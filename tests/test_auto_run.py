@@ -31,6 +31,16 @@ STEPS = 3
 LOOP = ROOT / "examples" / "train_loop_ppo.py"
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run in this process on one thread: on a loaded shared CPU, torch's default
+    thread pool makes them two orders of magnitude slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _run(args: list[str], *, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

@@ -160,8 +160,24 @@ def test_other_mistakes_in_a_loop_name_the_line():
         planner.auto(cluster="cpu:1x4", models={"critc": "tiny-llama"}, batch=4, seq_len=8)(unknown_keyword)
 
 
-def test_a_host_function_on_plain_values_is_plain_python():
+class Scaled:
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    @planner.host
+    def score(self, samples):  # noqa: ANN001, ANN201
+        return samples["tokens"].float().mean(dim=1) * self.k
+
+
+def test_a_host_function_on_plain_values_is_plain_python_and_methods_bind():
     assert score({"tokens": torch.tensor([[1, 3]])}).tolist() == [2.0]
+    assert Scaled(3.0).score({"tokens": torch.tensor([[1, 3]])}).tolist() == [6.0]
+
+    def method_step(actor, critic, ref, prompts):
+        return Scaled(2.0).score(actor.generate(prompts))
+
+    (step,) = _loop(method_step).trace().host_steps
+    assert (step.name, step.function, step.inputs) == ("score", "Scaled.score", ["actor_generate.samples"])
 
 
 # Hash and cache -----------------------------------------------------------------------------------
@@ -190,13 +206,13 @@ def test_the_hash_covers_calls_host_sources_cluster_and_options(tmp_path):
     loop = _load(tmp_path, LOOP)
     graph, cluster = loop.trace(), loop.cluster()
     digest = loop.source_hash()
-    assert digest == _load(tmp_path, LOOP).source_hash() == plan_hash(graph, cluster)
+    assert digest == _load(tmp_path, LOOP).source_hash() == plan_hash(graph, cluster=cluster)
     edits = [LOOP.replace("# BODY", "# edited"), LOOP.replace('loss="sft")', 'loss="sft", minibatches=2)'),
              LOOP.replace("batch=4", "batch=8"), LOOP.replace("tiny-gpt", "tiny-llama"),
              LOOP.replace('"pattern"}', '"pattern", "lr": 1e-3}')]
     assert len({digest, *(_load(tmp_path, t).source_hash() for t in edits)}) == 1 + len(edits)
-    assert plan_hash(graph, loop.cluster().model_copy(update={"gpus_per_node": 4})) != digest
-    assert plan_hash(graph, cluster, baseline="colocate") != digest
+    assert plan_hash(graph, cluster=cluster.model_copy(update={"gpus_per_node": 4})) != digest
+    assert plan_hash(graph, cluster=cluster, baseline="colocate") != digest
 
 
 def test_the_same_loop_reuses_its_plan_and_an_edited_loop_recompiles(tmp_path):

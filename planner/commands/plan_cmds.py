@@ -128,7 +128,7 @@ def compile_cmd(
     if loaded.auto is not None:  # the loop reuses this plan while it, the cluster and the options are unchanged
         from planner.auto import file_sha256, plan_hash
 
-        digest = plan_hash(graph, cl, baseline=baseline.value if baseline else None,
+        digest = plan_hash(graph, cluster=cl, baseline=baseline.value if baseline else None,
                            calibration_sha256=file_sha256(calibration))
         plan = plan.model_copy(update={"source_hash": digest})
     if as_json:
