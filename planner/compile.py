@@ -317,10 +317,13 @@ def build_plan(problem: Problem, choice: list[int], sched: Schedule, search: Sea
                                          to_call=s.call.name, bytes=nbytes, est_start_s=sched.start[(0, i)],
                                          est_time_s=t))
     transfers = []
+    carried: dict[tuple[str, str], str] = {}  # (producer, consumer) -> the first handle between them
+    for src, dst, h in graph.edges():
+        carried.setdefault((src, dst), h)
     for e, (i, j, nbytes) in enumerate(problem.edges):
         mi, mj = problem.slots[i].cands[choice[i]].mesh, problem.slots[j].cands[choice[j]].mesh
         if mi != mj:
-            handle = next(h for h in problem.slots[i].call.outputs if h in problem.slots[j].call.inputs)
+            handle = carried[problem.slots[i].call.name, problem.slots[j].call.name]
             transfers.append(DataTransfer(handle=handle, from_call=problem.slots[i].call.name,
                                           to_call=problem.slots[j].call.name, bytes=nbytes,
                                           est_time_s=problem.transfer(e, choice[i], choice[j])))
@@ -331,4 +334,4 @@ def build_plan(problem: Problem, choice: list[int], sched: Schedule, search: Sea
                         mfu=flops / (it * peak_flops) if it > 0 else 0.0, peak_mem_bytes=max(sched.peak_bytes))
     return Plan(version=PLAN_VERSION, name=graph.name, cluster=cluster, models=graph.models, inputs=graph.inputs,
                 algorithm=graph.algorithm, calls=calls, reallocations=reallocs, transfers=transfers,
-                estimate=estimate, search=search)
+                estimate=estimate, search=search, host_steps=graph.host_steps)
