@@ -73,21 +73,10 @@ class CallPlan:
     source: str
 
 
-def home_calls(plan: Plan) -> dict[str, str]:
-    """Model -> its home call: its last train call, else its first call (dependency order)."""
-    graph = plan.graph()
-    home: dict[str, str] = {}
-    for name in graph.topo_order():
-        c = graph.call(name)
-        if c.kind == "train" or c.model not in home:
-            home[c.model] = name
-    return home
-
-
 def call_plans(plan: Plan) -> dict[str, CallPlan]:
     """How every call gets its parameters; a `PlannerError` when the plan's reallocations do not
     match its placements (a move is missing, or starts elsewhere than the model's home)."""
-    homes = home_calls(plan)
+    homes = plan.graph().home_calls()
     listed = {(r.model, r.to_call): r for r in plan.reallocations}
     for r in plan.reallocations:
         if r.from_call != homes[r.model]:
