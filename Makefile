@@ -14,7 +14,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev]" --config-settings editable_mode=compat
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -23,7 +23,7 @@ from plans.errors import PlannerError
 from plans.graph import Call, Graph, ModelDecl
 from plans.layout import Layout
 from plans.sharding import layout_problems
-from planner.candidates import SearchSpace, call_candidates, home_calls
+from planner.candidates import SearchSpace, call_candidates
 from planner.problem import Problem
 
 BASELINES = ("colocate", "split", "heuristic")
@@ -97,7 +97,7 @@ def _megatron_tp(decl: ModelDecl, gpus_per_node: int) -> int:
 
 def _heuristic_space(graph: Graph, cm: CostModel) -> SearchSpace:
     world = cm.cluster.world_size
-    homes = home_calls(graph)
+    homes = graph.home_calls()
     tp_of = {m: min(_megatron_tp(d, cm.cluster.gpus_per_node), world) for m, d in graph.models.items()}
 
     def megatron(tp: int, pp: int | None):  # noqa: ANN202

@@ -246,7 +246,7 @@ def graph_candidates(graph: Graph, cm: CostModel, space: SearchSpace) -> dict[st
     """Candidates of every call. Each non-home call of a model also gets the twins of its home
     call's layouts, so sharing one placement (no reallocation) is always an option."""
     out = {c.name: call_candidates(c, graph.models[c.model], cm, space) for c in graph.calls}
-    homes = home_calls(graph)
+    homes = graph.home_calls()
     cap = cm.cluster.mem_bytes
     for c in graph.calls:
         home = homes[c.model]
@@ -264,14 +264,3 @@ def graph_candidates(graph: Graph, cm: CostModel, space: SearchSpace) -> dict[st
                     out[c.name].setdefault(size, []).append(Candidate(hc.mesh, lay, cost))
                     have.add(lay)
     return out
-
-
-def home_calls(graph: Graph) -> dict[str, str]:
-    """Model -> the call that holds its parameters between iterations: its last train call,
-    else its first call (topological order)."""
-    home: dict[str, str] = {}
-    for name in graph.topo_order():
-        c = graph.call(name)
-        if c.kind == "train" or c.model not in home:
-            home[c.model] = name
-    return home

@@ -74,7 +74,10 @@ Progress = Callable[[SearchProgress], None]
 MAX_CPSAT_ROUNDS = 3  # re-solves after costing reallocations CP-SAT saw only as lower bounds
 CPSAT_WORK_SHARE = (0.3, 0.1, 0.1)  # of --time-limit, as CP-SAT deterministic time, per round
 MAX_ORDERS_TRIED = 5000  # list-scheduling orders tried for the final assignment
-POST_RESERVE_S = 0.3  # of the time limit, kept for building and writing the plan
+# Work budgets, not the clock, decide the plan (same inputs, same plan). The clock only stops a
+# search that runs far past its budget, on a machine much slower or busier than expected.
+WALL_SAFETY_FACTOR = 3.0
+WALL_SAFETY_S = 5.0
 
 
 def _no_fit_error(graph: Graph, cm: CostModel, call_name: str, space: SearchSpace,
@@ -147,7 +150,8 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
             raise _no_fit_error(graph, cm, name, space, baseline)
     problem = build_problem(graph, cm, space, candidates=per_size)
     n_cands = sum(len(s.cands) for s in problem.slots)
-    found = search(problem, rule=rule, time_limit_s=time_limit_s, deadline=t0 + time_limit_s - POST_RESERVE_S,
+    found = search(problem, rule=rule, time_limit_s=time_limit_s,
+                   deadline=t0 + WALL_SAFETY_FACTOR * time_limit_s + WALL_SAFETY_S,
                    beam_width=beam_width, workers=workers, say=say)
     if found is None:
         raise _no_joint_fit_error(problem, baseline)
@@ -169,8 +173,9 @@ def search(problem: Problem, *, rule: Restriction | None = None, time_limit_s: f
 
     Every stopping rule is a deterministic work budget derived from `time_limit_s` (CP-SAT's
     deterministic time, counts of evaluations), so the same inputs give the same plan; the
-    wall-clock `deadline` is only a safety net (on a very loaded machine it may cut work short)."""
-    deadline = deadline if deadline is not None else time.perf_counter() + time_limit_s
+    wall-clock `deadline` is only a safety net, several times the budget."""
+    if deadline is None:
+        deadline = time.perf_counter() + WALL_SAFETY_FACTOR * time_limit_s + WALL_SAFETY_S
     use_cpsat = time_limit_s > 0
     say = say or (lambda _p: None)
     n_cands = sum(len(s.cands) for s in problem.slots)
@@ -312,10 +317,13 @@ def build_plan(problem: Problem, choice: list[int], sched: Schedule, search: Sea
                                          to_call=s.call.name, bytes=nbytes, est_start_s=sched.start[(0, i)],
                                          est_time_s=t))
     transfers = []
+    carried: dict[tuple[str, str], str] = {}  # (producer, consumer) -> the first handle between them
+    for src, dst, h in graph.edges():
+        carried.setdefault((src, dst), h)
     for e, (i, j, nbytes) in enumerate(problem.edges):
         mi, mj = problem.slots[i].cands[choice[i]].mesh, problem.slots[j].cands[choice[j]].mesh
         if mi != mj:
-            handle = next(h for h in problem.slots[i].call.outputs if h in problem.slots[j].call.inputs)
+            handle = carried[problem.slots[i].call.name, problem.slots[j].call.name]
             transfers.append(DataTransfer(handle=handle, from_call=problem.slots[i].call.name,
                                           to_call=problem.slots[j].call.name, bytes=nbytes,
                                           est_time_s=problem.transfer(e, choice[i], choice[j])))
@@ -326,4 +334,4 @@ def build_plan(problem: Problem, choice: list[int], sched: Schedule, search: Sea
                         mfu=flops / (it * peak_flops) if it > 0 else 0.0, peak_mem_bytes=max(sched.peak_bytes))
     return Plan(version=PLAN_VERSION, name=graph.name, cluster=cluster, models=graph.models, inputs=graph.inputs,
                 algorithm=graph.algorithm, calls=calls, reallocations=reallocs, transfers=transfers,
-                estimate=estimate, search=search)
+                estimate=estimate, search=search, host_steps=graph.host_steps)

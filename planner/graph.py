@@ -23,9 +23,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from plans.errors import PlannerError, format_validation_error
-from plans.graph import AlgorithmConfig, Call, CallKind, DataInput, Head, Loss, Returns
+from plans.graph import AlgorithmConfig, Call, CallKind, DataInput, Head, HostStep, Loss, Returns
 from plans.graph import Graph as GraphSpec
-from plans.graph import ModelDecl
+from plans.graph import ModelDecl, unique_name
 from plans.model import ModelSpec, resolve_model
 
 
@@ -57,6 +57,7 @@ class Graph:
         self._models: dict[str, ModelDecl] = {}
         self._inputs: dict[str, DataInput] = {}
         self._calls: list[Call] = []
+        self._host_steps: list[HostStep] = []
         self._handles: dict[str, Data] = {}
 
     # Declarations -------------------------------------------------------------------------
@@ -92,13 +93,26 @@ class Graph:
     # Calls (used through ModelHandle) ------------------------------------------------------
 
     def _unique_call_name(self, base: str) -> str:
-        names = {c.name for c in self._calls}
-        if base not in names:
-            return base
-        k = 2
-        while f"{base}_{k}" in names:
-            k += 1
-        return f"{base}_{k}"
+        return unique_name(base, {c.name for c in self._calls} | {s.name for s in self._host_steps})
+
+    def host_step(self, name: str, *, function: str, source_sha256: str, inputs: list[Data],
+                  outputs: list[str]) -> list[Data]:
+        """Record a host step (`planner.host`) reading `inputs` and writing one handle per entry of
+        `outputs` (named ``<step>.<output>``). The search sees no cost in it; its outputs take the
+        shape of its first input, so a call reading one knows its sequence count and length."""
+        if not inputs:
+            raise PlannerError(f"host step {name!r} reads no data handle")
+        step = unique_name(name, {s.name for s in self._host_steps} | {c.name for c in self._calls})
+        out_names = [f"{step}.{o}" for o in outputs]
+        try:
+            spec = HostStep(name=step, function=function, source_sha256=source_sha256,
+                            inputs=[d.name for d in inputs], outputs=out_names)
+        except ValidationError as e:
+            raise PlannerError(format_validation_error(e, source=f"host step {step!r}")) from None
+        self._host_steps.append(spec)
+        made = [Data(h, inputs[0].seqs, inputs[0].seq_len) for h in out_names]
+        self._handles.update({d.name: d for d in made})
+        return made
 
     def _add_call(self, *, model: str, kind: CallKind, inputs: tuple[Data | str, ...], name: str | None,
                   output: str | None, default_output: str, seqs: int | None = None, seq_len: int | None = None,
@@ -132,7 +146,7 @@ class Graph:
             raise PlannerError(f"graph {self.name!r} has no calls")
         try:
             return GraphSpec(name=self.name, models=self._models, inputs=list(self._inputs.values()),
-                             calls=self._calls, algorithm=self.algorithm)
+                             calls=self._calls, algorithm=self.algorithm, host_steps=self._host_steps)
         except ValidationError as e:
             raise PlannerError(format_validation_error(e, source=f"graph {self.name!r}")) from None
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import networkx as nx
 
 from plans.graph import Graph
-from planner.candidates import home_calls
 
 
 def augmented_graph(graph: Graph, *, unroll: int = 2) -> nx.DiGraph:
@@ -31,7 +30,7 @@ def augmented_graph(graph: Graph, *, unroll: int = 2) -> nx.DiGraph:
     g = nx.DiGraph()
     order = graph.topo_order()
     pos = {name: i for i, name in enumerate(order)}
-    homes = home_calls(graph)
+    homes = graph.home_calls()
     for u in range(unroll):
         for name in order:
             call = graph.call(name)

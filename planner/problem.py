@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from cost_models import CostModel
 from plans.graph import Call, Graph
 from plans.layout import Mesh
-from planner.candidates import Candidate, SearchSpace, graph_candidates, home_calls, mesh_positions, placed
+from planner.candidates import Candidate, SearchSpace, graph_candidates, mesh_positions, placed
 
 TOKEN_BYTES = 4  # int32 token ids
 FLOAT_BYTES = 4  # fp32 per-token values, log-probs, scores
@@ -178,7 +178,7 @@ def build_problem(graph: Graph, cm: CostModel, space: SearchSpace, *, unroll: in
     per_size = candidates if candidates is not None else graph_candidates(graph, cm, space)
     order = graph.topo_order()
     index = {name: i for i, name in enumerate(order)}
-    home_name = home_calls(graph)
+    home_name = graph.home_calls()
     slots = []
     for name in order:
         call = graph.call(name)

@@ -81,5 +81,8 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     console.print(calls_table(plan))
     if plan.reallocations:
         console.print(reallocs_table(plan))
+    if plan.host_steps:
+        steps = ", ".join(f"{s.name} ({', '.join(s.inputs)} -> {', '.join(s.outputs)})" for s in plan.host_steps)
+        console.print(f"host steps, run as written on every rank: {steps}", highlight=False, soft_wrap=True)
     for line in estimate_lines(plan):
         console.print(line, highlight=False)

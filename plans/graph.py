@@ -3,7 +3,13 @@
 A call reads named data handles and writes new ones; an edge runs from the call that writes a
 handle to every call that reads it. Handles no call writes must be graph inputs (what the data
 loader provides, e.g. ``prompts``). The graph is built with `planner.Graph` or an algorithm from
-`planner.algorithms`; this module only holds its validated, serialisable form.
+`planner.algorithms`, or traced from a training loop by `planner.auto`; this module only holds
+its validated, serialisable form.
+
+A traced loop also has *host steps*: Python functions of the loop (advantages, rewards, logging)
+that read handles and write new ones between calls. They are dataflow glue, not search calls: a
+call reading a host step's output depends on the calls that wrote the step's inputs (`edges`
+resolves through host steps), and the runtime runs them as written, on every rank.
 """
 
 from __future__ import annotations
@@ -28,6 +34,17 @@ def check_name(kind: str, name: str) -> str:
     if not _NAME.match(name):
         raise ValueError(f"{kind} name {name!r} must start with a letter or '_' and use letters, digits, '_', '.', '-'")
     return name
+
+
+def unique_name(base: str, taken: set[str] | list[str]) -> str:
+    """`base`, or `base_2`, `base_3`, ... : the first not in `taken` (how calls and host steps
+    without an explicit name are named, by the graph builder and again by the runtime)."""
+    if base not in taken:
+        return base
+    k = 2
+    while f"{base}_{k}" in taken:
+        k += 1
+    return f"{base}_{k}"
 
 
 class ModelDecl(Strict):
@@ -101,6 +118,27 @@ class Call(Strict):
         return self.seqs * self.seq_len
 
 
+class HostStep(Strict):
+    """A Python function a traced training loop runs on the host between calls (`planner.host`).
+
+    Its identity is the function's qualified name and the hash of its source, so an edited
+    function is a different step (and a new plan). Arguments that are not data handles are not
+    part of it: they may change from one iteration to the next (a step number, a coefficient)."""
+
+    name: str = Field(description="Unique step name (distinct from call names).")
+    function: str = Field(description="The function's qualified name (Python `__qualname__`).")
+    source_sha256: str = Field(description="SHA-256 of the function's source text.")
+    inputs: list[str] = Field(min_length=1, description="Data handles read, in argument order.")
+    outputs: list[str] = Field(min_length=1, description="Data handles written.")
+
+    @model_validator(mode="after")
+    def check_names(self) -> HostStep:
+        check_name("host step", self.name)
+        for h in (*self.inputs, *self.outputs):
+            check_name("data handle", h)
+        return self
+
+
 class AlgorithmConfig(Strict):
     """Which algorithm the graph implements and the hyperparameters of its host-side glue."""
 
@@ -133,6 +171,8 @@ class Graph(Strict):
     inputs: list[DataInput] = Field(default_factory=list)
     calls: list[Call] = Field(min_length=1)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    host_steps: list[HostStep] = Field(default_factory=list,
+                                       description="Python steps of a traced loop between calls, in program order.")
 
     @model_validator(mode="after")
     def check_dataflow(self) -> Graph:
@@ -152,9 +192,51 @@ class Graph(Strict):
         return {h: c.name for c in self.calls for h in c.outputs}
 
     def edges(self) -> list[tuple[str, str, str]]:
-        """(producer call, consumer call, handle) for every data edge, in call order."""
+        """(producer call, consumer call, handle) for every data edge, in call order. A call
+        reading a host step's output gets an edge from each call whose output the step reads,
+        directly or through earlier steps, carrying that call's handle."""
         prod = self.producers()
-        return [(prod[h], c.name, h) for c in self.calls for h in c.inputs if h in prod]
+        out: list[tuple[str, str, str]] = []
+        for c in self.calls:
+            derived: list[tuple[str, str, str]] = []
+            for h in c.inputs:
+                if h in prod:
+                    out.append((prod[h], c.name, h))
+                for src in self.host_sources(h):
+                    if (prod[src], c.name, src) not in derived:
+                        derived.append((prod[src], c.name, src))
+            out.extend(e for e in derived if e not in out)
+        return out
+
+    def host_sources(self, handle: str) -> list[str]:
+        """The call outputs a host step's output `handle` is computed from (through earlier host
+        steps); [] for a handle no host step writes."""
+        steps = {h: s for s in self.host_steps for h in s.outputs}
+        if handle not in steps:
+            return []
+        calls_out = self.producers()
+        found: list[str] = []
+        todo, seen = [handle], {handle}
+        while todo:
+            for h in steps[todo.pop(0)].inputs:
+                if h in calls_out and h not in found:
+                    found.append(h)
+                elif h in steps and h not in seen:
+                    seen.add(h)
+                    todo.append(h)
+        return found
+
+    def home_calls(self) -> dict[str, str]:
+        """Model -> its *home* call, whose placement holds the model's parameters (and optimizer
+        state) between iterations: its last train call, else its first call, in dependency order.
+        Every other call on the model works on a transient copy reallocated from the home, unless
+        its placement holds the very same slices. Compiler and runtime both follow this rule."""
+        home: dict[str, str] = {}
+        for name in self.topo_order():
+            c = self.call(name)
+            if c.kind == "train" or c.model not in home:
+                home[c.model] = name
+        return home
 
     def topo_order(self) -> list[str]:
         """Call names in a dependency order; ties keep the declared order."""
@@ -209,6 +291,7 @@ def graph_problems(g: Graph) -> list[str]:
             if h in writers or h in input_names:
                 problems.append(f"data handle {h!r} is written twice ({writers.get(h, 'graph input')!r} and {c.name!r})")
             writers[h] = c.name
+    problems += _host_step_problems(g, writers, input_names)
     for c in g.calls:
         for h in c.inputs:
             if h not in writers and h not in input_names:
@@ -218,6 +301,30 @@ def graph_problems(g: Graph) -> list[str]:
                 )
     if not problems and _topo_order(g) is None:
         problems.append("the calls form a cycle: " + _cycle_text(g))
+    return problems
+
+
+def _host_step_problems(g: Graph, writers: dict[str, str], input_names: set[str]) -> list[str]:
+    """Host steps: unique names apart from the calls', each reading handles that a call, the
+    batch or an earlier step writes (steps are in program order, so they cannot form a cycle
+    among themselves), and writing handles nothing else writes. Adds their outputs to `writers`."""
+    problems: list[str] = []
+    calls = {c.name for c in g.calls}
+    seen: set[str] = set()
+    for s in g.host_steps:
+        if s.name in seen or s.name in calls:
+            problems.append(f"host step {s.name!r}: another {'call' if s.name in calls else 'host step'} has that name")
+        seen.add(s.name)
+        for h in s.inputs:
+            if h not in writers and h not in input_names:
+                later = next((t.name for t in g.host_steps if h in t.outputs), None)
+                why = f"written by the later host step {later!r} (steps are in program order)" if later else \
+                    "which no call or earlier host step writes and the batch does not provide"
+                problems.append(f"host step {s.name!r} reads {h!r}, {why}")
+        for h in s.outputs:
+            if h in writers or h in input_names:
+                problems.append(f"data handle {h!r} is written twice ({writers.get(h, 'graph input')!r} and {s.name!r})")
+            writers[h] = s.name
     return problems
 
 

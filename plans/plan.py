@@ -2,7 +2,9 @@
 
 A plan is the graph (models, calls, inputs, algorithm) plus, for every call, the mesh and layout it
 runs with and its estimated start, duration and peak memory per rank; the parameter reallocations
-between consecutive calls on a model; whole-iteration estimates; and how the plan was found.
+between consecutive calls on a model; whole-iteration estimates; and how the plan was found. A
+plan compiled from a traced loop (`planner.auto`) also lists the loop's host steps and the hash
+of what it was compiled from (`source_hash`), so the loop reuses it while it is unchanged.
 `PLAN_VERSION` changes whenever a reader of an older plan would misread a newer one.
 """
 
@@ -19,7 +21,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from plans.base import Strict
 from plans.cluster import ClusterSpec
 from plans.errors import PlannerError, format_validation_error
-from plans.graph import AlgorithmConfig, Call, DataInput, Graph, ModelDecl
+from plans.graph import AlgorithmConfig, Call, DataInput, Graph, HostStep, ModelDecl
 from plans.layout import Layout, Mesh
 from plans.sharding import layout_problems
 
@@ -107,6 +109,10 @@ class Plan(Strict):
     transfers: list[DataTransfer] = Field(default_factory=list)
     estimate: Estimate
     search: SearchInfo
+    host_steps: list[HostStep] = Field(default_factory=list,
+                                       description="A traced loop's Python steps between calls, in program order.")
+    source_hash: str | None = Field(None, description="SHA-256 of the traced loop, cluster, models and compile "
+                                    "options this plan was compiled from (`planner.auto`); None for graph files.")
 
     @field_validator("version")
     @classmethod
@@ -130,7 +136,8 @@ class Plan(Strict):
     def graph(self) -> Graph:
         """The dataflow graph this plan places."""
         calls = [Call(**{k: getattr(c, k) for k in Call.model_fields}) for c in self.calls]
-        return Graph(name=self.name, models=self.models, inputs=self.inputs, calls=calls, algorithm=self.algorithm)
+        return Graph(name=self.name, models=self.models, inputs=self.inputs, calls=calls, algorithm=self.algorithm,
+                     host_steps=self.host_steps)
 
     def call(self, name: str) -> PlanCall:
         for c in self.calls:

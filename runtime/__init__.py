@@ -13,5 +13,7 @@ Imports `plans/` only (never `planner/`, `cost_models/` or ortools). Read in thi
 - `realloc` (moving a model's parameters between two placements, exactly the transfer plan of
   `plans.sharding`), `dataflow` (call outputs and statistics between ranks, point to point),
   `executor` (walks the plan's calls: parameters from each model's home placement, reallocated
-  copies, data), `__main__` (the command line).
+  copies, data), `__main__` (the command line);
+- `session`: a training loop traced by `planner.auto`, run again with live handles: its calls
+  through the executor in the loop's order, its host steps as written.
 """

@@ -15,6 +15,10 @@ the log-prob of token t+1); ``mask`` marks the response tokens.
 - GRPO (Shao et al. 2024): advantage of a sample = (score - group mean) / (group std + eps)
   over the samples of its prompt; RLOO: score - mean of the other samples; ReMax: score - the
   greedy sample's score. Their KL to the reference is in the loss (`runtime.losses`).
+
+A train call of a traced loop (`planner.auto`) whose first input is a host step's output trains
+on that batch as the loop's own Python computed it (`prepared_batch`): the rows its loss reads
+(`LOSS_ROWS`), the minibatch normalisers counted from its mask as above.
 """
 
 from __future__ import annotations
@@ -44,6 +48,18 @@ class TrainBatch:
     denoms: list[float]
     group: int
     stats: dict[str, float]
+
+
+# The rows each loss reads (`runtime.losses`), besides any others the batch carries.
+LOSS_ROWS: dict[str, tuple[str, ...]] = {
+    "sft": ("tokens", "mask"),
+    "dpo": ("tokens", "mask", "ref_logprobs"),
+    "ppo_policy": ("tokens", "mask", "old_logprobs", "advantages"),
+    "ppo_value": ("tokens", "mask", "old_values", "returns"),
+    "grpo": ("tokens", "mask", "old_logprobs", "advantages", "ref_logprobs"),
+    "rloo": ("tokens", "mask", "old_logprobs", "advantages", "ref_logprobs"),
+    "remax": ("tokens", "mask", "old_logprobs", "advantages", "ref_logprobs"),
+}
 
 
 def aligned(samples: Rows, key: str) -> Tensor:
@@ -107,12 +123,37 @@ def _denoms(counts: Tensor, minibatches: int, group: int) -> list[float]:
     return out
 
 
+def prepared_batch(call: PlanCall, *, batch: object, source: str) -> TrainBatch:
+    """The batch of train call `call` as a host step computed it: a dict of tensors, one row per
+    sequence, with the rows its loss reads; a `PlannerError` naming `source` otherwise."""
+    assert call.loss is not None
+    where = f"train call {call.name!r} (loss {call.loss}) trains on {source}"
+    if not isinstance(batch, dict) or not all(isinstance(v, Tensor) for v in batch.values()):
+        raise PlannerError(f"{where}, which returned a {type(batch).__name__}, not a dict of tensors",
+                           hint=f"return a dict with the rows {', '.join(LOSS_ROWS[call.loss])}")
+    missing = [k for k in LOSS_ROWS[call.loss] if k not in batch]
+    if missing:
+        raise PlannerError(f"{where}, which lacks {', '.join(missing)}",
+                           hint=f"the {call.loss} loss reads {', '.join(LOSS_ROWS[call.loss])}")
+    rows: Rows = dict(batch)  # type: ignore[arg-type]
+    wrong = [f"{k} {tuple(v.shape)}" for k, v in rows.items() if v.dim() == 0 or v.shape[0] != call.seqs]
+    if wrong or tuple(rows["tokens"].shape) != (call.seqs, call.seq_len):
+        raise PlannerError(f"{where}; the call reads {call.seqs} sequences of {call.seq_len} tokens, but the batch "
+                           f"has tokens {tuple(rows['tokens'].shape)}" + (f" and {', '.join(wrong)}" if wrong else ""),
+                           hint="every row of the batch is one sequence (dim 0)")
+    if call.loss == "dpo":
+        pairs = torch.ones(call.seqs // 2)
+        return TrainBatch(rows, _denoms(pairs.repeat_interleave(2) / 2, call.minibatches, 2), 2, {})
+    return TrainBatch(rows, _denoms(rows["mask"].sum(1), call.minibatches, 1), 1, {})
+
+
 class Glue:
     """Builds each train call's batch from the step's data handles."""
 
     def __init__(self, plan: Plan, *, reward_fn: RewardFn | None) -> None:
         self.plan, self.algo, self.reward_fn = plan, plan.algorithm, reward_fn
         self.producer = {h: c for c in plan.calls for h in c.outputs}
+        self.host_producer = {h: s.name for s in plan.host_steps for h in s.outputs}
 
     def _inputs(self, call: PlanCall, store: dict[str, Rows]) -> dict[str, list[Rows]]:
         """The call's inputs by role: samples, logprobs, values, scores, data."""
@@ -139,6 +180,13 @@ class Glue:
     def train_batch(self, call: PlanCall, store: dict[str, Rows]) -> TrainBatch:
         """The rows, minibatch normalisers and statistics of train call `call`."""
         kind, algo = call.loss, self.algo
+        first = call.inputs[0] if call.inputs else None
+        if first in self.host_producer:
+            return prepared_batch(call, batch=store[first], source=f"host step {self.host_producer[first]!r}'s {first!r}")
+        hosted = [h for h in call.inputs if h in self.host_producer]
+        if hosted:  # the glue below would not read it: refuse rather than train on something else
+            raise PlannerError(f"train call {call.name!r} reads host step output {hosted[0]!r} after {first!r}",
+                               hint="a train call trains on the host step output it reads first")
         roles = self._inputs(call, store)
         if kind in ("sft", "dpo"):
             data = roles["data"][0] if roles["data"] else roles["samples"][0]

@@ -22,6 +22,11 @@ it, so calls on disjoint meshes run at the same time:
 ``reference=True`` runs the same calls in one process with no parallelism (every layout replaced
 by dp = tp = pp = 1, every call on the model's one copy): the numbers a parallel run must
 reproduce.
+
+`step` runs the calls in plan order. A driver that runs them in another (dependency-respecting)
+order, the same on every rank, uses the pieces `step` is made of: `begin_step`, `run_call` per
+call, `finish_step` (`runtime.session` runs a traced loop's calls in its program order this way,
+with the loop's host steps between them).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from __future__ import annotations
 import time
 import zlib
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,21 +80,10 @@ class CallPlan:
     source: str
 
 
-def home_calls(plan: Plan) -> dict[str, str]:
-    """Model -> its home call: its last train call, else its first call (dependency order)."""
-    graph = plan.graph()
-    home: dict[str, str] = {}
-    for name in graph.topo_order():
-        c = graph.call(name)
-        if c.kind == "train" or c.model not in home:
-            home[c.model] = name
-    return home
-
-
 def call_plans(plan: Plan) -> dict[str, CallPlan]:
     """How every call gets its parameters; a `PlannerError` when the plan's reallocations do not
     match its placements (a move is missing, or starts elsewhere than the model's home)."""
-    homes = home_calls(plan)
+    homes = plan.graph().home_calls()
     listed = {(r.model, r.to_call): r for r in plan.reallocations}
     for r in plan.reallocations:
         if r.from_call != homes[r.model]:
@@ -131,6 +126,25 @@ def call_seed(seed: int, step: int, call: str) -> int:
     return zlib.crc32(f"{seed}:{step}:{call}".encode())
 
 
+@dataclass
+class StepState:
+    """One step in progress on this rank: the data handles (graph inputs, call outputs, values a
+    driver adds), the messages in flight, and rank 0's own statistics."""
+
+    step: int
+    store: dict[str, Any]  # handle -> Rows, Incoming (receives in flight) or a driver's value
+    mail: Mailbox
+    inbox: StatsInbox
+    reports: list[dict[str, float]] = field(default_factory=list)
+    t0: float = field(default_factory=time.perf_counter)
+
+    def get(self, handle: str) -> Any:
+        """The value of `handle` on this rank, waiting for its receives (None when this rank does
+        not read it)."""
+        value = self.store.get(handle)
+        return value.get() if isinstance(value, Incoming) else value
+
+
 class PlanRunner:
     """Runs a plan on this rank (or, with `reference`, all of it in this one process)."""
 
@@ -148,9 +162,12 @@ class PlanRunner:
         self.distributed = not reference and world_size > 1
         _check_batches(plan, self.calls)
         self.glue = Glue(plan, reward_fn=load_reward_fn(plan.algorithm))
-        # handle -> the ranks that read it: those of the meshes of the calls taking it as input
-        self.readers = {h: tuple(sorted({r for reader in plan.calls if h in reader.inputs
-                                         for r in self.calls[reader.name].where.mesh.ranks}))
+        # handle -> the ranks that read it: those of the meshes of the calls taking it as input,
+        # and every rank for a handle a host step reads (host steps run on every rank)
+        host_read = {h for s in plan.host_steps for h in s.inputs}
+        self.readers = {h: tuple(range(world_size)) if h in host_read else
+                        tuple(sorted({r for reader in plan.calls if h in reader.inputs
+                                      for r in self.calls[reader.name].where.mesh.ranks}))
                         for c in plan.calls for h in c.outputs}
         groups = Groups(distributed=self.distributed)
         self.groups: dict[str, RankGroups | None] = {}
@@ -267,54 +284,74 @@ class PlanRunner:
 
     def step(self, step: int) -> dict[str, float | int]:
         """Run every call of the plan once; the step's metrics (complete on rank 0)."""
+        if self.plan.host_steps:
+            names = ", ".join(s.name for s in self.plan.host_steps)
+            raise PlannerError(f"plan {self.plan.name!r} has host steps ({names}): Python functions of the training "
+                               "loop it was traced from, which the plan names but does not contain",
+                               hint="run the loop itself: call the @planner.auto function, under torchrun "
+                               f"--nproc-per-node {self.plan.cluster.gpus_per_node} for the plan's layouts")
+        state = self.begin_step(step)
+        for call in self.plan.calls:
+            self.run_call(call, state=state)
+        return self.finish_step(state)
+
+    def begin_step(self, step: int, *, inputs: dict[str, Rows] | None = None) -> StepState:
+        """A new step: the graph inputs drawn for it (`runtime.tasks`), except those given in `inputs`."""
         if not self.keep_trace:
             self.recorder.events.clear()
         t0 = time.perf_counter()
-        store: dict[str, Rows | Incoming] = dict(make_inputs(self.plan.algorithm.task, self.plan.inputs,
-                                                            vocab_size=self.vocab, seed=self.seed, step=step))
-        metrics: dict[str, float | int] = {"step": step}
-        mail, inbox = Mailbox(self.rank), StatsInbox()
-        reports: list[dict[str, float]] = []
-        for call in self.plan.calls:
-            cp = self.calls[call.name]
-            runner, realloc_s = self._runner(call, step)
-            stats: dict[str, float] = {}
-            if runner is not None:
-                for handle in call.inputs:  # wait for the inputs outside the call's span
-                    self._get(store, handle)
-            span = nullcontext() if runner is None else \
-                self.recorder.call(call.name, step=step, kind=call.kind, model=call.model)
-            with span:
-                if call.kind == "generate":
-                    local, shapes = self._generate(call, runner, store, step)
-                elif call.kind == "inference":
-                    local, shapes = self._inference(call, runner, store)
-                else:
-                    local, shapes = None, {}
-                    stats = {(k if k in ("reward_mean", "response_len", "kl_mean") else f"{call.name}.{k}"): v
-                             for k, v in self._train(call, runner, store).items()}
-            if runner is not None:
-                stats[f"{call.name}.time_s"] = self._last_span_s()
-            if call.kind != "train":  # a train call's output handle orders calls; it carries no tensors
-                store[call.outputs[0]] = self._share(call, local, shapes, mail)
-            del runner  # a reallocated copy is freed here
-            if call.name in self.moved:
-                stats[f"{call.name}.realloc_time_s"] = realloc_s
-            src = leader(cp.where.mesh, cp.where.layout)
-            if src == self.rank:
-                if self.rank == 0:
-                    reports.append(stats)
-                else:
-                    mail.report(stats, device=self.device)
-            elif self.rank == 0:
-                inbox.expect(src, device=self.device)
-        for value in store.values():  # complete every receive posted, read or not
+        store: dict[str, Any] = dict(make_inputs(self.plan.algorithm.task, self.plan.inputs, vocab_size=self.vocab,
+                                                 seed=self.seed, step=step))
+        store.update(inputs or {})
+        return StepState(step=step, store=store, mail=Mailbox(self.rank), inbox=StatsInbox(), t0=t0)
+
+    def run_call(self, call: PlanCall, *, state: StepState) -> None:
+        """Run one call of the step on this rank (its reallocation first), post its output's
+        sends and receives and its statistics. Every rank runs the same calls in the same order."""
+        cp = self.calls[call.name]
+        runner, realloc_s = self._runner(call, state.step)
+        store = state.store
+        stats: dict[str, float] = {}
+        if runner is not None:
+            for handle in call.inputs:  # wait for the inputs outside the call's span
+                self._get(store, handle)
+        span = nullcontext() if runner is None else \
+            self.recorder.call(call.name, step=state.step, kind=call.kind, model=call.model)
+        with span:
+            if call.kind == "generate":
+                local, shapes = self._generate(call, runner, store, state.step)
+            elif call.kind == "inference":
+                local, shapes = self._inference(call, runner, store)
+            else:
+                local, shapes = None, {}
+                stats = {(k if k in ("reward_mean", "response_len", "kl_mean") else f"{call.name}.{k}"): v
+                         for k, v in self._train(call, runner, store).items()}
+        if runner is not None:
+            stats[f"{call.name}.time_s"] = self._last_span_s()
+        if call.kind != "train":  # a train call's output handle orders calls; it carries no tensors
+            store[call.outputs[0]] = self._share(call, local, shapes, state.mail)
+        del runner  # a reallocated copy is freed here
+        if call.name in self.moved:
+            stats[f"{call.name}.realloc_time_s"] = realloc_s
+        src = leader(cp.where.mesh, cp.where.layout)
+        if src == self.rank:
+            if self.rank == 0:
+                state.reports.append(stats)
+            else:
+                state.mail.report(stats, device=self.device)
+        elif self.rank == 0:
+            state.inbox.expect(src, device=self.device)
+
+    def finish_step(self, state: StepState) -> dict[str, float | int]:
+        """Complete the step's messages; its metrics (complete on rank 0)."""
+        for value in state.store.values():  # complete every receive posted, read or not
             if isinstance(value, Incoming):
                 value.get()
-        mail.flush()
-        for stats in [*reports, *inbox.collect()]:
+        state.mail.flush()
+        metrics: dict[str, float | int] = {"step": state.step}
+        for stats in [*state.reports, *state.inbox.collect()]:
             metrics.update(stats)
-        metrics["time_s"] = time.perf_counter() - t0
+        metrics["time_s"] = time.perf_counter() - state.t0
         return metrics
 
     def _share(self, call: PlanCall, local: Rows | None, shapes: Shapes, mail: Mailbox) -> Rows | Incoming | None:

@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from planner import algorithms
-from planner.candidates import home_calls
 from plans import Estimate, Layout, Mesh, Plan, PlanCall, Reallocation, SearchInfo, parse_cluster
 from plans.errors import PlannerError
 from plans.sharding import transfer_volume
@@ -45,7 +44,7 @@ def place(graph, layouts: dict[str, tuple[Mesh, Layout]], *, reallocations: bool
     calls = [PlanCall(**c.model_dump(), mesh=where[c.name][0], layout=where[c.name][1], est_start_s=0,
                       est_time_s=0, est_peak_mem_bytes=0) for c in graph.calls]
     moves = []
-    homes = home_calls(graph)
+    homes = graph.home_calls()
     for c in graph.calls:
         home = homes[c.model]
         if reallocations and _slices(*where[c.name]) != _slices(*where[home]):

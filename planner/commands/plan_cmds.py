@@ -16,12 +16,16 @@ from plans.errors import PlannerError
 
 COMPILE_HELP = """Compile a graph file or a built-in algorithm into a plan.
 
-TARGET is a Python file that defines `graph` (or `build()`), or one of the algorithms
-sft, dpo, ppo, grpo, remax, rloo, configured by the flags below.
+TARGET is a Python file that defines `graph` (or `build()`) or a training loop decorated with
+@planner.auto (traced; the plan goes to the decorator's plan path and is reused by the loop while
+it is unchanged), or one of the algorithms sft, dpo, ppo, grpo, remax, rloo, configured by the
+flags below.
 
 Examples:
 
   planner compile examples/ppo_llama7b.py
+
+  planner compile examples/train_loop_ppo.py
 
   planner compile ppo --actor llama-2-7b --cluster a100-80gb:2x8 --batch 512 --prompt-len 1024 --gen-len 1024
 
@@ -43,12 +47,15 @@ class Baseline(str, Enum):
 
 def _graph_from_target(target: str, *, actor: str | None, critic: str | None, ref: str | None, reward: str | None,
                        reward_fn: str | None, batch: int | None, prompt_len: int | None, gen_len: int | None,
-                       seq_len: int | None, samples_per_prompt: int | None, ppo_minibatches: int | None):  # noqa: ANN202
+                       seq_len: int | None, samples_per_prompt: int | None, ppo_minibatches: int | None,
+                       function: str | None = None):  # noqa: ANN202
     from planner.algorithms import ALGORITHMS
-    from planner.loader import load_graph_file
+    from planner.loader import LoadedGraph, load_target
 
     if target.endswith(".py") or Path(target).is_file():
-        return load_graph_file(target)
+        return load_target(target, function=function)
+    if function is not None:
+        raise PlannerError(f"--function picks a @planner.auto loop of a graph file; {target!r} is not a file")
     if target not in ALGORITHMS:
         raise PlannerError(f"{target!r} is neither a graph file nor an algorithm",
                            hint=f"algorithms: {', '.join(ALGORITHMS)}; graph files end in .py")
@@ -67,7 +74,7 @@ def _graph_from_target(target: str, *, actor: str | None, critic: str | None, re
             kw["samples_per_prompt"] = samples_per_prompt
         if ppo_minibatches:
             kw["ppo_minibatches"] = ppo_minibatches
-    return ALGORITHMS[target](actor, **kw), None
+    return LoadedGraph(ALGORITHMS[target](actor, **kw), None)
 
 
 def compile_cmd(
@@ -75,7 +82,7 @@ def compile_cmd(
     cluster: Annotated[Optional[str], typer.Option("--cluster", "-c", help="GPU:NODESxPER_NODE or a file (default: the graph file's CLUSTER).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Plan file to write [default: plans/<name>.json].")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON to stdout instead of tables (writes a file only with -o).")] = False,
-    time_limit: Annotated[float, typer.Option("--time-limit", min=0, help="CP-SAT time limit in seconds; 0 keeps the beam-search plan.")] = 10.0,
+    time_limit: Annotated[float, typer.Option("--time-limit", min=0, help="Search budget in seconds: CP-SAT work (deterministic, about wall seconds on an idle machine), so the same inputs give the same plan; 0 keeps the beam-search plan.")] = 10.0,
     baseline: Annotated[Optional[Baseline], typer.Option("--baseline", help="Emit a baseline's best plan instead: colocate, split, heuristic.")] = None,
     calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Cost-model calibration file (from `planner calibrate` or `planner profile`).")] = None,
     actor: Annotated[Optional[str], typer.Option(help="Actor / policy model SPEC (algorithms).")] = None,
@@ -89,20 +96,21 @@ def compile_cmd(
     seq_len: Annotated[Optional[int], typer.Option(min=1, help="sft/dpo: tokens per sequence [default: 2048].")] = None,
     samples_per_prompt: Annotated[Optional[int], typer.Option(min=1, help="grpo/rloo: samples per prompt.")] = None,
     ppo_minibatches: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps per train call.")] = None,
+    function: Annotated[Optional[str], typer.Option("--function", help="The @planner.auto loop to trace, when the file has several.")] = None,
 ) -> None:
-    from plans.cluster import parse_cluster
+    from plans.cluster import parse_cluster, resolve_cluster
     from plans.plan import plan_to_json, save_plan
     from planner.compile import SearchProgress, compile_graph
     from planner.render import print_plan
 
-    graph, default_cluster = _graph_from_target(
+    loaded = _graph_from_target(
         target, actor=actor, critic=critic, ref=ref, reward=reward, reward_fn=reward_fn, batch=batch,
         prompt_len=prompt_len, gen_len=gen_len, seq_len=seq_len, samples_per_prompt=samples_per_prompt,
-        ppo_minibatches=ppo_minibatches)
-    cluster_text = cluster or default_cluster
-    if cluster_text is None:
+        ppo_minibatches=ppo_minibatches, function=function)
+    graph = loaded.graph
+    if cluster is None and loaded.cluster is None:
         raise PlannerError("no cluster given", hint="pass --cluster GPU:NODESxPER_NODE, e.g. --cluster a100-80gb:2x8")
-    cl = parse_cluster(cluster_text)
+    cl = parse_cluster(cluster) if cluster is not None else resolve_cluster(loaded.cluster)
     calib = None
     if calibration is not None:
         from cost_models import load_calibration  # type: ignore[attr-defined]
@@ -117,18 +125,34 @@ def compile_cmd(
 
         plan = compile_graph(graph, cl, time_limit_s=time_limit, baseline=baseline.value if baseline else None,
                              calibration=calib, progress=show)
+    if loaded.auto is not None:  # the loop reuses this plan while it, the cluster and the options are unchanged
+        from planner.auto import file_sha256, plan_hash
+
+        digest = plan_hash(graph, cluster=cl, baseline=baseline.value if baseline else None,
+                           calibration_sha256=file_sha256(calibration))
+        plan = plan.model_copy(update={"source_hash": digest})
     if as_json:
         typer.echo(plan_to_json(plan), nl=False)
         if output is not None:
             save_plan(plan, output)
         return
-    path = output or Path("plans") / f"{plan.name}.json"
+    default = loaded.auto.plan_path if loaded.auto is not None else Path("plans") / f"{plan.name}.json"
+    path = output or default
     save_plan(plan, path)
     from planner.render import make_console
 
     console = make_console()
     print_plan(plan, console)
     console.print(f"wrote {path}", highlight=False)
+    if loaded.auto is not None:
+        loop = f"{loaded.auto.fn.__qualname__}()"
+        if Path(path).resolve() != loaded.auto.plan_path.resolve():
+            note = f"{loop} reads its plan from {loaded.auto.plan_path}, not from this file"
+        elif loaded.auto.source_hash(graph) != plan.source_hash:
+            note = f"{loop} will recompile it: the cluster or options given here differ from the decorator's"
+        else:
+            note = f"{loop} reuses it while the loop, cluster and models are unchanged"
+        console.print(note, highlight=False)
 
 
 def show(plan_file: Annotated[Path, typer.Argument(help="Plan JSON file.")],
