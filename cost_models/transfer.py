@@ -65,6 +65,9 @@ def _boxes(param: Param, spec: ModelSpec, lay: Layout, size: int) -> tuple[np.nd
     return holds, lo, hi
 
 
+PAIR_CHUNK = 1 << 22  # (receiver, cell) pairs evaluated at once: bounds memory on very large meshes
+
+
 def _param_volumes(param: Param, spec: ModelSpec, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout], gpn: int,
                    first: int, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     (smesh, slay), (dmesh, dlay) = src, dst
@@ -81,44 +84,52 @@ def _param_volumes(param: Param, spec: ModelSpec, src: tuple[Mesh, Layout], dst:
     holder_rank = smesh.first + s_idx
     ndim = s_lo.shape[1]
     c_lo, c_hi = cells[:, :ndim], cells[:, ndim:]
-    # Receivers: every destination rank that needs a non-empty box.
-    d_idx = np.flatnonzero(d_needs)
-    recv_rank = dmesh.first + d_idx
-    ov = np.prod(np.clip(np.minimum(d_hi[d_idx, None, :], c_hi[None]) - np.maximum(d_lo[d_idx, None, :], c_lo[None]),
-                         0, None), axis=2)  # [receiver, cell] overlapping elements
-    rj, cj = np.nonzero(ov)
-    vol = ov[rj, cj]
-    r = recv_rank[rj]
-    # Local when the receiver itself holds the cell.
     src_cell = np.full(span, -1)
     src_cell[holder_rank - first] = cell_of
-    is_local = src_cell[r - first] == cj
-    # Sender: a holder of the cell on the receiver's node if any, else any holder; the k-th such
-    # holder with k = receiver's position in the destination mesh mod their count.
+    # Sender tables: holders grouped by (cell, node), and by cell alone.
     node_h = holder_rank // gpn
     order = np.lexsort((holder_rank, node_h, cell_of))  # holders grouped by (cell, node), ascending
-    key_h = cell_of[order] * (span // gpn + 2 + first // gpn) + node_h[order]
+    stride = span // gpn + 2 + first // gpn
+    key_h = cell_of[order] * stride + node_h[order]
     uniq, start_idx, counts = np.unique(key_h, return_index=True, return_counts=True)
     by_cell = np.argsort(cell_of, kind="stable")
     cell_start = np.searchsorted(cell_of[by_cell], np.arange(len(cells)))
     cell_count = np.bincount(cell_of, minlength=len(cells))
-    key_r = cj * (span // gpn + 2 + first // gpn) + r // gpn
-    pos = np.searchsorted(uniq, key_r)
-    pos = np.minimum(pos, len(uniq) - 1)
-    has_near = uniq[pos] == key_r
-    kth = r - dmesh.first
-    near_sender = holder_rank[order][start_idx[pos] + kth % np.where(has_near, counts[pos], 1)]
-    any_sender = holder_rank[by_cell][cell_start[cj] + kth % cell_count[cj]]
-    sender = np.where(has_near, near_sender, any_sender)
-    moved = ~is_local
-    intra = (sender // gpn == r // gpn) & moved
-    inter = moved & ~intra
     send_intra, send_inter, recv_intra, recv_inter = zeros
-    np.add.at(send_intra, sender[intra] - first, vol[intra])
-    np.add.at(send_inter, sender[inter] - first, vol[inter])
-    np.add.at(recv_intra, r[intra] - first, vol[intra])
-    np.add.at(recv_inter, r[inter] - first, vol[inter])
-    return send_intra, send_inter, recv_intra, recv_inter, int(vol[is_local].sum())
+    kept = 0
+    # Receivers: every destination rank that needs a non-empty box, a chunk at a time (the
+    # receiver x cell overlap table of a large mesh would not fit in memory at once).
+    d_all = np.flatnonzero(d_needs)
+    rows = max(1, PAIR_CHUNK // len(cells))
+    for at in range(0, len(d_all), rows):
+        d_idx = d_all[at:at + rows]
+        recv_rank = dmesh.first + d_idx
+        ov = np.prod(np.clip(np.minimum(d_hi[d_idx, None, :], c_hi[None]) - np.maximum(d_lo[d_idx, None, :], c_lo[None]),
+                             0, None), axis=2)  # [receiver, cell] overlapping elements
+        rj, cj = np.nonzero(ov)
+        vol = ov[rj, cj]
+        r = recv_rank[rj]
+        # Local when the receiver itself holds the cell.
+        is_local = src_cell[r - first] == cj
+        # Sender: a holder of the cell on the receiver's node if any, else any holder; the k-th
+        # such holder with k = receiver's position in the destination mesh mod their count.
+        key_r = cj * stride + r // gpn
+        pos = np.searchsorted(uniq, key_r)
+        pos = np.minimum(pos, len(uniq) - 1)
+        has_near = uniq[pos] == key_r
+        kth = r - dmesh.first
+        near_sender = holder_rank[order][start_idx[pos] + kth % np.where(has_near, counts[pos], 1)]
+        any_sender = holder_rank[by_cell][cell_start[cj] + kth % cell_count[cj]]
+        sender = np.where(has_near, near_sender, any_sender)
+        moved = ~is_local
+        intra = (sender // gpn == r // gpn) & moved
+        inter = moved & ~intra
+        np.add.at(send_intra, sender[intra] - first, vol[intra])
+        np.add.at(send_inter, sender[inter] - first, vol[inter])
+        np.add.at(recv_intra, r[intra] - first, vol[intra])
+        np.add.at(recv_inter, r[inter] - first, vol[inter])
+        kept += int(vol[is_local].sum())
+    return send_intra, send_inter, recv_intra, recv_inter, kept
 
 
 def rank_volumes(spec: ModelSpec, *, head: Head, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout],
