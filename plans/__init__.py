@@ -17,6 +17,7 @@ from plans.plan import (
     PlanCall,
     Reallocation,
     SearchInfo,
+    check_writable,
     load_plan,
     parse_plan,
     plan_to_json,
@@ -27,6 +28,6 @@ from plans.plan import (
 __all__ = [
     "PLAN_VERSION", "PRESETS", "AlgorithmConfig", "Call", "ClusterSpec", "Coord", "DataInput", "DataTransfer",
     "Estimate", "GpuSpec", "Graph", "Layout", "Mesh", "ModelDecl", "ModelSpec", "Plan", "PlanCall", "PlannerError",
-    "Reallocation", "SearchInfo", "gpu_catalog", "gpu_spec", "load_plan", "parse_cluster", "parse_plan",
+    "Reallocation", "SearchInfo", "check_writable", "gpu_catalog", "gpu_spec", "load_plan", "parse_cluster", "parse_plan",
     "plan_to_json", "resolve_cluster", "resolve_model", "save_plan", "write_text_atomic",
 ]

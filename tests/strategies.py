@@ -300,3 +300,31 @@ def mutated(draw: st.DrawFn, base: Any, *, max_edits: int = 3) -> Any:
             i, j = draw(st.integers(0, len(node) - 1)), draw(st.integers(0, len(node) - 1))
             node[i], node[j] = node[j], node[i]
     return obj
+
+
+@st.composite
+def replaced_placements(draw: st.DrawFn, base: dict[str, Any]) -> dict[str, Any]:
+    """A plan dict with one call moved to another mesh and layout whose degrees fill it (so the
+    schema's simple checks pass and the deeper ones are exercised), or a decode layout added."""
+    import copy
+
+    plan = copy.deepcopy(base)
+    call = plan["calls"][draw(st.integers(0, len(plan["calls"]) - 1))]
+    world = plan["cluster"]["nodes"] * plan["cluster"]["gpus_per_node"]
+    size = draw(st.sampled_from([d for d in range(1, world + 1) if world % d == 0]))
+    first = draw(st.integers(0, world // size - 1)) * size
+    call["mesh"] = {"ranks": list(range(first, first + size))}
+    degrees = [d for d in range(1, size + 1) if size % d == 0]
+    tp = draw(st.sampled_from(degrees))
+    pp = draw(st.sampled_from([d for d in degrees if (size // tp) % d == 0]))
+    cp = draw(st.sampled_from([d for d in degrees if (size // (tp * pp)) % d == 0]))
+    dp = size // (tp * pp * cp)
+    layout = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": draw(st.integers(0, 3)) if dp > 1 else 0,
+              "micro_batches": draw(st.sampled_from([1, 2, 3, 4, 8, 64, 1024])),
+              "recompute": draw(st.sampled_from(["none", "selective", "full"])),
+              "sequence_parallel": tp > 1 and draw(st.booleans()),
+              "interleave": draw(st.sampled_from([1, 2, 3])) if pp > 1 else 1}
+    call["layout"] = layout
+    if draw(st.booleans()):
+        call["decode_layout"] = {**layout, "zero": 0, "micro_batches": draw(st.sampled_from([1, 2, 4]))}
+    return plan
