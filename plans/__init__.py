@@ -5,7 +5,7 @@ Pydantic only: no torch, no solver. Everything that crosses a layer boundary is 
 
 from plans.cluster import ClusterSpec, parse_cluster, resolve_cluster
 from plans.errors import PlannerError
-from plans.graph import AlgorithmConfig, Call, DataInput, Graph, ModelDecl
+from plans.graph import AlgorithmConfig, Call, DataInput, Graph, ModelDecl, parse_graph
 from plans.hardware import GpuSpec, gpu_catalog, gpu_spec
 from plans.layout import Coord, Layout, Mesh
 from plans.model import PRESETS, ModelSpec, resolve_model
@@ -28,6 +28,6 @@ from plans.plan import (
 __all__ = [
     "PLAN_VERSION", "PRESETS", "AlgorithmConfig", "Call", "ClusterSpec", "Coord", "DataInput", "DataTransfer",
     "Estimate", "GpuSpec", "Graph", "Layout", "Mesh", "ModelDecl", "ModelSpec", "Plan", "PlanCall", "PlannerError",
-    "Reallocation", "SearchInfo", "check_writable", "gpu_catalog", "gpu_spec", "load_plan", "parse_cluster", "parse_plan",
+    "Reallocation", "SearchInfo", "check_writable", "gpu_catalog", "gpu_spec", "load_plan", "parse_cluster", "parse_graph", "parse_plan",
     "plan_to_json", "resolve_cluster", "resolve_model", "save_plan", "write_text_atomic",
 ]

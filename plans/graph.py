@@ -9,11 +9,12 @@ loader provides, e.g. ``prompts``). The graph is built with `planner.Graph` or a
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from plans.base import Strict
+from plans.errors import PlannerError, format_validation_error
 from plans.model import MAX_POSITIONS, Head, ModelSpec
 
 CallKind = Literal["generate", "inference", "train"]
@@ -162,6 +163,15 @@ class Graph(Strict):
     def topo_order(self) -> list[str]:
         """Call names in a dependency order; ties keep the declared order."""
         return _topo_order(self) or []
+
+
+def parse_graph(data: Any, *, source: str = "graph") -> Graph:
+    """Validate a graph given as plain data (a dict, e.g. loaded from JSON), turning any problem
+    into a `PlannerError` naming `source`."""
+    try:
+        return Graph.model_validate(data)
+    except ValidationError as e:
+        raise PlannerError(format_validation_error(e, source=source)) from None
 
 
 def _topo_order(g: Graph) -> list[str] | None:

@@ -175,12 +175,13 @@ BREAKABLE = ["batch", "prompt_len", "gen_len", "seq_len", "algorithm", "model_na
 
 
 @st.composite
-def graph_recipes(draw: st.DrawFn) -> dict[str, Any]:
+def graph_recipes(draw: st.DrawFn, *, broken_share: float = 1 / 3) -> dict[str, Any]:
     """The steps of a `planner.Graph` program: graph sizes, model declarations and calls.
 
-    Two recipes in three follow every rule (generate on LM models, train on trainable ones,
-    inputs that exist); the others break one rule, named by the recipe's "broken" entry."""
-    broken = draw(st.sampled_from(["nothing"] * 2 * len(BREAKABLE) + BREAKABLE))
+    Most recipes follow every rule (generate on LM models, train on trainable ones, inputs that
+    exist); about `broken_share` of them break one rule, named by the recipe's "broken" entry."""
+    intact = round(len(BREAKABLE) * (1 - broken_share) / broken_share)
+    broken = draw(st.sampled_from(["nothing"] * intact + BREAKABLE))
 
     def size(what: str) -> Any:
         return draw(counts() if broken == what else counts(bad=False))
