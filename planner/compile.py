@@ -191,8 +191,8 @@ def search(problem: Problem, *, rule: Restriction | None = None, time_limit_s: f
     sched = simulate(problem, choice) if choice is not None else None
     bound, status, rounds = trivial_lower_bound(problem), None, 0
     if time_limit_s > 0 and not use_cpsat:
-        status = f"CP-SAT not run: {tables:,} pairwise costs exceed {CPSAT_TABLE_LIMIT:,}"
-        say(status)
+        status = f"NOT_RUN: {tables:,} pairwise costs exceed the {CPSAT_TABLE_LIMIT:,} it builds"
+        say(f"CP-SAT not run: {tables:,} pairwise costs exceed the {CPSAT_TABLE_LIMIT:,} it builds")
     while use_cpsat and rounds < MAX_CPSAT_ROUNDS:
         left = deadline - time.perf_counter()
         rounds += 1
