@@ -286,6 +286,6 @@ def resume_problems(manifest: CheckpointManifest, plan: Any) -> list[str]:
         saved = manifest.models.get(name)
         if saved is None:
             problems.append(f"model {name!r} is not in the checkpoint")
-        elif saved.spec.model_dump(exclude={"name"}) != decl.spec.model_dump(exclude={"name"}) or saved.head != decl.head:
+        elif (saved.spec.model_dump(exclude={"name"}), saved.head) != (decl.spec.model_dump(exclude={"name"}), decl.head):
             problems.append(f"model {name!r} has another architecture or head in the checkpoint")
     return problems

@@ -19,7 +19,8 @@ OK_GRAPH = """from planner.algorithms import sft
 CLUSTER = "cpu:1x2"
 graph = sft("tiny-llama", batch=4, seq_len=8)
 """
-MEASURED_HEADER = "hidden_size,num_attention_heads,num_hidden_layers,seq_len,global_batch,micro_batch,tp,dp,pp,iteration_ms\n"
+MEASURED_HEADER = ("hidden_size,num_attention_heads,num_hidden_layers,seq_len,global_batch,micro_batch,tp,dp,pp,"
+                   "iteration_ms\n")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def files(tmp_path_factory):
     (tmp_path / "build_args.py").write_text("def build(x):\n    return x\n")
     (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
     (tmp_path / "cluster_int.py").write_text(OK_GRAPH.replace('"cpu:1x2"', "5"))
-    (tmp_path / "cluster_dict.py").write_text(OK_GRAPH.replace('"cpu:1x2"', '{"gpu": "cpu", "nodes": 1, "gpus_per_node": 2}'))
+    cluster_dict = '{"gpu": "cpu", "nodes": 1, "gpus_per_node": 2}'
+    (tmp_path / "cluster_dict.py").write_text(OK_GRAPH.replace('"cpu:1x2"', cluster_dict))
     (tmp_path / "graph_dict.py").write_text('graph = {"name": "x"}\n')
     (tmp_path / "cluster_types.yaml").write_text('gpu: cpu\nnodes: "two"\ngpus_per_node: 2\n')
     (tmp_path / "cluster_inf.yaml").write_text("gpu: cpu\nnodes: 1\ngpus_per_node: 2\nmem_gib: .inf\n")
@@ -80,7 +82,8 @@ CASES = [
     (["compile", "ok.py", "--cluster", "cpu:1x2,inter_node_gbps=1e-320"], "greater than or equal to 0.001"),
     # compile: algorithm flags
     (["compile", "sft", "--actor", "tiny-llama", "-c", "cpu:1x2", "--batch", "0"], "Invalid value for '--batch'"),
-    (["compile", "sft", "--actor", "tiny-llama", "-c", "cpu:1x2", "--batch", "99999999999"], "less than or equal to 16777216"),
+    (["compile", "sft", "--actor", "tiny-llama", "-c", "cpu:1x2", "--batch", "99999999999"],
+     "less than or equal to 16777216"),
     (["compile", "sft", "--actor", "dir.json", "-c", "cpu:1x2"], "has no config.json"),
     (["compile", "sft", "--actor", "nonutf8.json", "-c", "cpu:1x2"], "not readable JSON"),
     (["compile", "ppo", "--actor", "tiny-llama", "-c", "cpu:1x2", "--reward-fn", "m:f", "--gen-len", "99999999"],
