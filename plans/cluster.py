@@ -83,7 +83,9 @@ class ClusterSpec(Strict):
         ):
             value = getattr(self, key)
             if value != default:
-                text += f",{key}={value:g}"
+                short = f"{value:g}"
+                # Exact, so the shorthand rebuilds this very cluster (":g" keeps 6 digits only).
+                text += f",{key}={short if float(short) == value else repr(value)}"
         return text
 
 
