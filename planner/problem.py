@@ -32,6 +32,9 @@ FLOAT_BYTES = 4  # fp32 per-token values, log-probs, scores
 # source is ZeRO-3. This bounds the sum over one search at a few minutes on one core (a PPO
 # search on 512 GPUs spends 4% of it, on 2048 GPUs 70%); past it the request is refused.
 REALLOC_WORK_LIMIT = 300_000_000
+# One costing past this size takes minutes by itself (the arrays no longer fit in cache); a search
+# that needs one is refused at once rather than after it.
+REALLOC_ONE_LIMIT = 100_000_000
 
 
 def _source_shards(layout: Layout) -> int:
@@ -120,7 +123,7 @@ class Problem:
 
     def _charge_realloc(self, work: int) -> None:
         self.realloc_work += work
-        if self.realloc_work > REALLOC_WORK_LIMIT:
+        if work > REALLOC_ONE_LIMIT or self.realloc_work > REALLOC_WORK_LIMIT:
             cl = self.cluster
             raise PlannerError(
                 f"the search for graph {self.graph.name!r} on {cl.short()} ({cl.world_size} GPUs) ran out of its work "

@@ -3,6 +3,7 @@
 Pydantic only: no torch, no solver. Everything that crosses a layer boundary is defined here once.
 """
 
+from plans.checkpoint import CheckpointManifest, graph_fingerprint, latest_complete, load_manifest
 from plans.cluster import ClusterSpec, parse_cluster, resolve_cluster
 from plans.errors import PlannerError
 from plans.graph import AlgorithmConfig, Call, DataInput, Graph, ModelDecl, parse_graph
@@ -26,8 +27,9 @@ from plans.plan import (
 )
 
 __all__ = [
-    "PLAN_VERSION", "PRESETS", "AlgorithmConfig", "Call", "ClusterSpec", "Coord", "DataInput", "DataTransfer",
-    "Estimate", "GpuSpec", "Graph", "Layout", "Mesh", "ModelDecl", "ModelSpec", "Plan", "PlanCall", "PlannerError",
-    "Reallocation", "SearchInfo", "check_writable", "gpu_catalog", "gpu_spec", "load_plan", "parse_cluster", "parse_graph", "parse_plan",
-    "plan_to_json", "resolve_cluster", "resolve_model", "save_plan", "write_text_atomic",
+    "PLAN_VERSION", "PRESETS", "AlgorithmConfig", "Call", "CheckpointManifest", "ClusterSpec", "Coord", "DataInput",
+    "DataTransfer", "Estimate", "GpuSpec", "Graph", "Layout", "Mesh", "ModelDecl", "ModelSpec", "Plan", "PlanCall",
+    "PlannerError", "Reallocation", "SearchInfo", "check_writable", "gpu_catalog", "gpu_spec", "graph_fingerprint",
+    "latest_complete", "load_manifest", "load_plan", "parse_cluster", "parse_graph", "parse_plan", "plan_to_json",
+    "resolve_cluster", "resolve_model", "save_plan", "write_text_atomic",
 ]
