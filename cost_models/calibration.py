@@ -80,6 +80,8 @@ def parse_calibration(text: str, *, source: str) -> Calibration:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise PlannerError(f"calibration {source} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise PlannerError(f"calibration {source} is not a calibration: its JSON nests too deeply") from None
     if not isinstance(data, dict):
         raise PlannerError(f"calibration {source} must hold a JSON object")
     if data.get("format") != CALIBRATION_FORMAT:
@@ -96,9 +98,17 @@ def parse_calibration(text: str, *, source: str) -> Calibration:
 def load_calibration(path: str | Path) -> Calibration:
     """Read a calibration file (what `--calibration FILE` takes)."""
     p = Path(path)
+    if p.is_dir():
+        raise PlannerError(f"calibration file {str(p)!r} is a directory", hint="give the calibration .json file itself")
     if not p.is_file():
         raise PlannerError(f"calibration file {str(p)!r} does not exist", hint="write one with `planner calibrate` or `planner profile`")
-    return parse_calibration(p.read_text(), source=repr(str(p)))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PlannerError(f"calibration file {str(p)!r} is not a UTF-8 text (JSON) file: {e.reason} at byte {e.start}") from None
+    except OSError as e:
+        raise PlannerError(f"cannot read calibration file {str(p)!r}: {e.strerror or e}") from None
+    return parse_calibration(text, source=repr(str(p)))
 
 
 def save_calibration(cal: Calibration, path: str | Path) -> None:

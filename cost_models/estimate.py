@@ -18,9 +18,9 @@ from cost_models.calibration import Calibration
 from cost_models.framework import Framework
 from plans.cluster import ClusterSpec
 from plans.errors import PlannerError
-from plans.graph import Call, ModelDecl
+from plans.graph import MAX_SEQS, Call, ModelDecl
 from plans.layout import Layout, Mesh
-from plans.model import ModelSpec
+from plans.model import MAX_POSITIONS, ModelSpec
 from plans.sharding import layout_problems
 
 
@@ -32,6 +32,9 @@ def training_layout(spec: ModelSpec, cluster: ClusterSpec, *, tp: int, pp: int, 
                         ("global batch", global_batch), ("sequence length", seq_len), ("interleave", interleave)):
         if value < 1:
             raise PlannerError(f"{name} must be at least 1, got {value}")
+    if global_batch > MAX_SEQS or seq_len > MAX_POSITIONS:
+        raise PlannerError(f"global batch {global_batch} x sequence length {seq_len} is beyond what the cost model "
+                           f"handles (at most {MAX_SEQS:,} sequences of {MAX_POSITIONS:,} tokens)")
     world = tp * pp * dp * cp
     if world != cluster.world_size:
         raise PlannerError(

@@ -68,16 +68,40 @@ def _int(row: dict[str, str], key: str, where: str, default: int | None = None) 
         return default
     try:
         return int(float(raw))
+    except (ValueError, OverflowError):  # not a number, NaN, or infinite
+        raise PlannerError(f"{where}: column {key!r} must be a number, got {raw!r}") from None
+
+
+def _positive(row: dict[str, str], key: str, where: str) -> float:
+    raw = row.get(key, "")
+    try:
+        value = float(raw)
     except ValueError:
         raise PlannerError(f"{where}: column {key!r} must be a number, got {raw!r}") from None
+    if not 0 < value < float("inf"):
+        raise PlannerError(f"{where}: column {key!r} must be a positive, finite number, got {raw!r}")
+    return value
 
 
 def read_measured(path: str | Path, *, model_type: str = "gpt", vocab_size: int = 51200,
                   recompute: str = "full") -> list[MeasuredRun]:
     """Read a measured-runs CSV, or raise a `PlannerError` naming the file, line and column."""
     p = Path(path)
+    if p.is_dir():
+        raise PlannerError(f"measured-runs file {str(p)!r} is a directory", hint="give the CSV file itself")
     if not p.is_file():
         raise PlannerError(f"measured-runs file {str(p)!r} does not exist")
+    try:
+        return _read_rows(p, model_type=model_type, vocab_size=vocab_size, recompute=recompute)
+    except UnicodeDecodeError as e:
+        raise PlannerError(f"measured-runs file {str(p)!r} is not a UTF-8 text (CSV) file: {e.reason} at byte {e.start}") from None
+    except csv.Error as e:
+        raise PlannerError(f"measured-runs file {str(p)!r} is not a readable CSV file: {e}") from None
+    except OSError as e:
+        raise PlannerError(f"cannot read measured-runs file {str(p)!r}: {e.strerror or e}") from None
+
+
+def _read_rows(p: Path, *, model_type: str, vocab_size: int, recompute: str) -> list[MeasuredRun]:
     with p.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         header = [ALIASES.get(h.strip().lower(), h.strip().lower()) for h in (reader.fieldnames or [])]
@@ -92,6 +116,9 @@ def read_measured(path: str | Path, *, model_type: str = "gpt", vocab_size: int 
             tp, dp, pp = _int(row, "tp", where), _int(row, "dp", where), _int(row, "pp", where)
             cp = _int(row, "cp", where, 1)
             gb, mb = _int(row, "global_batch", where), _int(row, "micro_batch", where)
+            for key, value in (("tp", tp), ("dp", dp), ("pp", pp), ("cp", cp), ("global_batch", gb), ("micro_batch", mb)):
+                if value < 1:
+                    raise PlannerError(f"{where}: column {key!r} must be at least 1, got {value}")
             if gb % (dp * mb):
                 raise PlannerError(f"{where}: global batch {gb} does not split into dp {dp} x micro batch {mb}")
             fields = {"model_type": row.get("model_type") or model_type, "hidden_size": _int(row, "hidden_size", where),
@@ -110,8 +137,9 @@ def read_measured(path: str | Path, *, model_type: str = "gpt", vocab_size: int 
                                 interleave=_int(row, "interleave", where, 1))
             except ValueError as e:
                 raise PlannerError(f"{where}: {e}") from None
-            ms = float(row["iteration_ms"])
-            label = f"{float(row['params_b']):g}B" if row.get("params_b") else f"h{spec.hidden_size}-l{spec.num_hidden_layers}"
+            ms = _positive(row, "iteration_ms", where)
+            label = f"{_positive(row, 'params_b', where):g}B" if row.get("params_b") else \
+                f"h{spec.hidden_size}-l{spec.num_hidden_layers}"
             runs.append(MeasuredRun(where, spec, layout, gb, _int(row, "seq_len", where),
                                     _int(row, "gpus", where, tp * dp * pp * cp), ms / 1e3, label))
     if not runs:

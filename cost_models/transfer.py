@@ -43,6 +43,7 @@ def _splits(n: int, parts: int) -> np.ndarray:
 
 
 NODE_KEY = 1 << 24  # cell * NODE_KEY + node: a sort key of holders by (cell, node)
+PAIR_CHUNK = 1 << 22  # (receiver, cell) pairs evaluated at once: bounds memory on very large meshes
 
 
 @lru_cache(maxsize=65536)
@@ -129,33 +130,40 @@ def _param_volumes(param: Param, spec: ModelSpec, src: tuple[Mesh, Layout], dst:
     needs = _needs(param.shape, param.tp_dim, param_stages(param, spec, dlay), dlay, dmesh)
     if source is None or needs is None:
         return (*zeros, 0)
-    recv_rank, d_lo, d_hi = needs
-    ov = np.prod(np.clip(np.minimum(d_hi[:, None, :], source.c_hi[None]) - np.maximum(d_lo[:, None, :], source.c_lo[None]),
-                         0, None), axis=2)  # [receiver, cell] overlapping elements
-    rj, cj = np.nonzero(ov)
-    vol = ov[rj, cj]
-    r = recv_rank[rj]
-    # Local when the receiver itself holds the cell.
-    inside = (r >= smesh.first) & (r < smesh.first + smesh.size)
-    is_local = inside & (source.cell_at[np.where(inside, r - smesh.first, 0)] == cj)
-    # Sender: a holder of the cell on the receiver's node if any, else any holder; the k-th such
-    # holder with k = receiver's position in the destination mesh mod their count.
-    key = cj * NODE_KEY + r // gpn
-    pos = np.minimum(np.searchsorted(source.near_keys, key), len(source.near_keys) - 1)
-    has_near = source.near_keys[pos] == key
-    kth = r - dmesh.first
-    near = source.by_near[source.near_start[pos] + kth % np.where(has_near, source.near_count[pos], 1)]
-    anywhere = source.by_cell[source.cell_start[cj] + kth % source.cell_count[cj]]
-    sender = np.where(has_near, near, anywhere)
-    moved = ~is_local
-    intra = (sender // gpn == r // gpn) & moved
-    inter = moved & ~intra
+    recv_all, lo_all, hi_all = needs
     send_intra, send_inter, recv_intra, recv_inter = zeros
-    np.add.at(send_intra, sender[intra] - first, vol[intra])
-    np.add.at(send_inter, sender[inter] - first, vol[inter])
-    np.add.at(recv_intra, r[intra] - first, vol[intra])
-    np.add.at(recv_inter, r[inter] - first, vol[inter])
-    return send_intra, send_inter, recv_intra, recv_inter, int(vol[is_local].sum())
+    kept = 0
+    # Receivers a chunk at a time: the receiver x cell overlap table of a large mesh would not fit
+    # in memory at once.
+    rows = max(1, PAIR_CHUNK // len(source.c_lo))
+    for at in range(0, len(recv_all), rows):
+        recv_rank, d_lo, d_hi = recv_all[at:at + rows], lo_all[at:at + rows], hi_all[at:at + rows]
+        ov = np.prod(np.clip(np.minimum(d_hi[:, None, :], source.c_hi[None])
+                             - np.maximum(d_lo[:, None, :], source.c_lo[None]), 0, None), axis=2)  # [receiver, cell]
+        rj, cj = np.nonzero(ov)
+        vol = ov[rj, cj]
+        r = recv_rank[rj]
+        # Local when the receiver itself holds the cell.
+        inside = (r >= smesh.first) & (r < smesh.first + smesh.size)
+        is_local = inside & (source.cell_at[np.where(inside, r - smesh.first, 0)] == cj)
+        # Sender: a holder of the cell on the receiver's node if any, else any holder; the k-th
+        # such holder with k = receiver's position in the destination mesh mod their count.
+        key = cj * NODE_KEY + r // gpn
+        pos = np.minimum(np.searchsorted(source.near_keys, key), len(source.near_keys) - 1)
+        has_near = source.near_keys[pos] == key
+        kth = r - dmesh.first
+        near = source.by_near[source.near_start[pos] + kth % np.where(has_near, source.near_count[pos], 1)]
+        anywhere = source.by_cell[source.cell_start[cj] + kth % source.cell_count[cj]]
+        sender = np.where(has_near, near, anywhere)
+        moved = ~is_local
+        intra = (sender // gpn == r // gpn) & moved
+        inter = moved & ~intra
+        np.add.at(send_intra, sender[intra] - first, vol[intra])
+        np.add.at(send_inter, sender[inter] - first, vol[inter])
+        np.add.at(recv_intra, r[intra] - first, vol[intra])
+        np.add.at(recv_inter, r[inter] - first, vol[inter])
+        kept += int(vol[is_local].sum())
+    return send_intra, send_inter, recv_intra, recv_inter, kept
 
 
 def rank_volumes(spec: ModelSpec, *, head: Head, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout],

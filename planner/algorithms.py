@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from plans.errors import PlannerError
+from pydantic import ValidationError
+
+from plans.errors import PlannerError, format_validation_error
 from plans.graph import AlgorithmConfig, Loss
 from plans.graph import Graph as GraphSpec
 from plans.model import ModelSpec
@@ -29,7 +31,10 @@ Spec = str | ModelSpec
 
 
 def _algo(name: str, reward_fn: str | None, overrides: dict[str, Any]) -> AlgorithmConfig:
-    return AlgorithmConfig(name=name, reward_fn=reward_fn, **overrides)  # type: ignore[arg-type]
+    try:
+        return AlgorithmConfig.model_validate({**overrides, "name": name, "reward_fn": reward_fn})
+    except ValidationError as e:
+        raise PlannerError(format_validation_error(e, source=f"{name} hyperparameters")) from None
 
 
 def sft(model: Spec, *, batch: int, seq_len: int, minibatches: int = 1, name: str = "sft",

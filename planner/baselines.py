@@ -141,5 +141,8 @@ def restriction(name: str, graph: Graph, cm: CostModel) -> Restriction:
             )
         half = cm.cluster.world_size // 2
         sizes = tuple(s for s in range(1, half + 1) if half % s == 0)
-        return Restriction(name, SearchSpace(mesh_sizes=sizes, max_blocks=cm.cluster.world_size), half_of=half_of)
+        # Meshes down to 1/8 of a half, as the main search goes down to 1/8 of the cluster: smaller
+        # ones multiply the aligned positions (one per GPU at size 1) without better plans.
+        blocks = 2 * SearchSpace().max_blocks
+        return Restriction(name, SearchSpace(mesh_sizes=sizes, max_blocks=blocks), half_of=half_of)
     raise PlannerError(f"unknown baseline {name!r}", hint=f"baselines: {', '.join(BASELINES)}")

@@ -30,6 +30,21 @@ def symmetric_cluster(problem: Problem) -> bool:
     return problem.symmetric and pow2(cl.gpus_per_node) and pow2(cl.nodes)
 
 
+# Op placements simulated over a whole beam search (each candidate of each step simulates the
+# unrolled ops); about half a minute on one core. Wider beams than this allows are narrowed.
+BEAM_WORK_LIMIT = 4_000_000
+
+
+def beam_width_for(problem: Problem, width: int) -> int:
+    """The widest beam, at most `width`, whose search stays within `BEAM_WORK_LIMIT` (a
+    deterministic work bound: it depends on the problem's size only, never on the clock)."""
+    ops = len(problem.slots) * problem.unroll
+    cands = sum(len(s.cands) for s in problem.slots)
+    while width > 1 and width * cands * ops > BEAM_WORK_LIMIT:
+        width //= 2
+    return width
+
+
 def beam_search(problem: Problem, *, width: int = 16, allowed: Allowed | None = None, exact: bool = True
                 ) -> list[int] | None:
     """The best complete assignment the beam finds, or None if nothing fits in memory.

@@ -75,10 +75,23 @@ class SearchSpace:
     mesh_sizes: tuple[int, ...] | None = None  # only these mesh sizes
     layout_ok: LayoutFilter | None = None  # applied before pruning
     split_decode: bool = False  # generation may decode with a different layout than it prefills with (opt-in)
+    # Costing one layout takes about a millisecond; past this many (distinct calls x mesh sizes x
+    # layouts) a request is refused with an error rather than left to run for many minutes.
+    max_layout_evals: int = 200_000
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors of n, ascending (O(sqrt n))."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+MICRO_BATCH_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # powers of two up to 64
+
+
+def _micro_batch_counts(per_dp: int) -> list[int]:
+    # Never enumerate the divisors of the batch itself: it may be millions of sequences.
+    return [m for m in MICRO_BATCH_COUNTS if per_dp % m == 0]
 
 
 def mesh_sizes(cluster: ClusterSpec, space: SearchSpace) -> list[int]:
@@ -129,7 +142,7 @@ def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) ->
         if layout_problems(spec, Layout(tp=tp, pp=pp)):
             continue
         if train:
-            mbs = [m for m in _divisors(per_dp) if m & (m - 1) == 0 and m <= 64]
+            mbs = _micro_batch_counts(per_dp)
             zeros = [0, 1, 2, 3] if dp > 1 else [0]
             for mb, zero, rc in product(mbs, zeros, RECOMPUTE_MODES):
                 out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batches=mb, recompute=rc,
@@ -138,7 +151,7 @@ def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) ->
             # Inference and generation split each replica's batch into micro-batches: pipelined
             # through the stages when pp > 1, run as waves (each with its own activations or KV
             # cache) when pp = 1, which is how a large batch fits at all.
-            mbs = [m for m in _divisors(per_dp) if m & (m - 1) == 0 and m <= 64]
+            mbs = _micro_batch_counts(per_dp)
             out += [Layout(dp=dp, tp=tp, pp=pp, micro_batches=mb) for mb in mbs]
     return out
 
@@ -242,10 +255,30 @@ def min_memory_needed(call: Call, decl: ModelDecl, cm: CostModel, space: SearchS
     return (best if best is not None else -1), size
 
 
-def graph_candidates(graph: Graph, cm: CostModel, space: SearchSpace) -> dict[str, dict[int, list[Candidate]]]:
+def layout_evaluations(graph: Graph, cm: CostModel, space: SearchSpace) -> dict[str, int]:
+    """Layouts the candidate costing of each call evaluates: a call that repeats an earlier one
+    (same kind, sizes and model) counts 0, the cost model's cache answers it."""
+    seen: set[tuple] = set()
+    out: dict[str, int] = {}
+    for c in graph.calls:
+        decl = graph.models[c.model]
+        key = (c.kind, c.seqs, c.seq_len, c.gen_len, c.minibatches, c.returns, decl.spec, decl.head,
+               decl.trainable and c.kind == "train")
+        out[c.name] = 0 if key in seen else sum(len(layouts_for(c, decl, size, cm.cluster))
+                                                 for size in mesh_sizes(cm.cluster, space))
+        seen.add(key)
+    return out
+
+
+def graph_candidates(graph: Graph, cm: CostModel, space: SearchSpace,
+                     progress: Callable[[int, str], None] | None = None) -> dict[str, dict[int, list[Candidate]]]:
     """Candidates of every call. Each non-home call of a model also gets the twins of its home
     call's layouts, so sharing one placement (no reallocation) is always an option."""
-    out = {c.name: call_candidates(c, graph.models[c.model], cm, space) for c in graph.calls}
+    out = {}
+    for n, c in enumerate(graph.calls):
+        if progress is not None:
+            progress(n + 1, c.name)
+        out[c.name] = call_candidates(c, graph.models[c.model], cm, space)
     homes = graph.home_calls()
     cap = cm.cluster.mem_bytes
     for c in graph.calls:

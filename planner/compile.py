@@ -28,8 +28,8 @@ from plans.plan import (
     SearchInfo,
 )
 from planner.baselines import Restriction, restriction
-from planner.beam import beam_search
-from planner.candidates import SearchSpace, graph_candidates, min_memory_needed
+from planner.beam import beam_search, beam_width_for
+from planner.candidates import SearchSpace, graph_candidates, layout_evaluations, mesh_sizes, min_memory_needed
 from planner.cpsat import solve_cpsat
 from planner.exhaustive import topological_orders
 from planner.problem import Problem, build_problem
@@ -78,6 +78,12 @@ MAX_ORDERS_TRIED = 5000  # list-scheduling orders tried for the final assignment
 # search that runs far past its budget, on a machine much slower or busier than expected.
 WALL_SAFETY_FACTOR = 3.0
 WALL_SAFETY_S = 5.0
+MAX_CALLS = 64  # calls per graph; real iterations make fewer than a dozen, and search work grows with the square
+MAX_TIME_LIMIT_S = 86_400.0
+# Pairwise cost tables CP-SAT builds (reallocation: home x call candidates; transfer: producer x
+# consumer candidates). Past this many entries building the model alone takes minutes, so the
+# beam-search plan is kept and the plan says CP-SAT did not run.
+CPSAT_TABLE_LIMIT = 2_000_000
 
 
 def _no_fit_error(graph: Graph, cm: CostModel, call_name: str, space: SearchSpace,
@@ -90,9 +96,15 @@ def _no_fit_error(graph: Graph, cm: CostModel, call_name: str, space: SearchSpac
     have = cl.mem_bytes / GIB
     spec = decl.spec.display_name()
     if need < 0:
+        sizes = mesh_sizes(cl, space)
+        meshes = f"{sizes[0]} GPUs" if len(sizes) == 1 else f"{sizes[0]} to {sizes[-1]} GPUs"
         return PlannerError(
-            f"call {call_name!r} ({spec}) has no valid layout on {cl.world_size} GPUs",
-            hint="check that the batch splits over data-parallel ranks and the model's heads over tensor parallel",
+            f"call {call_name!r} ({spec}, {call.kind}) has no valid layout on meshes of {meshes} "
+            f"(cluster {cl.short()}{within}): its {call.seqs} sequences, the model's {decl.spec.num_attention_heads} "
+            f"heads and {decl.spec.num_hidden_layers} layers cannot be split over that many GPUs",
+            hint="the batch must split evenly over data-parallel ranks, the heads over tensor parallel and the "
+            "layers over pipeline stages; for a small job, use a smaller cluster (the search uses meshes of at "
+            f"least 1/{space.max_blocks} of it) or a larger batch",
         )
     return PlannerError(
         f"call {call_name!r} ({spec}, {call.kind}) does not fit: its best layout on {size} GPUs needs "
@@ -140,11 +152,14 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
     """The fastest plan found for `graph` on `cluster` (or the best plan of a baseline's rule)."""
     say = progress or (lambda _msg: None)
     t0 = time.perf_counter()
+    check_request(graph, time_limit_s=time_limit_s, beam_width=beam_width, workers=workers)
     cm = CostModel(cluster) if calibration is None else CostModel(cluster, calibration=calibration)
     rule: Restriction | None = restriction(baseline, graph, cm) if baseline else None
     space = rule.space if rule is not None else (space or SearchSpace())
+    check_search_size(graph, cm, space)
     say(SearchProgress("costing", detail=f"of {len(graph.calls)} calls"))
-    per_size = graph_candidates(graph, cm, space)
+    per_size = graph_candidates(graph, cm, space,
+                                progress=lambda n, name: say(SearchProgress("costing", detail=f"{name} ({n}/{len(graph.calls)})")))
     for name, sizes in per_size.items():
         if not sizes:
             raise _no_fit_error(graph, cm, name, space, baseline)
@@ -165,6 +180,43 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
     return build_plan(problem, choice, sched, search_info)
 
 
+def check_request(graph: Graph, *, time_limit_s: float, beam_width: int, workers: int) -> None:
+    """A `PlannerError` for search settings or a graph size the search cannot honour."""
+    if not isinstance(time_limit_s, (int, float)) or not 0 <= time_limit_s <= MAX_TIME_LIMIT_S:
+        raise PlannerError(f"time limit must be between 0 and {MAX_TIME_LIMIT_S:.0f} seconds, got {time_limit_s!r}",
+                           hint="0 keeps the beam-search plan; a few seconds to a minute is typical")
+    for what, value in (("beam width", beam_width), ("workers", workers)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlannerError(f"{what} must be a whole number of at least 1, got {value!r}")
+    if len(graph.calls) > MAX_CALLS:
+        raise PlannerError(
+            f"graph {graph.name!r} has {len(graph.calls)} calls; the search handles at most {MAX_CALLS} per iteration",
+            hint="a graph describes one iteration: make its calls once (the runtime repeats the iteration), "
+            "or merge repeated calls on one model into one call with more sequences or minibatches",
+        )
+
+
+def check_search_size(graph: Graph, cm: CostModel, space: SearchSpace) -> None:
+    """A `PlannerError` when costing the candidate layouts would take more than a few minutes."""
+    need = layout_evaluations(graph, cm, space)
+    total = sum(need.values())
+    if total > space.max_layout_evals:
+        worst = sorted(need.items(), key=lambda kv: -kv[1])[:3]
+        raise PlannerError(
+            f"graph {graph.name!r} on {cm.cluster.short()} needs {total:,} layout evaluations, more than the "
+            f"{space.max_layout_evals:,} the search allows (most: "
+            + ", ".join(f"{name} {n:,}" for name, n in worst) + ")",
+            hint="fewer distinct calls, or a cluster closer to the job's size; a baseline (--baseline heuristic) "
+            "searches far fewer layouts",
+        )
+
+
+def cpsat_table_size(problem: Problem) -> int:
+    """Entries of the pairwise reallocation and transfer tables the CP-SAT model would build."""
+    n = sum(len(problem.slots[s.home].cands) * len(s.cands) for s in problem.slots if s.home is not None)
+    return n + sum(len(problem.slots[i].cands) * len(problem.slots[j].cands) for i, j, _ in problem.edges)
+
+
 def search(problem: Problem, *, rule: Restriction | None = None, time_limit_s: float, deadline: float | None = None,
            beam_width: int = 16, workers: int = 1, say: Progress | None = None
            ) -> tuple[list[int], Schedule, float, str | None, bool] | None:
@@ -176,13 +228,19 @@ def search(problem: Problem, *, rule: Restriction | None = None, time_limit_s: f
     wall-clock `deadline` is only a safety net, several times the budget."""
     if deadline is None:
         deadline = time.perf_counter() + WALL_SAFETY_FACTOR * time_limit_s + WALL_SAFETY_S
-    use_cpsat = time_limit_s > 0
     say = say or (lambda _p: None)
+    tables = cpsat_table_size(problem)
+    use_cpsat = time_limit_s > 0 and tables <= CPSAT_TABLE_LIMIT
+    width = beam_width_for(problem, beam_width)
     n_cands = sum(len(s.cands) for s in problem.slots)
     bound, status, rounds = trivial_lower_bound(problem), None, 0
-    say(SearchProgress("beam", candidates=n_cands, bound_s=bound))
-    choice = beam_search(problem, width=beam_width, allowed=rule)
+    narrowed = f"(narrowed to width {width} to bound the work)" if width < beam_width else ""
+    say(SearchProgress("beam", detail=narrowed, candidates=n_cands, bound_s=bound))
+    choice = beam_search(problem, width=width, allowed=rule)
     sched = simulate(problem, choice) if choice is not None else None
+    if time_limit_s > 0 and not use_cpsat:
+        status = f"NOT_RUN: {tables:,} pairwise costs exceed the {CPSAT_TABLE_LIMIT:,} it builds"
+        say(SearchProgress("cpsat", detail=f"not run: {tables:,} pairwise costs exceed {CPSAT_TABLE_LIMIT:,}"))
     while use_cpsat and rounds < MAX_CPSAT_ROUNDS:
         left = deadline - time.perf_counter()
         rounds += 1

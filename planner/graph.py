@@ -41,19 +41,42 @@ class Data:
         return self.name
 
 
+def _check_count(what: str, value: Any) -> None:
+    """A positive whole number, or a `PlannerError` naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlannerError(f"{what} must be a whole number, got {value!r}")
+    if value < 1:
+        raise PlannerError(f"{what} must be at least 1, got {value}")
+
+
+def _algorithm(algorithm: Any, *, graph: str) -> AlgorithmConfig:
+    if isinstance(algorithm, AlgorithmConfig):
+        return algorithm
+    if algorithm is not None and not isinstance(algorithm, dict):
+        raise PlannerError(f"graph {graph!r}: algorithm must be a dict of AlgorithmConfig fields, got {algorithm!r}")
+    try:
+        return AlgorithmConfig.model_validate(algorithm or {})
+    except ValidationError as e:
+        raise PlannerError(format_validation_error(e, source=f"graph {graph!r}: algorithm")) from None
+
+
 class Graph:
     """Builder of one iteration's dataflow graph."""
 
     def __init__(self, name: str, *, batch: int, prompt_len: int | None = None, gen_len: int | None = None,
                  seq_len: int | None = None, algorithm: AlgorithmConfig | dict[str, Any] | None = None) -> None:
-        if batch < 1:
-            raise PlannerError(f"graph {name!r}: batch must be at least 1, got {batch}")
+        if not isinstance(name, str):
+            raise PlannerError(f"a graph name must be a string, got a {type(name).__name__}")
+        _check_count(f"graph {name!r}: batch", batch)
+        for what, value in (("prompt_len", prompt_len), ("gen_len", gen_len), ("seq_len", seq_len)):
+            if value is not None:
+                _check_count(f"graph {name!r}: {what}", value)
         self.name = name
         self.batch = batch
         self.prompt_len = prompt_len
         self.gen_len = gen_len
         self.seq_len = seq_len
-        self.algorithm = algorithm if isinstance(algorithm, AlgorithmConfig) else AlgorithmConfig(**(algorithm or {}))
+        self.algorithm = _algorithm(algorithm, graph=name)
         self._models: dict[str, ModelDecl] = {}
         self._inputs: dict[str, DataInput] = {}
         self._calls: list[Call] = []
@@ -65,22 +88,32 @@ class Graph:
     def model(self, name: str, spec: str | ModelSpec | dict[str, Any], *, trainable: bool = False,
               head: Head = "lm") -> ModelHandle:
         """Declare a model; `spec` is a preset name, a config.json path, inline fields or a spec."""
+        if not isinstance(name, str):
+            raise PlannerError(f"graph {self.name!r}: a model name must be a string, got a {type(name).__name__}")
         if name in self._models:
             raise PlannerError(f"graph {self.name!r}: model {name!r} is declared twice")
         if head not in ("lm", "value"):
             raise PlannerError(f"model {name!r}: head must be 'lm' or 'value', got {head!r}")
+        if not isinstance(trainable, bool):
+            raise PlannerError(f"model {name!r}: trainable must be True or False, got {trainable!r}")
         self._models[name] = ModelDecl(spec=resolve_model(spec), trainable=trainable, head=head)
         return ModelHandle(self, name)
 
     def input(self, name: str, *, seqs: int | None = None, seq_len: int | None = None) -> Data:
         """A handle the data loader provides: `seqs` sequences (default: batch) of `seq_len` tokens
         (default: prompt_len, else seq_len)."""
+        for what, value in (("seqs", seqs), ("seq_len", seq_len)):
+            if value is not None:
+                _check_count(f"input {name!r}: {what}", value)
         length = seq_len or self.prompt_len or self.seq_len
         if length is None:
             raise PlannerError(f"input {name!r}: give seq_len= (the graph has neither prompt_len nor seq_len)")
         if name in self._inputs or name in self._handles:
             raise PlannerError(f"graph {self.name!r}: data handle {name!r} is defined twice")
-        self._inputs[name] = DataInput(name=name, seqs=seqs or self.batch, seq_len=length)
+        try:
+            self._inputs[name] = DataInput(name=name, seqs=seqs or self.batch, seq_len=length)
+        except ValidationError as e:
+            raise PlannerError(format_validation_error(e, source=f"input {name!r}")) from None
         data = Data(name, seqs or self.batch, length)
         self._handles[name] = data
         return data
@@ -168,6 +201,9 @@ class ModelHandle:
 
         The output handle holds the full sequences and the log-probs of the sampled tokens."""
         g = self.graph
+        if gen_len is not None:
+            _check_count(f"generate on {self.name!r}: gen_len", gen_len)
+        _check_count(f"generate on {self.name!r}: samples_per_prompt", samples_per_prompt)
         gen = gen_len or g.gen_len
         if gen is None:
             raise PlannerError(f"generate on {self.name!r}: give gen_len= (the graph has no gen_len)")

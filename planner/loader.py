@@ -39,18 +39,25 @@ def _as_graph(obj: Any, path: str) -> GraphSpec:
                        hint="assign the result of an algorithm (e.g. planner.algorithms.ppo(...)) or Graph(...).build()")
 
 
+def _user_error(e: BaseException, path: Path, what: str) -> PlannerError:
+    """The user's code failed: say where, in their file."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(path)]
+    where = f"{path}:{frames[-1].lineno}" if frames else str(path)
+    return PlannerError(f"{where}: {what} raised {type(e).__name__}: {e}")
+
+
 def _run_file(path: Path) -> dict[str, Any]:
     try:
         return runpy.run_path(str(path), run_name="__planner_graph__")
-    except SyntaxError as e:
-        raise PlannerError(f"{e.filename}:{e.lineno}: syntax error: {e.msg}",
-                           hint=(e.text or "").strip() or None) from None
+    except SyntaxError as e:  # also a file that is not Python text (bad encoding, NUL bytes)
+        where = f"{path}:{e.lineno}" if e.lineno else str(path)
+        raise PlannerError(f"{where}: syntax error: {e.msg}", hint=(e.text or "").strip() or None) from None
     except PlannerError:
         raise
-    except Exception as e:  # the user's code failed: show where, in their file
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(path)]
-        where = f"{path}:{frames[-1].lineno}" if frames else str(path)
-        raise PlannerError(f"{where}: the graph file raised {type(e).__name__}: {e}") from None
+    except SystemExit as e:  # sys.exit() in a graph file ends the file, not the planner
+        raise PlannerError(f"{path}: the graph file called sys.exit({e.code!r}) instead of defining a graph") from None
+    except Exception as e:
+        raise _user_error(e, path, "the graph file") from None
 
 
 def _pick_loop(ns: dict[str, Any], path: Path, function: str | None) -> AutoFunction | None:
@@ -73,14 +80,25 @@ def load_target(path: str | Path, *, function: str | None = None) -> LoadedGraph
     """The graph a file defines (`graph`, `build()`, or its one `@planner.auto` loop, or the
     loop named `function`), with its default cluster."""
     path = Path(path)
+    if path.is_dir():
+        raise PlannerError(f"graph file {str(path)!r} is a directory", hint="give the .py file that defines `graph`")
     if not path.is_file():
         raise PlannerError(f"graph file {str(path)!r} does not exist")
     ns = _run_file(path)
     cluster = ns.get("CLUSTER")
+    if cluster is not None and not isinstance(cluster, (str, dict)):
+        raise PlannerError(f"{path}: CLUSTER is a {type(cluster).__name__}",
+                           hint="set CLUSTER to a string like 'a100-80gb:2x8' or a dict of ClusterSpec fields")
     if function is None and "graph" in ns:
         return LoadedGraph(_as_graph(ns["graph"], str(path)), cluster)
     if function is None and callable(ns.get("build")) and not isinstance(ns.get("build"), AutoFunction):
-        return LoadedGraph(_as_graph(ns["build"](), str(path)), cluster)
+        try:
+            built = ns["build"]()
+        except PlannerError:
+            raise
+        except Exception as e:
+            raise _user_error(e, path, "build()") from None
+        return LoadedGraph(_as_graph(built, str(path)), cluster)
     loop = _pick_loop(ns, path, function)
     if loop is None:
         raise PlannerError(f"{path} defines neither `graph` nor `build()`, and no @planner.auto function",
@@ -89,8 +107,10 @@ def load_target(path: str | Path, *, function: str | None = None) -> LoadedGraph
     return LoadedGraph(loop.trace(), loop.cluster_arg, loop)
 
 
-def load_graph_file(path: str | Path) -> tuple[GraphSpec, str | None]:
-    """(graph, default cluster string or None) from a graph file."""
+def load_graph_file(path: str | Path) -> tuple[GraphSpec, str | dict[str, Any] | None]:
+    """(graph, default cluster: a string, a dict of ClusterSpec fields, or None) from a graph file."""
     loaded = load_target(path)
     cluster = loaded.cluster
-    return loaded.graph, cluster if isinstance(cluster, str) or cluster is None else None
+    if isinstance(cluster, ClusterSpec):
+        cluster = cluster.model_dump()
+    return loaded.graph, cluster

@@ -20,12 +20,26 @@ import math
 from dataclasses import dataclass, field
 
 from cost_models import CostModel
+from plans.errors import PlannerError
 from plans.graph import Call, Graph
-from plans.layout import Mesh
+from plans.layout import Layout, Mesh
 from planner.candidates import Candidate, SearchSpace, graph_candidates, mesh_positions, placed
 
 TOKEN_BYTES = 4  # int32 token ids
 FLOAT_BYTES = 4  # fp32 per-token values, log-probs, scores
+# Exact reallocation costing compares every destination rank with every distinct source shard, so
+# its work grows with (destination mesh size x source shards): quadratic in the mesh size when the
+# source is ZeRO-3. This bounds the sum over one search at a few minutes on one core (a PPO
+# search on 512 GPUs spends 4% of it, on 2048 GPUs 70%); past it the request is refused.
+REALLOC_WORK_LIMIT = 300_000_000
+# One costing past this size takes minutes by itself (the arrays no longer fit in cache); a search
+# that needs one is refused at once rather than after it.
+REALLOC_ONE_LIMIT = 100_000_000
+
+
+def _source_shards(layout: Layout) -> int:
+    """Distinct slices a layout cuts a parameter into (what each destination rank is compared with)."""
+    return layout.tp * layout.pp * layout.interleave * (layout.dp if layout.zero == 3 else 1)
 
 
 def handle_bytes(call: Call) -> int:
@@ -57,6 +71,7 @@ class Problem:
     atom_size: int
     unroll: int = 2
     symmetric: bool = False  # candidates sit at every aligned position (mirror symmetry holds)
+    realloc_work: int = 0  # source x destination mesh sizes summed over exact reallocation costings
     _realloc: dict[tuple, tuple[int, float]] = field(default_factory=dict, repr=False)
     _transfer: dict[tuple, float] = field(default_factory=dict, repr=False)
     _cache: dict[str, object] = field(default_factory=dict, repr=False)
@@ -107,10 +122,22 @@ class Problem:
             return 0, 0.0
         key = (s.call.model, src.layout, dst.layout, *self._relation(src.mesh, dst.mesh))
         if key not in self._realloc:
+            self._charge_realloc(dst.mesh.size * _source_shards(src.layout))
             decl = self.graph.models[s.call.model]
             cost = self.cm.realloc_cost(decl, (src.mesh, src.layout), (dst.mesh, dst.layout))
             self._realloc[key] = (cost.bytes, cost.time_s)
         return self._realloc[key]
+
+    def _charge_realloc(self, work: int) -> None:
+        self.realloc_work += work
+        if work > REALLOC_ONE_LIMIT or self.realloc_work > REALLOC_WORK_LIMIT:
+            cl = self.cluster
+            raise PlannerError(
+                f"the search for graph {self.graph.name!r} on {cl.short()} ({cl.world_size} GPUs) ran out of its work "
+                "budget costing parameter reallocations: their exact cost grows with the square of the mesh size",
+                hint="compile for fewer GPUs (e.g. the part of the cluster the job needs), or use "
+                "--baseline colocate (one set of degrees per model moves almost nothing)",
+            )
 
     def realloc_s(self, slot: int, h: int, k: int) -> float:
         """Reallocation time for searching: exact when already computed, else a cheap lower bound.

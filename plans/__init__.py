@@ -3,9 +3,10 @@
 Pydantic only: no torch, no solver. Everything that crosses a layer boundary is defined here once.
 """
 
+from plans.checkpoint import CheckpointManifest, graph_fingerprint, latest_complete, load_manifest
 from plans.cluster import ClusterSpec, parse_cluster, resolve_cluster
 from plans.errors import PlannerError
-from plans.graph import AlgorithmConfig, Call, DataInput, Graph, HostStep, ModelDecl
+from plans.graph import AlgorithmConfig, Call, DataInput, Graph, HostStep, ModelDecl, parse_graph
 from plans.hardware import GpuSpec, gpu_catalog, gpu_spec
 from plans.layout import Coord, Layout, Mesh
 from plans.model import PRESETS, ModelSpec, resolve_model
@@ -17,6 +18,7 @@ from plans.plan import (
     PlanCall,
     Reallocation,
     SearchInfo,
+    check_writable,
     load_plan,
     parse_plan,
     plan_to_json,
@@ -25,8 +27,9 @@ from plans.plan import (
 )
 
 __all__ = [
-    "PLAN_VERSION", "PRESETS", "AlgorithmConfig", "Call", "ClusterSpec", "Coord", "DataInput", "DataTransfer",
-    "Estimate", "GpuSpec", "Graph", "HostStep", "Layout", "Mesh", "ModelDecl", "ModelSpec", "Plan", "PlanCall", "PlannerError",
-    "Reallocation", "SearchInfo", "gpu_catalog", "gpu_spec", "load_plan", "parse_cluster", "parse_plan",
-    "plan_to_json", "resolve_cluster", "resolve_model", "save_plan", "write_text_atomic",
+    "PLAN_VERSION", "PRESETS", "AlgorithmConfig", "Call", "CheckpointManifest", "ClusterSpec", "Coord", "DataInput",
+    "DataTransfer", "Estimate", "GpuSpec", "Graph", "HostStep", "Layout", "Mesh", "ModelDecl", "ModelSpec", "Plan", "PlanCall",
+    "PlannerError", "Reallocation", "SearchInfo", "check_writable", "gpu_catalog", "gpu_spec", "graph_fingerprint",
+    "latest_complete", "load_manifest", "load_plan", "parse_cluster", "parse_graph", "parse_plan", "plan_to_json",
+    "resolve_cluster", "resolve_model", "save_plan", "write_text_atomic",
 ]

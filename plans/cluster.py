@@ -25,13 +25,17 @@ class ClusterSpec(Strict):
     gpu: str = Field(description="Accelerator preset name (see `plans/data/gpus.json`).")
     nodes: int = Field(ge=1, le=4096, description="Number of nodes.")
     gpus_per_node: int = Field(ge=1, le=16, description="GPUs per node.")
+    # Bounds keep every time and size derived from these finite: 1 Mbit/s to 1 Pbit/s of bandwidth,
+    # 1 MiB to 1 PiB of memory per GPU.
     intra_node_gbps: float | None = Field(
-        None, gt=0, description="Intra-node link bandwidth per GPU, one direction, Gbit/s (default: datasheet)."
+        None, ge=1e-3, le=1e6, description="Intra-node link bandwidth per GPU, one direction, Gbit/s (default: datasheet)."
     )
     inter_node_gbps: float | None = Field(
-        None, gt=0, description="Network bandwidth per node, one direction, Gbit/s (default: datasheet)."
+        None, ge=1e-3, le=1e6, description="Network bandwidth per node, one direction, Gbit/s (default: datasheet)."
     )
-    mem_gib: float | None = Field(None, gt=0, description="Usable memory per GPU, GiB (default: datasheet).")
+    mem_gib: float | None = Field(
+        None, ge=2**-10, le=2**20, description="Usable memory per GPU, GiB (default: datasheet)."
+    )
 
     @field_validator("gpu")
     @classmethod
@@ -79,11 +83,13 @@ class ClusterSpec(Strict):
         ):
             value = getattr(self, key)
             if value != default:
-                text += f",{key}={value:g}"
+                short = f"{value:g}"
+                # Exact, so the shorthand rebuilds this very cluster (":g" keeps 6 digits only).
+                text += f",{key}={short if float(short) == value else repr(value)}"
         return text
 
 
-_SHORTHAND = re.compile(r"^(?P<gpu>[A-Za-z0-9_.\-]+):(?P<nodes>\d+)x(?P<per>\d+)$")
+_SHORTHAND = re.compile(r"^(?P<gpu>[A-Za-z0-9_.\-]+):(?P<nodes>\d{1,9})x(?P<per>\d{1,9})$")
 _OVERRIDES = ("intra_node_gbps", "inter_node_gbps", "mem_gib")
 
 
@@ -96,6 +102,8 @@ def _validated(data: dict[str, Any], *, source: str) -> ClusterSpec:
 
 def parse_cluster(text: str) -> ClusterSpec:
     """Parse ``GPU:NODESxPER_NODE[,key=value...]`` or a YAML/JSON file path."""
+    if not isinstance(text, str):
+        raise PlannerError(f"a cluster must be a string like 'a100-80gb:2x8' or a file path, got a {type(text).__name__}")
     text = text.strip()
     path = Path(text)
     if path.suffix.lower() in (".json", ".yaml", ".yml"):
@@ -128,21 +136,29 @@ def parse_cluster(text: str) -> ClusterSpec:
 
 def load_cluster_file(path: Path) -> ClusterSpec:
     """Read a cluster from YAML or JSON (the fields of `ClusterSpec`)."""
-    if not path.is_file():
-        raise PlannerError(f"cluster file {str(path)!r} does not exist")
+    where = repr(str(path)[:200])
     try:
-        raw = path.read_text()
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except (OSError, ValueError) as e:  # a name too long for the file system, or with a NUL byte
+        raise PlannerError(f"cluster file {where} is not a usable path: {e}") from None
+    if is_dir:
+        raise PlannerError(f"cluster file {where} is a directory", hint="give the .yaml/.json file itself")
+    if not is_file:
+        raise PlannerError(f"cluster file {where} does not exist")
+    try:
+        raw = path.read_text(encoding="utf-8")
         if path.suffix.lower() == ".json":
             data = json.loads(raw)
         else:
             import yaml
 
             data = yaml.safe_load(raw)
-    except Exception as e:  # JSON or YAML syntax: report it as the user's file being unreadable
-        raise PlannerError(f"cluster file {str(path)!r} is not readable: {e}") from None
+    except Exception as e:  # I/O, encoding, JSON or YAML syntax: the user's file is unreadable
+        raise PlannerError(f"cluster file {where} is not readable: {e}") from None
     if not isinstance(data, dict):
-        raise PlannerError(f"cluster file {str(path)!r} must hold a mapping of ClusterSpec fields")
-    return _validated(data, source=f"cluster file {str(path)!r}")
+        raise PlannerError(f"cluster file {where} must hold a mapping of ClusterSpec fields",
+                           hint="e.g. {gpu: a100-80gb, nodes: 2, gpus_per_node: 8}")
+    return _validated(data, source=f"cluster file {where}")
 
 
 def resolve_cluster(cluster: str | ClusterSpec | dict[str, Any]) -> ClusterSpec:
@@ -151,4 +167,4 @@ def resolve_cluster(cluster: str | ClusterSpec | dict[str, Any]) -> ClusterSpec:
         return cluster
     if isinstance(cluster, dict):
         return _validated(cluster, source="cluster")
-    return parse_cluster(cluster)
+    return parse_cluster(cluster)  # raises a PlannerError for anything but a string

@@ -40,3 +40,9 @@ def format_validation_error(err: Exception, *, source: str) -> str:
             msg = "unknown key (not part of the schema; check its spelling)"
         lines.append(f"  {where}: {msg}")
     return f"{source} is invalid:\n" + "\n".join(lines)
+
+
+def brief(value: object, *, limit: int = 120) -> str:
+    """`repr(value)`, cut to `limit` characters, for quoting user input in a message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

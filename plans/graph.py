@@ -15,17 +15,22 @@ resolves through host steps), and the runtime runs them as written, on every ran
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from plans.base import Strict
-from plans.model import Head, ModelSpec
+from plans.errors import PlannerError, format_validation_error
+from plans.model import MAX_POSITIONS, Head, ModelSpec
 
 CallKind = Literal["generate", "inference", "train"]
 Loss = Literal["sft", "dpo", "ppo_policy", "ppo_value", "grpo", "rloo", "remax"]
 Returns = Literal["logprobs", "values", "scores"]
 AlgorithmName = Literal["sft", "dpo", "ppo", "grpo", "remax", "rloo", "custom"]
+
+# Far beyond any real iteration (2**24 sequences of 2**24 tokens); keeps every count the cost model
+# derives finite and every enumeration over divisors short.
+MAX_SEQS = 2**24
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 
@@ -63,14 +68,14 @@ class Call(Strict):
     kind: CallKind
     inputs: list[str] = Field(default_factory=list, description="Data handles read.")
     outputs: list[str] = Field(default_factory=list, description="Data handles written.")
-    seqs: int = Field(ge=1, description="Sequences processed per iteration.")
-    seq_len: int = Field(ge=1, description="Tokens per sequence (prompt + generated for generate).")
-    gen_len: int = Field(0, ge=0, description="generate: new tokens per sequence.")
-    samples_per_prompt: int = Field(1, ge=1, description="generate: samples drawn per prompt (seqs counts samples).")
+    seqs: int = Field(ge=1, le=MAX_SEQS, description="Sequences processed per iteration.")
+    seq_len: int = Field(ge=1, le=MAX_POSITIONS, description="Tokens per sequence (prompt + generated for generate).")
+    gen_len: int = Field(0, ge=0, le=MAX_POSITIONS, description="generate: new tokens per sequence.")
+    samples_per_prompt: int = Field(1, ge=1, le=MAX_SEQS, description="generate: samples drawn per prompt (seqs counts samples).")
     temperature: float = Field(1.0, ge=0, description="generate: sampling temperature; 0 is greedy.")
     returns: Returns | None = Field(None, description="inference: per-token logprobs, per-token values, or one score per sequence.")
     loss: Loss | None = Field(None, description="train: the loss optimised.")
-    minibatches: int = Field(1, ge=1, description="train: optimizer steps per call (the batch splits evenly).")
+    minibatches: int = Field(1, ge=1, le=MAX_SEQS, description="train: optimizer steps per call (the batch splits evenly).")
     lr: float | None = Field(None, gt=0, description="train: learning rate (default: the algorithm's).")
 
     @model_validator(mode="after")
@@ -159,8 +164,8 @@ class DataInput(Strict):
     """A handle the data loader provides each iteration."""
 
     name: str
-    seqs: int = Field(ge=1, description="Sequences per iteration.")
-    seq_len: int = Field(ge=1, description="Tokens per sequence.")
+    seqs: int = Field(ge=1, le=MAX_SEQS, description="Sequences per iteration.")
+    seq_len: int = Field(ge=1, le=MAX_POSITIONS, description="Tokens per sequence.")
 
 
 class Graph(Strict):
@@ -241,6 +246,15 @@ class Graph(Strict):
     def topo_order(self) -> list[str]:
         """Call names in a dependency order; ties keep the declared order."""
         return _topo_order(self) or []
+
+
+def parse_graph(data: Any, *, source: str = "graph") -> Graph:
+    """Validate a graph given as plain data (a dict, e.g. loaded from JSON), turning any problem
+    into a `PlannerError` naming `source`."""
+    try:
+        return Graph.model_validate(data)
+    except ValidationError as e:
+        raise PlannerError(format_validation_error(e, source=source)) from None
 
 
 def _topo_order(g: Graph) -> list[str] | None:

@@ -27,23 +27,33 @@ from plans.errors import PlannerError, format_validation_error
 ModelType = Literal["llama", "gpt"]
 Head = Literal["lm", "value"]
 
+MAX_WIDTH = 2**18  # hidden_size (the largest published models are near 2**15)
+MAX_LAYERS = 2048
+MAX_HEADS = 2**14
+MAX_VOCAB = 2**24
+MAX_POSITIONS = 2**24
+
 
 class ModelSpec(Strict):
     """A decoder-only transformer, described by HF config field names."""
 
     name: str | None = Field(None, description="Preset name or file the spec came from (display only).")
     model_type: ModelType = Field(description="Architecture family: 'llama' or 'gpt'.")
-    hidden_size: int = Field(ge=1, description="Model width h.")
-    num_hidden_layers: int = Field(ge=1, description="Number of decoder layers L.")
-    num_attention_heads: int = Field(ge=1, description="Query heads.")
+    # Upper bounds are far beyond any published model; they keep every size the cost model and the
+    # layout algebra derive finite and every loop over layers or heads short.
+    hidden_size: int = Field(ge=1, le=MAX_WIDTH, description="Model width h.")
+    num_hidden_layers: int = Field(ge=1, le=MAX_LAYERS, description="Number of decoder layers L.")
+    num_attention_heads: int = Field(ge=1, le=MAX_HEADS, description="Query heads.")
     num_key_value_heads: int | None = Field(
-        None, ge=1, description="Key/value heads (grouped-query attention); defaults to num_attention_heads."
+        None, ge=1, le=MAX_HEADS, description="Key/value heads (grouped-query attention); defaults to num_attention_heads."
     )
     intermediate_size: int | None = Field(
-        None, ge=1, description="MLP inner width; required for llama, defaults to 4*hidden_size for gpt."
+        None, ge=1, le=4 * MAX_WIDTH, description="MLP inner width; required for llama, defaults to 4*hidden_size for gpt."
     )
-    vocab_size: int = Field(ge=1, description="Vocabulary size V.")
-    max_position_embeddings: int = Field(2048, ge=1, description="Longest sequence; gpt learns this many positions.")
+    vocab_size: int = Field(ge=1, le=MAX_VOCAB, description="Vocabulary size V.")
+    max_position_embeddings: int = Field(
+        2048, ge=1, le=MAX_POSITIONS, description="Longest sequence; gpt learns this many positions."
+    )
     tie_word_embeddings: bool | None = Field(
         None, description="LM head shares the embedding matrix; defaults to False for llama, True for gpt."
     )
@@ -61,8 +71,9 @@ class ModelSpec(Strict):
         if data.get("num_key_value_heads") is None and "num_attention_heads" in data:
             data["num_key_value_heads"] = data["num_attention_heads"]
         family = data.get("model_type")
-        if data.get("intermediate_size") is None and family == "gpt" and "hidden_size" in data:
-            data["intermediate_size"] = 4 * int(data["hidden_size"])
+        width = _as_int(data.get("hidden_size"))
+        if data.get("intermediate_size") is None and family == "gpt" and width is not None:
+            data["intermediate_size"] = 4 * width
         if data.get("tie_word_embeddings") is None and family in ("llama", "gpt"):
             data["tie_word_embeddings"] = family == "gpt"
         return data
@@ -130,6 +141,16 @@ class ModelSpec(Strict):
         return f"{self.model_type}-h{self.hidden_size}-l{self.num_hidden_layers}"
 
 
+def _as_int(value: Any) -> int | None:
+    """`value` as an int when it plainly is one (an int or a string of digits), else None, so a
+    default derived from it is left out and the field's own check reports the bad value."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().isdigit() and len(value.strip()) <= 18:
+        return int(value)
+    return None
+
+
 def _llama(name: str, h: int, layers: int, heads: int, kv: int, ffn: int, vocab: int, pos: int, **kw: Any) -> ModelSpec:
     return ModelSpec(
         name=name, model_type="llama", hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
@@ -190,7 +211,7 @@ _HF_FAMILIES: dict[str, tuple[ModelType, dict[str, str], dict[str, Any]]] = {
 def spec_from_hf_config(config: dict[str, Any], *, source: str) -> ModelSpec:
     """Build a spec from an HF ``config.json`` dict, keeping only the fields the planner models."""
     hf_type = config.get("model_type")
-    if hf_type not in _HF_FAMILIES:
+    if not isinstance(hf_type, str) or hf_type not in _HF_FAMILIES:
         raise PlannerError(
             f"{source}: model_type {hf_type!r} is not supported",
             hint=f"supported model_type values: {', '.join(sorted(_HF_FAMILIES))}",
@@ -230,26 +251,38 @@ def resolve_model(spec: str | ModelSpec | dict[str, Any]) -> ModelSpec:
         return spec
     if isinstance(spec, dict):
         return _validated(spec, source="model spec")
+    if not isinstance(spec, str):
+        raise PlannerError(
+            f"model spec must be a preset name, a config.json path, inline fields, a dict or a ModelSpec; "
+            f"got a {type(spec).__name__}"
+        )
     text = spec.strip()
     if text in PRESETS:
         return PRESETS[text]
     if "=" in text:
         return _parse_inline(text)
-    path = Path(text)
-    if path.is_dir() and (path / "config.json").is_file():
-        path = path / "config.json"
-    if path.suffix == ".json" or path.is_file():
-        if not path.is_file():
+    try:
+        path = Path(text)
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise PlannerError(f"model directory {text!r} has no config.json",
+                                   hint="point at an HF model directory or its config.json")
+            path = path / "config.json"
+        is_file = path.is_file()
+    except (OSError, ValueError) as e:  # a name too long for the file system, or with a NUL byte
+        raise PlannerError(f"model spec {text[:200]!r} is neither a preset nor a usable path: {e}") from None
+    if path.suffix == ".json" or is_file:
+        if not is_file:
             raise PlannerError(f"model config file {text!r} does not exist")
         try:
-            config = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise PlannerError(f"model config {text!r} is not readable JSON: {e}") from None
         if not isinstance(config, dict):
             raise PlannerError(f"model config {text!r} must hold a JSON object")
         return spec_from_hf_config(config, source=text)
     raise PlannerError(
-        f"unknown model {text!r}",
+        f"unknown model {text[:200]!r}",
         hint=f"use a preset ({', '.join(PRESETS)}), a config.json path, or inline fields "
         "like model_type=llama,hidden_size=4096,...",
     )

@@ -25,7 +25,9 @@ def test_progress_reports_the_search_and_does_not_change_it() -> None:
     plan = compile_graph(graph, cluster, time_limit_s=20, progress=events.append)
     assert _plan_text(plan) == _plan_text(compile_graph(graph, cluster, time_limit_s=20))
     phases = [e.phase for e in events]
-    assert phases[0] == "costing" and phases[1] == "beam" and "cpsat" in phases
+    costing = phases.index("beam")
+    assert costing >= 1 and set(phases[:costing]) == {"costing"} and "costing" not in phases[costing:]
+    assert "cpsat" in phases
     assert phases.index("beam") < phases.index("cpsat")
     searching = [e for e in events if e.phase != "costing"]
     assert all(e.candidates == plan.search.candidates for e in searching)

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from plans.errors import PlannerError
 from plans.hardware import GIB
+from plans.plan import check_writable
 
 
 class Recompute(str, Enum):
@@ -101,12 +102,12 @@ def calibrate(
     measured: list[Path] = typer.Argument(..., help="Measured-runs CSV files (vTrain column names accepted)."),
     gpu: str = typer.Option(..., "--gpu", help="Accelerator the runs were measured on (a preset name)."),
     output: Path = typer.Option(..., "-o", "--output", help="Calibration file to write."),
-    gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node of the measured cluster."),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", min=1, max=16, help="GPUs per node of the measured cluster."),
     intra_node_gbps: float | None = typer.Option(None, "--intra-node-gbps", help="Intra-node bandwidth per GPU (default: datasheet)."),
     inter_node_gbps: float | None = typer.Option(None, "--inter-node-gbps", help="Network bandwidth per node (default: datasheet)."),
     framework: FrameworkName = typer.Option(FrameworkName.megatron, "--framework", help=FRAMEWORK_HELP),
     model_type: str = typer.Option("gpt", "--model-type", help="Family of rows without a model_type column."),
-    vocab_size: int = typer.Option(51200, "--vocab-size", help="Vocabulary of rows without a vocab_size column."),
+    vocab_size: int = typer.Option(51200, "--vocab-size", min=1, help="Vocabulary of rows without a vocab_size column."),
     recompute: Recompute = typer.Option(Recompute.full, "--recompute", help="Recompute of rows without a recompute column."),
     start: Path | None = typer.Option(None, "--start", help="Calibration to start the search from (default: fixed datasheet-level guesses, so a fit reproduces from its inputs)."),
     sweeps: int = typer.Option(8, "--sweeps", min=1, help="Most coordinate-search sweeps (stops early when a sweep gains < 0.01 points)."),
@@ -119,9 +120,14 @@ def calibrate(
     from cost_models.calibration import Calibration, load_calibration, save_calibration
     from cost_models.fit import START, Setup, fit, mape, predict
     from cost_models.measured import read_measured
+    from plans.cluster import resolve_cluster
     from plans.hardware import gpu_spec
 
     gpu_spec(gpu)  # unknown GPU: clear error before reading anything
+    # The node the runs were measured on, checked as a cluster (bandwidth bounds) before any work.
+    resolve_cluster({"gpu": gpu, "nodes": 1, "gpus_per_node": gpus_per_node, "intra_node_gbps": intra_node_gbps,
+                     "inter_node_gbps": inter_node_gbps})
+    check_writable(output)
     if recompute.value not in ("none", "selective", "full"):
         raise PlannerError(f"unknown recompute {recompute.value!r}")
     groups = [read_measured(p, model_type=model_type, vocab_size=vocab_size, recompute=recompute.value) for p in measured]
@@ -153,7 +159,7 @@ def calibrate(
 
 def profile(
     output: Path = typer.Option(..., "-o", "--output", help="Calibration file to write."),
-    budget_s: float = typer.Option(20.0, "--budget-s", min=0.5, help="Rough wall-time budget of the benchmarks, seconds."),
+    budget_s: float = typer.Option(20.0, "--budget-s", min=0.5, max=3600, help="Rough wall-time budget of the benchmarks, seconds."),
     ranks: int = typer.Option(2, "--ranks", min=1, max=16, help="Local processes for the all-reduce benchmark (1: skip)."),
     device: str | None = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
 ) -> None:
@@ -163,6 +169,7 @@ def profile(
 
     if device not in (None, "cpu", "cuda"):
         raise PlannerError(f"unknown device {device!r}", hint="use --device cpu or --device cuda")
+    check_writable(output)  # before minutes of benchmarks, not after
     console = Console(stderr=True, highlight=False)
     with console.status("profiling", spinner="dots") as status:
         cal = profile_devices(budget_s=budget_s, ranks=ranks, device=device, progress=lambda m: status.update(f"profiling: {m}"))

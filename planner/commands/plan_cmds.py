@@ -98,8 +98,8 @@ def compile_cmd(
     ppo_minibatches: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps per train call.")] = None,
     function: Annotated[Optional[str], typer.Option("--function", help="The @planner.auto loop to trace, when the file has several.")] = None,
 ) -> None:
-    from plans.cluster import parse_cluster, resolve_cluster
-    from plans.plan import plan_to_json, save_plan
+    from plans.cluster import resolve_cluster
+    from plans.plan import check_writable, plan_to_json, save_plan
     from planner.compile import SearchProgress, compile_graph
     from planner.render import print_plan
 
@@ -110,7 +110,10 @@ def compile_cmd(
     graph = loaded.graph
     if cluster is None and loaded.cluster is None:
         raise PlannerError("no cluster given", hint="pass --cluster GPU:NODESxPER_NODE, e.g. --cluster a100-80gb:2x8")
-    cl = parse_cluster(cluster) if cluster is not None else resolve_cluster(loaded.cluster)
+    cl = resolve_cluster(cluster if cluster is not None else loaded.cluster)  # type: ignore[arg-type]
+    default_path = loaded.auto.plan_path if loaded.auto is not None else Path("plans") / f"{graph.name}.json"
+    if not as_json or output is not None:
+        check_writable(output or default_path)
     calib = None
     if calibration is not None:
         from cost_models import load_calibration  # type: ignore[attr-defined]
@@ -136,8 +139,7 @@ def compile_cmd(
         if output is not None:
             save_plan(plan, output)
         return
-    default = loaded.auto.plan_path if loaded.auto is not None else Path("plans") / f"{plan.name}.json"
-    path = output or default
+    path = output or default_path
     save_plan(plan, path)
     from planner.render import make_console
 
@@ -192,10 +194,11 @@ def compare(plan_files: Annotated[list[Path], typer.Argument(help="Plan JSON fil
 
     plans = [load_plan(p) for p in plan_files]
     base = plans[0].estimate.iteration_s
+    # A plan may state an iteration time of 0 (nothing to do); a speedup against it is undefined.
     rows = [{"plan": str(f), "method": p.search.method, "iteration_s": p.estimate.iteration_s,
              "tokens_per_s": p.estimate.tokens_per_s, "mfu": p.estimate.mfu,
              "peak_mem_bytes": p.estimate.peak_mem_bytes,
-             "speedup_vs_first": base / p.estimate.iteration_s if p.estimate.iteration_s else None}
+             "speedup_vs_first": base / p.estimate.iteration_s if p.estimate.iteration_s and base else None}
             for f, p in zip(plan_files, plans)]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
@@ -205,7 +208,8 @@ def compare(plan_files: Annotated[list[Path], typer.Argument(help="Plan JSON fil
         t.add_column(col)
     for r in rows:
         t.add_row(r["plan"], r["method"], fmt_s(r["iteration_s"]), f"{r['tokens_per_s']:,.0f}", f"{r['mfu'] * 100:.1f}%",
-                  fmt_gib(r["peak_mem_bytes"]), f"{r['speedup_vs_first']:.2f}x")
+                  fmt_gib(r["peak_mem_bytes"]),
+                  "n/a" if r["speedup_vs_first"] is None else f"{r['speedup_vs_first']:.2f}x")
     from planner.render import make_console
 
     make_console().print(t)
