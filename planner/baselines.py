@@ -124,6 +124,17 @@ def _heuristic_space(graph: Graph, cm: CostModel) -> SearchSpace:
     return SearchSpace(mesh_sizes=(world,), keep_per_size=6, layout_ok=ok, split_decode=False)
 
 
+def baseline_spaces(graph: Graph, cm: CostModel) -> list[SearchSpace]:
+    """The candidate spaces of every baseline that applies to `graph` on this cluster."""
+    out = []
+    for name in BASELINES:
+        try:
+            out.append(restriction(name, graph, cm).space)
+        except PlannerError:  # the baseline does not apply (e.g. split without critic or reward)
+            continue
+    return out
+
+
 def restriction(name: str, graph: Graph, cm: CostModel) -> Restriction:
     """The restriction implementing baseline `name`."""
     if name == "colocate":

@@ -270,6 +270,19 @@ def layout_evaluations(graph: Graph, cm: CostModel, space: SearchSpace) -> dict[
     return out
 
 
+def merge_candidates(into: dict[str, dict[int, list[Candidate]]], more: dict[str, dict[int, list[Candidate]]]) -> None:
+    """Add to `into` the candidates of `more` it lacks (same call, mesh size and layouts)."""
+    for name, sizes in more.items():
+        for size, cands in sizes.items():
+            have = into.setdefault(name, {}).setdefault(size, [])
+            seen = {(c.layout, c.decode_layout) for c in have}
+            for c in cands:
+                if (c.layout, c.decode_layout) not in seen:
+                    have.append(c)
+                    seen.add((c.layout, c.decode_layout))
+            have.sort(key=lambda c: (c.time_s, c.state_bytes, c.work_bytes, c.layout.short()))
+
+
 def graph_candidates(graph: Graph, cm: CostModel, space: SearchSpace,
                      progress: Callable[[int, str], None] | None = None) -> dict[str, dict[int, list[Candidate]]]:
     """Candidates of every call. Each non-home call of a model also gets the twins of its home

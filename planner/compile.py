@@ -27,9 +27,16 @@ from plans.plan import (
     Reallocation,
     SearchInfo,
 )
-from planner.baselines import Restriction, restriction
+from planner.baselines import Restriction, baseline_spaces, restriction
 from planner.beam import beam_search, beam_width_for
-from planner.candidates import SearchSpace, graph_candidates, layout_evaluations, mesh_sizes, min_memory_needed
+from planner.candidates import (
+    SearchSpace,
+    graph_candidates,
+    layout_evaluations,
+    merge_candidates,
+    mesh_sizes,
+    min_memory_needed,
+)
 from planner.cpsat import solve_cpsat
 from planner.exhaustive import topological_orders
 from planner.problem import Problem, build_problem
@@ -160,6 +167,10 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
     say(SearchProgress("costing", detail=f"of {len(graph.calls)} calls"))
     per_size = graph_candidates(graph, cm, space,
                                 progress=lambda n, name: say(SearchProgress("costing", detail=f"{name} ({n}/{len(graph.calls)})")))
+    if rule is None:
+        # The search space holds every baseline's, so a plan is never slower than a baseline.
+        for other in baseline_spaces(graph, cm):
+            merge_candidates(per_size, graph_candidates(graph, cm, other))
     for name, sizes in per_size.items():
         if not sizes:
             raise _no_fit_error(graph, cm, name, space, baseline)
