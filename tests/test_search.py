@@ -163,3 +163,18 @@ def test_calls_that_fit_alone_but_not_together():
     graph = ppo("llama-2-13b", batch=64, prompt_len=512, gen_len=512)
     with pytest.raises(PlannerError, match="each call fits alone, but the models' resident states need at least"):
         compile_graph(graph, parse_cluster("a100-40gb:1x8"), time_limit_s=1)
+
+
+def test_plan_is_never_slower_than_a_baseline():
+    from planner.algorithms import ppo
+    from planner.baselines import BASELINES
+
+    graph = ppo("llama-2-7b", batch=128, prompt_len=512, gen_len=512)
+    cluster = parse_cluster("a100-80gb:1x8")
+    plan = compile_graph(graph, cluster, time_limit_s=2)
+    for name in BASELINES:
+        try:
+            base = compile_graph(graph, cluster, time_limit_s=2, baseline=name)
+        except PlannerError:
+            continue  # the baseline's rule admits no plan that fits
+        assert plan.estimate.iteration_s <= base.estimate.iteration_s * (1 + 1e-9), name
