@@ -20,10 +20,10 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from plans.base import Strict
-from plans.errors import PlannerError, format_validation_error
+from plans.base import Strict, validated
+from plans.errors import PlannerError
 from plans.plan import write_text_atomic
 
 CALIBRATION_FORMAT = "planner-calibration/1"
@@ -89,10 +89,7 @@ def parse_calibration(text: str, *, source: str) -> Calibration:
             f"calibration {source} has format {data.get('format')!r}, expected {CALIBRATION_FORMAT!r}",
             hint="write one with `planner calibrate` or `planner profile`",
         )
-    try:
-        return Calibration.model_validate(data)
-    except ValidationError as e:
-        raise PlannerError(format_validation_error(e, source=f"calibration {source}")) from None
+    return validated(Calibration, data, source=f"calibration {source}")
 
 
 def load_calibration(path: str | Path) -> Calibration:

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationError
-
-from plans.errors import PlannerError, format_validation_error
+from plans.base import validated
+from plans.errors import PlannerError
 from plans.graph import AlgorithmConfig, Loss
 from plans.graph import Graph as GraphSpec
 from plans.model import ModelSpec
@@ -31,10 +30,8 @@ Spec = str | ModelSpec
 
 
 def _algo(name: str, reward_fn: str | None, overrides: dict[str, Any]) -> AlgorithmConfig:
-    try:
-        return AlgorithmConfig.model_validate({**overrides, "name": name, "reward_fn": reward_fn})
-    except ValidationError as e:
-        raise PlannerError(format_validation_error(e, source=f"{name} hyperparameters")) from None
+    return validated(AlgorithmConfig, {**overrides, "name": name, "reward_fn": reward_fn},
+                     source=f"{name} hyperparameters")
 
 
 def sft(model: Spec, *, batch: int, seq_len: int, minibatches: int = 1, name: str = "sft",

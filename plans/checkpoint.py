@@ -26,10 +26,10 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from plans.base import Strict
-from plans.errors import PlannerError, format_validation_error
+from plans.base import Strict, validated
+from plans.errors import PlannerError
 from plans.graph import Graph
 from plans.layout import Layout, Mesh
 from plans.model import Head, ModelSpec
@@ -238,10 +238,7 @@ def load_manifest(directory: str | Path) -> CheckpointManifest:
     if isinstance(data, dict) and data.get("format") != CHECKPOINT_FORMAT:
         raise PlannerError(f"checkpoint {str(directory)!r} has format {data.get('format')!r}; this version reads "
                            f"{CHECKPOINT_FORMAT!r}")
-    try:
-        return CheckpointManifest.model_validate(data)
-    except ValidationError as e:
-        raise PlannerError(format_validation_error(e, source=f"checkpoint manifest {str(path)!r}")) from None
+    return validated(CheckpointManifest, data, source=f"checkpoint manifest {str(path)!r}")
 
 
 def completeness_problems(directory: str | Path, manifest: CheckpointManifest) -> list[str]:

@@ -12,10 +12,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from plans.base import Strict
-from plans.errors import PlannerError, format_validation_error
+from plans.base import Strict, validated
+from plans.errors import PlannerError
 from plans.hardware import GIB, GpuSpec, gpu_catalog, gpu_spec
 
 
@@ -94,10 +94,7 @@ _OVERRIDES = ("intra_node_gbps", "inter_node_gbps", "mem_gib")
 
 
 def _validated(data: dict[str, Any], *, source: str) -> ClusterSpec:
-    try:
-        return ClusterSpec.model_validate(data)
-    except ValidationError as e:
-        raise PlannerError(format_validation_error(e, source=source)) from None
+    return validated(ClusterSpec, data, source=source)
 
 
 def parse_cluster(text: str) -> ClusterSpec:

@@ -17,10 +17,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from plans.base import Strict
-from plans.errors import PlannerError, format_validation_error
+from plans.base import Strict, validated
 from plans.model import MAX_POSITIONS, Head, ModelSpec
 
 CallKind = Literal["generate", "inference", "train"]
@@ -251,10 +250,7 @@ class Graph(Strict):
 def parse_graph(data: Any, *, source: str = "graph") -> Graph:
     """Validate a graph given as plain data (a dict, e.g. loaded from JSON), turning any problem
     into a `PlannerError` naming `source`."""
-    try:
-        return Graph.model_validate(data)
-    except ValidationError as e:
-        raise PlannerError(format_validation_error(e, source=source)) from None
+    return validated(Graph, data, source=source)
 
 
 def _topo_order(g: Graph) -> list[str] | None:

@@ -19,10 +19,10 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from plans.base import Strict
-from plans.errors import PlannerError, format_validation_error
+from plans.base import Strict, validated
+from plans.errors import PlannerError
 
 ModelType = Literal["llama", "gpt"]
 Head = Literal["lm", "value"]
@@ -228,10 +228,7 @@ def spec_from_hf_config(config: dict[str, Any], *, source: str) -> ModelSpec:
 
 
 def _validated(data: dict[str, Any], *, source: str) -> ModelSpec:
-    try:
-        return ModelSpec.model_validate(data)
-    except ValidationError as e:
-        raise PlannerError(format_validation_error(e, source=source)) from None
+    return validated(ModelSpec, data, source=source)
 
 
 def _parse_inline(text: str) -> ModelSpec:

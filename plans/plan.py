@@ -16,11 +16,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from plans.base import Strict
+from plans.base import Strict, validated
 from plans.cluster import ClusterSpec
-from plans.errors import PlannerError, brief, format_validation_error
+from plans.errors import PlannerError, brief
 from plans.graph import AlgorithmConfig, Call, DataInput, Graph, HostStep, ModelDecl
 from plans.layout import Layout, Mesh
 from plans.sharding import layout_problems
@@ -196,10 +196,7 @@ def parse_plan(text: str, *, source: str = "plan") -> Plan:
             f"{source} has plan version {brief(version)}; this planner reads version {PLAN_VERSION}",
             hint="recompile the plan with this version of planner",
         )
-    try:
-        return Plan.model_validate(data)
-    except ValidationError as e:
-        raise PlannerError(format_validation_error(e, source=source)) from None
+    return validated(Plan, data, source=source)
 
 
 def load_plan(path: str | Path) -> Plan:
