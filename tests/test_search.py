@@ -7,7 +7,6 @@ tests build problems from hand-set costs with a small table-driven cost model.
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 
 import pytest
