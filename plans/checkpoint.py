@@ -177,6 +177,20 @@ def expected_boxes(spec: ModelSpec, *, head: Head, layout: Layout) -> dict[str, 
     return out
 
 
+def shard_writers(spec: ModelSpec, *, head: Head, mesh: Mesh, layout: Layout) -> dict[str, dict[Box, int]]:
+    """Parameter -> distinct box -> the global rank that saves it: the first rank of `mesh` (in
+    mesh order) holding the box, so each shard is written once (data-parallel replicas, and the
+    last stage's copy of a tied embedding, write nothing). Covers `expected_boxes` exactly."""
+    out: dict[str, dict[Box, int]] = {}
+    for param in parameters(spec, head=head):
+        writers = out.setdefault(param.name, {})
+        for local, rank in enumerate(mesh.ranks):
+            box = shard_box(param, spec, layout, local)
+            if box is not None and all(lo < hi for lo, hi in box):
+                writers.setdefault(box, rank)
+    return out
+
+
 def checkpoint_problems(manifest: CheckpointManifest) -> list[str]:
     """Shards the manifest lacks or does not expect, per model, parameter and state kind."""
     problems: list[str] = []
@@ -279,7 +293,10 @@ def resume_problems(manifest: CheckpointManifest, plan: Any) -> list[str]:
     if manifest.graph_fingerprint != graph_fingerprint(plan.graph()):
         problems.append(f"the checkpoint was saved by plan {manifest.plan_name!r} of another graph "
                         "(models, calls or algorithm differ); only a re-planned plan of the same graph resumes it")
+    used = plan.graph().home_calls()  # a model no call uses has no state to resume
     for name, decl in plan.models.items():
+        if name not in used:
+            continue
         saved = manifest.models.get(name)
         if saved is None:
             problems.append(f"model {name!r} is not in the checkpoint")

@@ -4,11 +4,23 @@
     python -m runtime plans/tiny_ppo.json --reference --steps 30 --metrics-out ref.jsonl
     torchrun --nproc-per-node 4 -m runtime plans/tiny_ppo.json --steps 10 --trace-out run.trace.json
     planner timeline plans/tiny_ppo.json --measured run.trace.json -o vs.png
+    torchrun --nproc-per-node 4 --max-restarts 3 -m runtime plans/tiny_ppo.json --steps 100 \
+        --checkpoint-dir ckpt --checkpoint-every 10 --resume auto
 
 Both write one JSON object per step (the same keys), so the two runs compare line by line; rank 0
 prints a progress line per step (`runtime.observe`, silenced by --quiet). --trace-out writes the
 measured timeline of all ranks as one planner trace (`plans.trace`). Problems with the plan or the
 launch are reported on every rank as one message, exit status 2.
+
+Checkpoints (`runtime.checkpoint`): --checkpoint-dir DIR saves the run's state after every
+--checkpoint-every K steps and after the last one, as DIR/step-NNNNNNNNN (complete or absent).
+--resume auto continues from the newest complete checkpoint in DIR (a fresh start when there is
+none), --resume PATH from that one, under this plan or a re-planned one (`planner replan`):
+--steps counts from the run's beginning, so a restarted command runs the remaining steps, and a
+resumed run computes what the uninterrupted run computes. Its --metrics-out keeps the lines of
+the steps before the checkpoint. Under ``torchrun --max-restarts R`` a rank that dies makes the
+group restart, and --resume auto picks up from the last checkpoint. A collective that does not
+complete within --collective-timeout seconds fails the run with a message naming its call.
 """
 
 from __future__ import annotations
@@ -17,18 +29,20 @@ import argparse
 import json
 import os
 import sys
-from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from plans.errors import PlannerError
 from plans.plan import load_plan, write_text_atomic
-from runtime.executor import PlanRunner
+from runtime.checkpoint import CheckpointOptions, resume, save_checkpoint, seed_process
+from runtime.executor import DEFAULT_TIMEOUT_S, PlanRunner
+from runtime.faults import FaultHooks
+from runtime.groups import init_default_group
 from runtime.observe import gather_events, progress_line, write_measured_trace
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TIMEOUT = timedelta(minutes=10)  # a hung collective fails instead of blocking forever
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -41,10 +55,36 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
     ap.add_argument("--trace-out", help="write the measured timeline of every rank to this trace JSON (rank 0)")
     ap.add_argument("--quiet", action="store_true", help="print no progress lines")
+    ap.add_argument("--checkpoint-dir", type=Path, help="save checkpoints in this directory (seen by every rank)")
+    ap.add_argument("--checkpoint-every", type=int, help="save after every K steps (default: after the last only)")
+    ap.add_argument("--checkpoint-keep", type=int, help="keep only the newest N checkpoints (default: all)")
+    ap.add_argument("--resume", metavar="auto|PATH",
+                    help="continue from the newest complete checkpoint in --checkpoint-dir (auto; a fresh start "
+                    "when there is none) or from checkpoint directory PATH")
+    ap.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                    help=f"seconds a collective may wait for its peers before the run fails (default {DEFAULT_TIMEOUT_S:g})")
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error("--steps must be at least 1")
+    if args.collective_timeout <= 0:
+        ap.error("--collective-timeout must be positive")
     return args
+
+
+def _earlier_metrics(path: str | None, *, upto: int) -> list[str]:
+    """The lines of an earlier attempt's metrics file for steps up to `upto` (a resumed run keeps them)."""
+    if path is None or upto == 0 or not Path(path).is_file():
+        return []
+    kept = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        try:
+            step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise PlannerError(f"--metrics-out {path!r} line {n} is not a metrics line of this runtime",
+                               hint="give a new --metrics-out file, or remove that one") from None
+        if step <= upto:
+            kept.append(line)
+    return kept
 
 
 def run(args: argparse.Namespace) -> None:
@@ -61,25 +101,43 @@ def run(args: argparse.Namespace) -> None:
             f"but this launch has {world}",
             hint=f"launch with torchrun --nproc-per-node {plan.cluster.gpus_per_node} --nnodes {plan.cluster.nodes}, "
             "or add --reference to run it in one process")
+    ckpt = CheckpointOptions(directory=args.checkpoint_dir, every=args.checkpoint_every, resume=args.resume,
+                             keep=args.checkpoint_keep)
+    ckpt.check()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     distributed = not args.reference and world > 1
     if distributed:
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
+        init_default_group("nccl" if cuda else "gloo", timeout_s=args.collective_timeout)
     try:
+        hooks = FaultHooks.from_env(rank)
+        seed_process(args.seed, rank)
         runner = PlanRunner(plan, rank=rank, world_size=world, reference=args.reference, seed=args.seed,
-                            dtype=DTYPES[args.dtype], device=device, trace=args.trace_out is not None)
-        lines: list[str] = []
-        for step in range(1, args.steps + 1):
+                            dtype=DTYPES[args.dtype], device=device, trace=args.trace_out is not None,
+                            collective_timeout_s=args.collective_timeout, hooks=hooks)
+        resumed = resume(runner, ckpt)
+        start = resumed.step if resumed is not None else 0
+        say = print if rank == 0 and not args.quiet else (lambda *_a, **_k: None)
+        if resumed is not None:
+            say(f"resumed from {resumed.directory} (step {resumed.step}, saved by {resumed.world_size} rank{'s' if resumed.world_size > 1 else ''})"
+                + (f"; skipped incomplete {', '.join(resumed.skipped)}" if resumed.skipped else ""), flush=True)
+        elif ckpt.resume == "auto":
+            say(f"no complete checkpoint in {ckpt.directory}: starting at step 1", flush=True)
+        if start >= args.steps:
+            say(f"the checkpoint is at step {start}: --steps {args.steps} already done", flush=True)
+        lines = _earlier_metrics(args.metrics_out, upto=start) if rank == 0 else []
+        for step in range(start + 1, args.steps + 1):
             metrics = runner.step(step)
             if rank == 0:
                 lines.append(json.dumps(metrics, sort_keys=True))
                 if args.metrics_out:
                     write_text_atomic(args.metrics_out, "\n".join(lines) + "\n")
-                if not args.quiet:
-                    print(progress_line(metrics, plan=plan, steps=args.steps), flush=True)
+                say(progress_line(metrics, plan=plan, steps=args.steps), flush=True)
+            if ckpt.due(step, last=step == args.steps):
+                saved = save_checkpoint(runner, ckpt.directory, step=step, keep=ckpt.keep, hooks=hooks)
+                say(f"saved checkpoint {saved}", flush=True)
         if args.trace_out:
             events = gather_events(runner.recorder.events, distributed=distributed, rank=rank, world_size=world)
             if events is not None:

@@ -211,6 +211,32 @@ class DataParallel:
             if self.zero in (1, 2) and self.groups.dp.size > 1:
                 all_gather_into(self.flat, self.flat[lo:hi].clone(), group=self.groups.dp.group)
 
+    def moments(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """Adam's (exp_avg, exp_avg_sq) of every parameter of the shard, shaped like it (views).
+        Under ZeRO 1/2 the partitions are all-gathered over the data-parallel group first, so
+        every rank of the group must call it; Adam is elementwise, so the gathered moments are
+        the parameters' own."""
+        m, v = self.m, self.v
+        if self.zero in (1, 2) and self.groups.dp.size > 1:
+            both = torch.empty(self.groups.dp.size * 2, self.m.numel(), dtype=self.m.dtype, device=self.m.device)
+            all_gather_into(both, torch.stack([self.m, self.v]), group=self.groups.dp.group)
+            m, v = both[0::2].reshape(-1), both[1::2].reshape(-1)  # rank r's pair sits at rows 2r, 2r+1
+        return {n: (m[lo:hi].view(self.shard.params[n].shape), v[lo:hi].view(self.shard.params[n].shape))
+                for n, (lo, hi) in self.views.items()}
+
+    def load_moments(self, moments: dict[str, tuple[Tensor, Tensor]], *, steps: int) -> None:
+        """Set Adam's state from whole-shard moments (as `moments` returns them) and its step
+        count; each rank keeps its own partition."""
+        whole_m, whole_v = torch.zeros_like(self.flat), torch.zeros_like(self.flat)
+        for n, (lo, hi) in self.views.items():
+            m, v = moments[n]
+            whole_m[lo:hi] = m.reshape(-1)
+            whole_v[lo:hi] = v.reshape(-1)
+        lo, hi = self.owned
+        self.m.copy_(whole_m[lo:hi])
+        self.v.copy_(whole_v[lo:hi])
+        self.steps = steps
+
     def _check_grads_in_buffer(self) -> None:
         for n, (lo, hi) in self.views.items():
             p = self.shard.params[n]

@@ -48,6 +48,7 @@ from runtime.algorithms import Glue, Rows, aligned, last_index, load_reward_fn
 from runtime.data_parallel import AdamConfig
 from runtime.dataflow import Incoming, Mailbox, Shapes, StatsInbox, leader
 from runtime.engine import ModelRunner
+from runtime.faults import FaultHooks, named
 from runtime.groups import Groups, RankGroups, solo_groups
 from runtime.losses import make_loss
 from runtime.model import init_tensor
@@ -55,6 +56,7 @@ from runtime.realloc import RankPlan, rank_plan, reallocate
 from runtime.tasks import make_inputs
 
 SOLO_MESH = Mesh(ranks=(0,))
+DEFAULT_TIMEOUT_S = 600.0  # a hung collective fails after this long instead of blocking forever
 
 
 @dataclass(frozen=True)
@@ -149,10 +151,15 @@ class PlanRunner:
     """Runs a plan on this rank (or, with `reference`, all of it in this one process)."""
 
     def __init__(self, plan: Plan, *, rank: int, world_size: int, reference: bool, seed: int,
-                 dtype: torch.dtype, device: torch.device, trace: bool = False) -> None:
-        """`trace`: keep every step's spans in `recorder.events` (else only the current step's)."""
+                 dtype: torch.dtype, device: torch.device, trace: bool = False,
+                 collective_timeout_s: float = DEFAULT_TIMEOUT_S, hooks: FaultHooks | None = None) -> None:
+        """`trace`: keep every step's spans in `recorder.events` (else only the current step's).
+        `collective_timeout_s`: the timeout of the process groups created here (the caller gives
+        the default group the same); a collective failing is a `PlannerError` naming its call.
+        `hooks`: test hooks that kill or stall this rank (`runtime.faults`; none by default)."""
         self.plan, self.rank, self.world, self.seed = plan, rank, world_size, seed
         self.reference, self.device, self.dtype = reference, device, dtype
+        self.timeout_s, self.hooks = collective_timeout_s, hooks or FaultHooks(rank)
         self.calls = call_plans(plan)
         # Calls that run on a reallocated copy (the reference reports their move as taking 0 s).
         self.moved = {n for n, cp in self.calls.items() if cp.source == "realloc"}
@@ -169,7 +176,7 @@ class PlanRunner:
                         tuple(sorted({r for reader in plan.calls if h in reader.inputs
                                       for r in self.calls[reader.name].where.mesh.ranks}))
                         for c in plan.calls for h in c.outputs}
-        groups = Groups(distributed=self.distributed)
+        groups = Groups(distributed=self.distributed, timeout_s=collective_timeout_s)
         self.groups: dict[str, RankGroups | None] = {}
         for c in plan.calls:  # plan order: every rank creates the same groups
             where = self.calls[c.name].where
@@ -199,8 +206,9 @@ class PlanRunner:
                                                dst=(cp.where.mesh, cp.where.layout), rank=rank,
                                                gpus_per_node=plan.cluster.gpus_per_node)
         self.vocab = min(plan.models[m].spec.vocab_size for m in plan.models)
-        if self.distributed:
-            dist.barrier()  # the default group's first collective involves every rank (NCCL p2p needs it)
+        if self.distributed:  # the default group's first collective involves every rank (NCCL p2p needs it)
+            with named("setting up the plan's process groups", rank=rank, timeout_s=self.timeout_s):
+                dist.barrier()
         # Created right after the barrier: every rank's spans share this time origin.
         self.recorder = TraceRecorder(rank, sync=torch.cuda.synchronize if device.type == "cuda" else None)
         self.keep_trace = trace
@@ -231,6 +239,12 @@ class PlanRunner:
 
     def _last_span_s(self) -> float:
         return self.recorder.events[-1]["dur"] / US_PER_S
+
+    def resident(self) -> list[tuple[str, Placement, ModelRunner | None]]:
+        """Every model's home placement, which holds its parameters and optimizer state between
+        steps, with this rank's runner on it (None outside its mesh), in the plan's model order."""
+        homes = {c.model: self.calls[c.name].home for c in self.plan.calls}
+        return [(m, self.calls[homes[m]].where, self.homes.get(m)) for m in self.plan.models if m in homes]
 
     # Calls -----------------------------------------------------------------------------------
 
@@ -307,7 +321,13 @@ class PlanRunner:
 
     def run_call(self, call: PlanCall, *, state: StepState) -> None:
         """Run one call of the step on this rank (its reallocation first), post its output's
-        sends and receives and its statistics. Every rank runs the same calls in the same order."""
+        sends and receives and its statistics. Every rank runs the same calls in the same order.
+        A collective or message that fails (a peer died, or timed out) is a `PlannerError` naming
+        the call."""
+        with named(f"call {call.name!r} of step {state.step}", rank=self.rank, timeout_s=self.timeout_s):
+            self._run_call(call, state)
+
+    def _run_call(self, call: PlanCall, state: StepState) -> None:
         cp = self.calls[call.name]
         runner, realloc_s = self._runner(call, state.step)
         store = state.store
@@ -318,6 +338,8 @@ class PlanRunner:
         span = nullcontext() if runner is None else \
             self.recorder.call(call.name, step=state.step, kind=call.kind, model=call.model)
         with span:
+            if runner is not None:
+                self.hooks.before_call(state.step, kind=call.kind)
             if call.kind == "generate":
                 local, shapes = self._generate(call, runner, store, state.step)
             elif call.kind == "inference":
@@ -344,12 +366,14 @@ class PlanRunner:
 
     def finish_step(self, state: StepState) -> dict[str, float | int]:
         """Complete the step's messages; its metrics (complete on rank 0)."""
-        for value in state.store.values():  # complete every receive posted, read or not
-            if isinstance(value, Incoming):
-                value.get()
-        state.mail.flush()
+        with named(f"the end of step {state.step} (its last messages)", rank=self.rank, timeout_s=self.timeout_s):
+            for value in state.store.values():  # complete every receive posted, read or not
+                if isinstance(value, Incoming):
+                    value.get()
+            state.mail.flush()
+            reports = [*state.reports, *state.inbox.collect()]
         metrics: dict[str, float | int] = {"step": state.step}
-        for stats in [*state.reports, *state.inbox.collect()]:
+        for stats in reports:
             metrics.update(stats)
         metrics["time_s"] = time.perf_counter() - state.t0
         return metrics

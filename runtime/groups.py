@@ -10,7 +10,9 @@ DTensor's even ``Shard`` placements do not express.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -48,17 +50,20 @@ class RankGroups:
 
 
 class Groups:
-    """Creates and caches process groups; `None` world means a single process (the reference)."""
+    """Creates and caches process groups; `distributed=False` means a single process (the
+    reference). Every group gets `timeout_s` (torch would give a new group its backend's default,
+    not the default group's; None keeps that default)."""
 
-    def __init__(self, *, distributed: bool) -> None:
+    def __init__(self, *, distributed: bool, timeout_s: float | None = None) -> None:
         self.distributed = distributed
+        self.timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
         self._cache: dict[tuple[int, ...], Any] = {}
 
     def _group(self, ranks: tuple[int, ...]) -> Any:
         if len(ranks) == 1 or not self.distributed:
             return None
         if ranks not in self._cache:
-            self._cache[ranks] = dist.new_group(list(ranks))
+            self._cache[ranks] = dist.new_group(list(ranks), timeout=self.timeout)
         return self._cache[ranks]
 
     def build(self, mesh: Mesh, layout: Layout, *, rank: int, tied: bool) -> RankGroups | None:
@@ -101,6 +106,22 @@ class Groups:
         local = mesh.ranks.index(rank)
         return RankGroups(layout=layout, local=local, coord=layout.coord(local), tp=mine["tp"], dp=mine["dp"],
                           pp=mine["pp"], tied=tied_axis)
+
+
+def init_default_group(backend: str, *, timeout_s: float) -> None:
+    """Create the default process group from torchrun's environment (``env://``), every key it
+    puts in the rendezvous store under a prefix naming the restart attempt.
+
+    torchrun (``--standalone`` / c10d rendezvous) shares its own store with the workers of every
+    attempt; without the prefix, the ranks of a restarted group can read the addresses the ranks
+    of the failed attempt left there and fail to connect (gloo: "connectFullMesh failed ...
+    Connection refused")."""
+    timeout = timedelta(seconds=timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
 
 
 def solo_groups(layout: Layout) -> RankGroups:
