@@ -7,6 +7,7 @@ registering its own on the app.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 
@@ -28,11 +29,28 @@ app = typer.Typer(
 )
 
 
+def reflow(text: str) -> str:
+    """A help text with each prose paragraph on one line, so the terminal wraps it at its own width
+    (rich keeps a docstring's line breaks); indented lines (examples) keep theirs."""
+    out: list[str] = []
+    for line in text.splitlines():
+        joinable = out and out[-1] and line and not line[0].isspace() and not out[-1][0].isspace()
+        if joinable and not out[-1].endswith(":"):
+            out[-1] += " " + line
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
 def _register_commands() -> None:
     from planner.commands import COMMAND_MODULES
 
     for module in COMMAND_MODULES:
         module.register(app)
+    for command in app.registered_commands:  # typer falls back to the docstring when help is unset
+        text = command.help or (inspect.getdoc(command.callback) if command.callback else None)
+        if text:
+            command.help = reflow(text)
 
 
 def render_error(err: PlannerError, console: Console | None = None) -> None:

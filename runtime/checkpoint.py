@@ -49,6 +49,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from plans.checkpoint import (
+    MANIFEST_NAME,
     STEP_DIR,
     CheckpointManifest,
     DataPosition,
@@ -71,7 +72,6 @@ from plans.sharding import Box, box_numel, parameters, shard_box
 from runtime.executor import PlanRunner
 from runtime.faults import FaultHooks, named
 
-MANIFEST = "manifest.json"
 LEFTOVER = re.compile(r"^step-\d{9}\.(tmp|old|deleting)$")  # directories of interrupted saves and prunes
 
 
@@ -254,7 +254,7 @@ def _finish(runner: PlanRunner, reports: list[dict], *, step: int, tmp: Path, fi
     if problems:  # the ranks' pieces do not tile the models: never leave such a checkpoint behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise PlannerError(f"checkpoint of step {step} would be incomplete: {problems[0]}")
-    _write_file(tmp / MANIFEST, manifest.model_dump_json(indent=1).encode())
+    _write_file(tmp / MANIFEST_NAME, manifest.model_dump_json(indent=1).encode())
     _fsync_dir(tmp)
     if final.exists():  # an incomplete checkpoint of this step from an earlier attempt
         old = final.with_name(final.name + ".old")
@@ -320,7 +320,7 @@ def _choose(options: CheckpointOptions, runner: PlanRunner) -> tuple[str, str, l
                          if p.is_dir() and (m := STEP_DIR.match(p.name)) and int(m.group(1)) > manifest.step)
     else:
         directory = Path(str(options.resume))
-        if not (directory / MANIFEST).is_file() and directory.is_dir() and \
+        if not (directory / MANIFEST_NAME).is_file() and directory.is_dir() and \
                 any(STEP_DIR.match(p.name) for p in directory.iterdir()):
             raise PlannerError(f"--resume {str(directory)!r} is a directory of checkpoints, not one checkpoint",
                                hint=f"give one of its step-NNNNNNNNN directories, or --checkpoint-dir "

@@ -146,3 +146,19 @@ def test_plan_that_breaks_placement_rules(compiled, cli, tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(data))
     r = cli("validate", str(tmp_path / "bad.json"))
     assert r.code == 2 and "exceeds the cluster's 4 GPUs" in r.err
+
+
+def test_help_prose_reflows_to_the_terminal_and_examples_keep_their_lines():
+    from planner.cli import reflow
+
+    text = "Summary line\ncontinued.\n\nExamples:\n\n  planner a\n  planner b\n\nTail\nparagraph."
+    assert reflow(text) == "Summary line continued.\n\nExamples:\n\n  planner a\n  planner b\n\nTail paragraph."
+
+
+def test_every_command_has_help_that_teaches(cli):
+    out = cli("--help")
+    assert out.code == 0
+    for command in ("compile", "validate", "timeline", "explain", "export", "replan", "profile"):
+        page = cli(command, "--help")
+        assert page.code == 0 and "Usage: planner " + command in page.out
+    assert "Examples:" in cli("replan", "--help").out
