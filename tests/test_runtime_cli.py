@@ -147,3 +147,16 @@ def test_bad_plan_file_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     out = _run(["-m", "runtime", str(tmp_path / "bad.json"), "--reference"])
     assert out.returncode == 2 and "is not valid JSON" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_a_plan_of_another_schema_version_is_refused_on_every_rank(tmp_path: Path) -> None:
+    data = json.loads((ROOT / "plans" / "tiny_ppo.json").read_text())
+    data["version"] = 99
+    (tmp_path / "v99.json").write_text(json.dumps(data))
+    out = _torchrun(4, str(tmp_path / "v99.json"))
+    assert out.returncode != 0
+    for rank in range(4):
+        assert f"error (rank {rank}): {tmp_path / 'v99.json'} has plan version 99; this planner reads version 1" \
+            in out.stderr
+    assert str(ROOT / "runtime") not in out.stderr
