@@ -43,10 +43,23 @@ from runtime.groups import init_default_group
 from runtime.observe import gather_events, progress_line, write_measured_trace
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EXAMPLES = """examples:
+  torchrun --nproc-per-node 4 -m runtime plans/tiny_ppo.json --steps 30 --metrics-out m.jsonl
+  python -m runtime plans/tiny_ppo.json --reference --steps 30 --metrics-out ref.jsonl
+  torchrun --nproc-per-node 4 -m runtime plans/tiny_ppo.json --steps 10 --trace-out run.trace.json
+  torchrun --nproc-per-node 4 --max-restarts 3 -m runtime plans/tiny_ppo.json --steps 100 \\
+      --checkpoint-dir ckpt --checkpoint-every 10 --resume auto
+  planner replan plans/tiny_ppo.json --cluster cpu:1x2 -o tiny_ppo_2.json
+  torchrun --nproc-per-node 2 -m runtime tiny_ppo_2.json --steps 100 --checkpoint-dir ckpt --resume auto
+
+A checkpoint is DIR/step-NNNNNNNNN, complete or absent; --steps counts from the run's start, so a
+restarted command runs the remaining steps. Errors are one message on every rank, exit status 2."""
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m runtime", description="Execute a compiled plan.")
+    ap = argparse.ArgumentParser(prog="python -m runtime", description="Execute a compiled plan: under torchrun "
+                                 "(one rank per GPU of the plan's cluster), or in one process with --reference.",
+                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("plan", help="plan JSON written by `planner compile`")
     ap.add_argument("--steps", type=int, default=1, help="iterations to run (default 1)")
     ap.add_argument("--metrics-out", help="write one JSON object per step to this .jsonl file (rank 0)")
