@@ -33,7 +33,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -43,9 +42,8 @@ from torch import Tensor
 from plans.errors import PlannerError
 from plans.graph import HostStep, unique_name
 from plans.plan import Plan, PlanCall
-from runtime.executor import PlanRunner, StepState
-
-TIMEOUT = timedelta(minutes=10)  # a hung collective fails instead of blocking forever
+from runtime.executor import DEFAULT_TIMEOUT_S, PlanRunner, StepState
+from runtime.groups import init_default_group
 
 
 @dataclass
@@ -86,7 +84,7 @@ def launch() -> Launch:
         torch.cuda.set_device(device)
     owns = False
     if torchrun and world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
+        init_default_group("nccl" if cuda else "gloo", timeout_s=DEFAULT_TIMEOUT_S)
         owns = True
     return Launch(rank=rank, world_size=world, torchrun=torchrun, device=device, owns_group=owns)
 

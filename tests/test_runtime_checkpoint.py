@@ -7,46 +7,22 @@ middle of a step or of a save, or sleeps before a call, as a lost GPU or a hung 
 
 from __future__ import annotations
 
-import json
-import os
+import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 
-from plans import Layout, Mesh, save_plan
+from plans import save_plan
 from plans.checkpoint import latest_complete, load_manifest, step_dir
 from plans.plan import load_plan
-from tests.test_runtime_cli import ROOT, TOL, tiny_ppo_plan
+from tests.test_runtime_cli import LAYOUTS, ROOT, TOL, _metrics, _run, _torchrun, tiny_ppo_plan
 
 PLAN = ROOT / "plans" / "tiny_ppo.json"  # the bundled compiled example: several meshes, reallocations
-SHARDED = {  # tensor and pipeline parallel, ZeRO 1 and 2, sequence parallel: every kind of shard
-    "actor": (Mesh.block(0, 4), Layout(dp=2, tp=2, zero=1)),
-    "critic": (Mesh.block(0, 4), Layout(dp=2, pp=2, micro_batches=2, zero=2)),
-    "ref": (Mesh.block(0, 2), Layout(tp=2, sequence_parallel=True)),
-}
+SHARDED = LAYOUTS  # tensor and pipeline parallel, ZeRO 1 and 2, sequence parallel: every kind of shard
 STEPS, EVERY = 4, 2
-
-
-def _run(args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RUNTIME_TEST_KILL_AT", "RUNTIME_TEST_HANG_AT")}
-    base["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env={**base, **(env or {})}, capture_output=True,
-                          text=True, timeout=timeout_s)
-
-
-def _torchrun(n: int, *args: str, restarts: int = 0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return _run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", f"--max-restarts={restarts}",
-                 "-m", "runtime", *args], env=env)
-
-
-def _metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _values(metrics: list[dict]) -> list[dict]:
@@ -79,7 +55,7 @@ def test_a_rank_killed_mid_step_recovers_under_torchrun_restarts_bitwise(uninter
                     "--checkpoint-every", str(EVERY), "--resume", "auto", "--metrics-out", str(tmp_path / "m.jsonl"),
                     restarts=2, env={"RUNTIME_TEST_KILL_AT": "3:2"})  # rank 2 dies in step 3's first train call
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "exitcode: 137" in out.stderr.replace("exitcode  :", "exitcode:") or "(exitcode: 137)" in out.stderr
+    assert re.search(r"exitcode\s*:\s*137", out.stderr), out.stderr[-3000:]  # torchrun saw rank 2 die
     assert "no complete checkpoint" in out.stdout and "resumed from" in out.stdout and "step-000000002" in out.stdout
     final = "step-000000004"
     want, got = _state(uninterrupted / "ckpt" / final), _state(tmp_path / "ckpt" / final)

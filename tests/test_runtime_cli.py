@@ -47,14 +47,19 @@ def tiny_ppo_plan(layouts: dict[str, tuple[Mesh, Layout]], *, per_call: dict[str
                 estimate=Estimate(iteration_s=0, tokens_per_s=0, mfu=0, peak_mem_bytes=0))
 
 
-def _run(args: list[str], *, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+def _run(args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """`python ARGS` in the repository, with `env` on top of this environment less launch and
+    fault-injection variables."""
+    dropped = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "RUNTIME_TEST_KILL_AT", "RUNTIME_TEST_HANG_AT")
+    base = {k: v for k, v in os.environ.items() if k not in dropped}
+    base["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env={**base, **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout_s)
 
 
-def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess:
-    return _run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "runtime", *args])
+def _torchrun(n: int, *args: str, restarts: int = 0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return _run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", f"--max-restarts={restarts}",
+                 "-m", "runtime", *args], env=env)
 
 
 def _metrics(path: Path) -> list[dict]:
