@@ -5,23 +5,24 @@ Each repetition:
 1. calibrates the `cpu` cluster preset on this machine now: `planner profile --ranks 4`
    (`planner.profiling`: GEMM and memory throughput of one rank's thread, attention's softmax
    cost, the runtime's own host and eager costs, the cores the 4 ranks get while all of them
-   work, gloo all-reduce latency and bandwidth), or takes `--calibration FILE` instead;
+   work, how far ranks sharing cores drift apart between collectives, gloo all-reduce latency and
+   bandwidth), or takes `--calibration FILE` instead;
 2. compiles `examples/tiny_ppo.py` for ``cpu:1x4`` with that calibration;
 3. runs the plan for `--steps` steps under torchrun on 4 gloo ranks with ``--trace-out``;
 4. prints each call's predicted time next to its measured time, exactly what
    ``planner timeline PLAN --measured TRACE`` compares (`planner.timeline.compare_calls`: the
-   mean over steps, the first left out as warm-up, of the span from the call's first rank
-   starting to its last rank ending), the error (predicted - measured) / measured, and the mean
-   absolute error over the calls (the aim: at most 25%).
+   mean over steps, the first left out as warm-up, of the span from the call's last rank
+   starting to its last rank ending, the moment the prediction starts a call: all its ranks free
+   and its inputs in; `plans.trace.call_times_s` says why), the error (predicted - measured) /
+   measured, and the mean absolute error over the calls (the aim: at most 25%).
 
-As context it also prints each call's *busiest rank* time (the mean over steps of the longest
-span any of its ranks spent in it): a call whose ranks do not synchronise (data parallel with no
-collective) is skewed by however late each rank got its inputs or its turn on a core, which the
-first-start-to-last-end span includes and the busiest rank does not. The machine's load average
-before and after each run is printed: other processes on a shared machine take cores the
-profile could not see. And it runs the plan's calls in one process (``--reference``: every call
-alone on one rank, what a ``cpu:1x1`` cluster predicts), the cost model without ranks sharing
-cores.
+As context it also prints each call's span from its *first* rank starting (the spread of its
+ranks' starts on top: on 4 ranks time-sharing 2 cores, ranks leave each call at different
+times), the predicted and measured iteration (the mean step, which adds the waits between
+calls), and the machine's load average before and after each run (other processes on a shared
+machine take cores the profile could not see). And it runs the plan's calls in one process
+(``--reference``: every call alone on one rank, what a ``cpu:1x1`` cluster predicts), the cost
+model without ranks sharing cores.
 
     .venv/bin/python bench/predict_vs_measure.py [--repeats 3] [--steps 20] [--calibration FILE] [--out DIR]
 
@@ -38,7 +39,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,20 +51,16 @@ from planner.profiling import profile_devices  # noqa: E402
 from planner.timeline import compare_calls, mean_abs_error  # noqa: E402
 from plans import Layout, Mesh, parse_cluster  # noqa: E402
 from plans.plan import Plan, save_plan  # noqa: E402
-from plans.trace import Span, call_times_s, load_trace, spans  # noqa: E402
+from plans.trace import Span, call_times_s, load_trace, spans, step_window_s, steps_of  # noqa: E402
 
 RANKS = 4
 AIM = 0.25
 
 
-def busiest_rank_s(items: list[Span], *, skip_steps: int = 1) -> dict[tuple[str, str], float]:
-    """Per (cat, call): the mean over steps (after `skip_steps`) of its longest span on any rank."""
-    steps = sorted({s.step for s in items})[skip_steps:]
-    longest: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
-    for s in items:
-        if s.step in steps:
-            longest[s.key][s.step] = max(longest[s.key].get(s.step, 0.0), s.dur_s)
-    return {k: statistics.mean(v.values()) for k, v in longest.items()}
+def step_s(items: list[Span], *, skip_steps: int = 1) -> float:
+    """The mean step over steps (after `skip_steps`): from its first span's start to its last's end."""
+    steps = steps_of(items)[skip_steps:]
+    return statistics.mean(hi - lo for lo, hi in (step_window_s(items, k) for k in steps))
 
 
 def run_plan(plan_path: Path, trace_path: Path, *, steps: int, reference: bool = False) -> None:
@@ -96,27 +92,26 @@ def report_alone(plan: Plan, trace: dict, cal: Calibration) -> float:
 
 def report(plan: Plan, trace: dict, *, label: str) -> float:
     rows = compare_calls(plan, trace)
-    busy = busiest_rank_s(spans(trace))
+    spread = {(r.cat, r.call): r for r in compare_calls(plan, trace, start="first")}
     print(f"\n{label}")
     print(f"{'call':<30} {'mesh':<6} {'layout':<16} {'predicted':>10} {'measured':>10} {'error':>7}   "
-          f"{'busiest rank':>12} {'error':>7}")
+          f"{'from first start':>16} {'error':>7}")
     for r in rows:
         name = r.call if r.cat == "call" else f"realloc for {r.call}"
         c = plan.call(r.call)
         where = (f"{c.mesh.short()}", c.layout.short()) if r.cat == "call" else ("", "")
-        b = busy.get((r.cat, r.call))
-        err = "" if r.error is None else f"{r.error * 100:+.0f}%"
-        berr = "" if not b else f"{(r.predicted_s - b) / b * 100:+.0f}%"
-        measured = "-" if r.measured_s is None else f"{r.measured_s * 1e3:.2f} ms"
-        busy_txt = "-" if b is None else f"{b * 1e3:.2f} ms"
-        print(f"{name:<30} {where[0]:<6} {where[1]:<16} {r.predicted_s * 1e3:7.2f} ms {measured:>10} {err:>7}   "
-              f"{busy_txt:>12} {berr:>7}")
-    mae = mean_abs_error(rows)
-    assert mae is not None
-    busy_errs = [abs(r.predicted_s - busy[(r.cat, r.call)]) / busy[(r.cat, r.call)] for r in rows
-                 if r.cat == "call" and busy.get((r.cat, r.call))]
+        f = spread[(r.cat, r.call)]
+        cells = ["-" if x.measured_s is None else f"{x.measured_s * 1e3:.2f} ms" for x in (r, f)]
+        errs = ["" if x.error is None else f"{x.error * 100:+.0f}%" for x in (r, f)]
+        print(f"{name:<30} {where[0]:<6} {where[1]:<16} {r.predicted_s * 1e3:7.2f} ms {cells[0]:>10} {errs[0]:>7}   "
+              f"{cells[1]:>16} {errs[1]:>7}")
+    mae, first = mean_abs_error(rows), mean_abs_error(list(spread.values()))
+    assert mae is not None and first is not None
     print(f"mean |error| over calls: {mae * 100:.1f}% (aim: at most {AIM * 100:.0f}%); "
-          f"against the busiest rank: {statistics.mean(busy_errs) * 100:.1f}%")
+          f"from the first rank's start: {first * 100:.1f}%")
+    measured = step_s(spans(trace))
+    print(f"iteration: predicted {plan.estimate.iteration_s * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms "
+          f"({(plan.estimate.iteration_s - measured) / measured * 100:+.0f}%)")
     return mae
 
 
@@ -150,9 +145,8 @@ def main() -> None:
             run_plan(plan_path, trace_path, steps=args.steps)
             after = os.getloadavg()[0]
             label = (f"== run {k}: load average {before:.1f} before, {after:.1f} after; calibration: host "
-                     f"{co.host_kernel_us:.1f} us/kernel, {hw.peak_tflops or 0:.3f} TFLOP/s and "
-                     f"{hw.cpu_cores} cores for {RANKS} ranks; predicted iteration "
-                     f"{plan.estimate.iteration_s * 1e3:.1f} ms")
+                     f"{co.host_kernel_us:.1f} us/kernel, {hw.peak_tflops or 0:.3f} TFLOP/s, "
+                     f"{hw.cpu_cores} cores for {RANKS} ranks, drift {hw.skew_ms_per_sqrt_s or 0:.0f} ms per sqrt(s)")
             maes.append(report(plan, load_trace(trace_path), label=label))
             run_plan(plan_path, alone_path, steps=args.steps, reference=True)
             alone.append(report_alone(plan, load_trace(alone_path), cal))

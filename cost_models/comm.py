@@ -15,12 +15,21 @@ bandwidth):
 with busbw the slowest link: NVLink per GPU inside a node, and across nodes the node's network
 shared by the `concurrent` groups: ``node_net / concurrent``. Alpha is the intra- or inter-node
 step latency.
+
+A blocking collective also waits for the group's slowest rank (`skew_wait_s`). Ranks that
+time-share CPU cores drift apart between collectives: each is descheduled for whole time slices
+at random, so after work w a rank's lag is a random walk of slices, standard deviation
+``sigma * sqrt(w)`` (``sigma * w / sqrt(q)`` below one slice q, when at most one preemption
+falls in the work), and the collective ends when the rank furthest behind arrives: each rank
+waits ``lag * E[max of n standard normals]`` on average. Devices of their own run their kernels
+at a steady pace (sigma 0).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 from cost_models.hardware import Hardware
 
@@ -104,3 +113,35 @@ def p2p_s(nbytes: float, *, cross_node: bool, senders_per_node: int, hw: Hardwar
     if cross_node:
         return nbytes / (hw.node_net_bytes_s / max(1, senders_per_node)) + hw.inter_latency_s
     return nbytes / hw.intra_bytes_s + hw.intra_latency_s
+
+
+@cache
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] (0 for one; 1/sqrt(pi) for two), by quadrature."""
+    if n <= 1:
+        return 0.0
+    steps, lo, hi = 4000, -8.0, 8.0
+    dx = (hi - lo) / steps
+    total = 0.0
+    for i in range(steps + 1):
+        x = lo + i * dx
+        pdf = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        total += (0.5 if i in (0, steps) else 1.0) * x * n * pdf * cdf ** (n - 1)
+    return total * dx
+
+
+def lag_std_s(work_s: float, hw: Hardware) -> float:
+    """Standard deviation of a rank's lag behind its peers after `work_s` of work (module docstring)."""
+    if hw.skew_s_per_sqrt_s <= 0 or work_s <= 0:
+        return 0.0
+    q = hw.skew_slice_s
+    return hw.skew_s_per_sqrt_s * (math.sqrt(work_s) if work_s >= q else work_s / math.sqrt(q))
+
+
+def skew_wait_s(work_s: float, n: int, hw: Hardware) -> float:
+    """Mean time a rank of an `n`-rank group waits at a blocking collective for the slowest rank,
+    after `work_s` of work since the group last met: 0 on devices of their own."""
+    if n <= 1:
+        return 0.0
+    return lag_std_s(work_s, hw) * expected_max_normal(n)

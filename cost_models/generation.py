@@ -70,7 +70,8 @@ def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, 
     ends = Stretch(kernels_time_s(ef + head, hw), 0.0, (len(ef) + len(head)) * hw.host_kernel_s)
     layers = [len(x) for x in stage_layers(spec.num_hidden_layers, pp, layout.interleave)]
     stage = max(layer.scale(n).wall_s(hw) for n in layers) + ends.wall_s(hw) / pp
-    hop = comm.p2p_s(2.0 * b * spec.hidden_size, cross_node=topo.pp_cross_node(layout), senders_per_node=1, hw=hw)
+    hop = comm.p2p_s(2.0 * b * spec.hidden_size, cross_node=topo.pp_cross_node(layout), senders_per_node=1, hw=hw) + \
+        comm.skew_wait_s(stage, 2, hw)
     turns = max(groups, pp)
     return turns * stage + (pp - 1) * hop, turns * layer.comm_s * max(layers)
 

@@ -7,7 +7,10 @@ calibration's measured figures combine into one immutable `Hardware`: achieved r
 A CPU "GPU" is a process of a local gloo cluster. When a node's ranks need more threads than the
 machine has cores (`HardwareOverrides.cpu_cores`, `rank_threads`), the operating system gives
 every thread an equal share of the cores, so each rank computes and runs its host code at that
-share of the speed it was profiled at: its speed while all ranks work.
+share of the speed it was profiled at: its speed while all ranks work. Time slicing also lets
+ranks drift apart between collectives, so a collective waits for its slowest rank
+(`cost_models.comm.skew_wait_s`, from the profiled `skew_ms_per_sqrt_s`); ranks with cores or
+devices of their own do not drift.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Hardware:
     decode_step_overhead_s: float
     step_overhead_s: float
     mem_capacity_bytes: int
+    skew_s_per_sqrt_s: float = 0.0  # std of a rank's lag after 1 s of work on shared cores (0: no drift)
+    skew_slice_s: float = 1e-3  # below this much work the lag grows linearly
 
 
 def effective_hardware(cluster: ClusterSpec, cal: Calibration) -> Hardware:
@@ -83,6 +88,9 @@ def effective_hardware(cluster: ClusterSpec, cal: Calibration) -> Hardware:
         decode_step_overhead_s=co.decode_step_overhead_ms * 1e-3 / share,
         step_overhead_s=co.step_overhead_ms * 1e-3 / share,
         mem_capacity_bytes=cluster.mem_bytes,
+        # Ranks drift apart only while they time-share cores.
+        skew_s_per_sqrt_s=(hw.skew_ms_per_sqrt_s or 0.0) * 1e-3 if share < 1 else 0.0,
+        skew_slice_s=(hw.skew_slice_ms or 1.0) * 1e-3,
     )
 
 

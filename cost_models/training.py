@@ -113,9 +113,10 @@ def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dic
     """
     dev = kernels_time_s(kernels, hw)
     t_comm = host = t_cp = 0.0
+    between = (dev + len(kernels) * hw.host_kernel_s) / max(1, len(comms))  # work before each collective
     for c in comms:
         g = groups[c.group]
-        t = comm_time_s(c, g, hw)
+        t = comm_time_s(c, g, hw) + comm.skew_wait_s(between, g.n, hw)
         if c.group == hidden_comm:  # ring attention overlaps the key/value exchange with compute
             t = max(0.0, t - hide_under)
         if c.group == "cp":
@@ -201,7 +202,9 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
     act_bytes = 2.0 * b * (seq_len // layout.cp) * spec.hidden_size / tp  # scatter-gather sends 1/t
     cross = topo.pp_cross_node(layout)
     senders = min(topo.gpus_per_node, layout.tp * layout.cp * layout.dp)
-    p2p = comm.p2p_s(act_bytes, cross_node=cross, senders_per_node=senders, hw=hw) if pp > 1 else 0.0
+    chunk = (lt.fwd.wall_s(hw) + lt.bwd.wall_s(hw)) * max(layers) / (2 * v)  # a stage's work between sends
+    p2p = comm.p2p_s(act_bytes, cross_node=cross, senders_per_node=senders, hw=hw) + \
+        comm.skew_wait_s(chunk, 2, hw) if pp > 1 else 0.0
 
     stage_s, compute_s, comm_s = [], [], []
     for st, n_layers in enumerate(layers):
@@ -230,12 +233,14 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
     # on the first stage and the final norm and head on the last.
     groups = max(n + (1 if i == 0 else 0) + (2 if i == pp - 1 else 0) for i, n in enumerate(layers))
     out.add("dp_comm", grad_sync_s(params, fw, hw, layout, topo, m=m, microbatch_s=stage_s[crit],
-                                   last_bwd_s=lt.bwd.wall_s(hw) * layers[crit], zero3_groups=groups))
+                                   last_bwd_s=lt.bwd.wall_s(hw) * layers[crit], zero3_groups=groups,
+                                   since_sync_s=steady + bubble))
     zero_div = layout.dp * layout.cp if layout.zero >= 1 else 1
-    out.add("optimizer", params / zero_div * fw.optimizer_step_bytes / hw.mem_bytes_s)
-    if layout.zero >= 1:  # ZeRO gathers the updated weight shards back to every rank
+    optimizer_s = params / zero_div * fw.optimizer_step_bytes / hw.mem_bytes_s
+    out.add("optimizer", optimizer_s)
+    if layout.zero >= 1 and layout.zero < 3:  # ZeRO gathers the updated weight shards back to every rank
         g = topo.group(layout, "dpcp")
-        out.add("dp_comm", comm.all_gather_s(params * fw.param_bytes, g, hw) if layout.zero < 3 else 0.0)
+        out.add("dp_comm", comm.all_gather_s(params * fw.param_bytes, g, hw) + comm.skew_wait_s(optimizer_s, g.n, hw))
     if spec.tied and head == "lm" and pp > 1:  # first and last stage sum the shared embedding's gradient
         rows = -(-spec.vocab_size // tp) * spec.hidden_size
         out.add("pp_comm", comm.all_reduce_s(rows * fw.grad_bytes, comm.Group(2, 1, 1) if cross else comm.Group(2, 2, 1), hw))
@@ -244,7 +249,7 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
 
 
 def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, m: int,
-                microbatch_s: float, last_bwd_s: float, zero3_groups: int = 1) -> float:
+                microbatch_s: float, last_bwd_s: float, zero3_groups: int = 1, since_sync_s: float = 0.0) -> float:
     """Exposed time of the data-parallel gradient reduction (and ZeRO-3 weight gathers).
 
     ZeRO 0/1 reduce once after the last backward (all-reduce, or reduce-scatter for ZeRO-1), in
@@ -256,22 +261,29 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
     `zero3_groups` parameter groups when it runs and reduce-scatters its gradient in backward,
     each a blocking collective paying its own latency; it keeps the gathered weights for the
     backward, so only the forward and a full recompute gather.
+
+    The last reduction also waits for the group's slowest rank, `since_sync_s` of work after the
+    ranks last met (`comm.skew_wait_s`; a blocking ZeRO-3 gather or reduction waits after its
+    share of a micro-batch).
     """
     if layout.dp * layout.cp == 1:
         return 0.0
     g = topo.group(layout, "dpcp")
     grad = params * fw.grad_bytes
+    wait = comm.skew_wait_s(since_sync_s, g.n, hw)
     if layout.zero <= 1:
         t = comm.all_reduce_s(grad, g, hw) if layout.zero == 0 else comm.reduce_scatter_s(grad, g, hw)
         if fw.overlap_grad_reduce:
-            return max(t - last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw))
-        return t
+            return max(t - last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw)) + wait
+        return t + wait
     if layout.zero == 3 and not fw.zero3_prefetch:
         n = zero3_groups
-        gathers = (2 if layout.recompute == "full" else 1) * n * comm.all_gather_s(params * fw.param_bytes / n, g, hw)
-        return m * (gathers + n * comm.reduce_scatter_s(grad / n, g, hw))
+        k = 2 if layout.recompute == "full" else 1
+        gathers = k * n * comm.all_gather_s(params * fw.param_bytes / n, g, hw)
+        waits = (k + 1) * n * comm.skew_wait_s(microbatch_s / ((k + 1) * n), g.n, hw)
+        return m * (gathers + n * comm.reduce_scatter_s(grad / n, g, hw) + waits)
     rs = comm.reduce_scatter_s(grad, g, hw)
-    exposed = rs + (m - 1) * max(0.0, rs - microbatch_s)
+    exposed = rs + (m - 1) * max(0.0, rs - microbatch_s) + wait
     if layout.zero == 3:
         gathers = (3 if layout.recompute == "full" else 2) * comm.all_gather_s(params * fw.param_bytes, g, hw)
         exposed += m * max(0.0, gathers - microbatch_s)
@@ -293,7 +305,9 @@ def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
     layers = [len(x) for x in stage_layers(spec.num_hidden_layers, pp, v)]
     act_bytes = 2.0 * b * (seq_len // layout.cp) * spec.hidden_size / layout.tp
     senders = min(topo.gpus_per_node, layout.tp * layout.cp * layout.dp)
-    p2p = comm.p2p_s(act_bytes, cross_node=topo.pp_cross_node(layout), senders_per_node=senders, hw=hw) if pp > 1 else 0.0
+    chunk = lt.fwd_only.wall_s(hw) * max(layers) / v  # a stage's work between sends
+    p2p = comm.p2p_s(act_bytes, cross_node=topo.pp_cross_node(layout), senders_per_node=senders, hw=hw) + \
+        comm.skew_wait_s(chunk, 2, hw) if pp > 1 else 0.0
     stage_s, comm_s = [], []
     for st, n_layers in enumerate(layers):
         f = lt.fwd_only.scale(n_layers) + (ef if st == 0 else Stretch()) + (hf if st == pp - 1 else Stretch())

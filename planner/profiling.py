@@ -19,11 +19,16 @@ A CPU "GPU" is one rank of a local gloo cluster, so everything is measured as a 
   machine may run more rank threads than it has cores, and the cost model then slows every rank
   to its share of the cores (`cost_models.hardware.core_share`), what each gets while all of
   them work. Other processes are assumed away: on a shared machine their load makes runs slower
-  than predicted.
+  than predicted;
+- how far ranks sharing cores drift apart between collectives (`skew_ms_per_sqrt_s`,
+  `skew_slice_ms`; `cost_models.comm.skew_wait_s`): all ranks work, in pairs that meet in a
+  small all-reduce after each burst of work; a burst's wait beyond the all-reduce's own time is
+  the pair's lag, fitted to ``E[max of 2 normals] * sigma * sqrt(work)`` (linear below a slice).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import tempfile
@@ -99,6 +104,103 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, budget_s: 
         dist.destroy_process_group()
 
 
+SKEW_BURSTS_MS = (0.0, 2.0, 5.0, 10.0, 20.0, 40.0)  # work between a pair's meetings, at the loaded speed
+
+
+def _skew_worker(rank: int, world: int, port: int, budget_s: float, out: str) -> None:
+    """Every rank works in bursts; rank pairs (0,1), (2,3)... meet in an all-reduce of a few
+    bytes after each (an odd last rank works alone, keeping the load). Rank 0 writes, per burst
+    length, the ranks' mean (work wall time, wait in the all-reduce) in ms."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(rank_threads(world))
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world - 1, 2)]
+        mine = pairs[rank // 2] if rank // 2 < len(pairs) else None
+        a, flag = torch.randn(96, 96), torch.zeros(8)
+        dist.barrier()  # time the work while every rank works, agreeing on the slowest
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < min(0.5, budget_s / 10):
+            a @ a
+            n += 1
+        per_op = torch.tensor([(time.perf_counter() - t0) / n])
+        dist.all_reduce(per_op, op=dist.ReduceOp.MAX)
+        rows = []
+        for burst_ms in SKEW_BURSTS_MS:
+            ops = int(burst_ms * 1e-3 / float(per_op))
+            reps = int(min(200, max(12, budget_s / len(SKEW_BURSTS_MS) / (burst_ms * 1e-3 + 2e-3))))
+            work, wait = [], []
+            dist.barrier()
+            for i in range(reps + 2):  # two to warm up
+                t0 = time.perf_counter()
+                for _ in range(ops):
+                    a @ a
+                t1 = time.perf_counter()
+                if mine is not None:
+                    dist.all_reduce(flag, group=mine)
+                if i >= 2:
+                    work.append(t1 - t0)
+                    wait.append(time.perf_counter() - t1)
+            got = torch.tensor([float(np.mean(work)), float(np.mean(wait)) if mine is not None else 0.0])
+            dist.all_reduce(got)
+            rows.append((float(got[0]) / world * 1e3, float(got[1]) / (2 * len(pairs)) * 1e3))
+        if rank == 0:
+            np.savetxt(out, np.array(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def fit_skew(rows: list[tuple[float, float]]) -> tuple[float, float]:
+    """(sigma ms per sqrt(s), slice ms) of the lag model fitted to (work ms, wait ms) rows.
+
+    The wait after the shortest work is the all-reduce itself; the rest of each wait is the
+    pair's lag, ``E[max of 2 normals] * lag_std(work)``: least squares on sigma for each slice
+    on a grid, keeping the best. No wait beyond the all-reduce: sigma 0."""
+    from cost_models.comm import expected_max_normal  # noqa: PLC0415 (planner.profiling is imported by the CLI early)
+
+    base_work, base_wait = min(rows)
+    pts = [(w - base_work, max(0.0, t - base_wait)) for w, t in rows if w > base_work]
+    best = (0.0, 1.0, sum(y * y for _, y in pts))
+    for q in (0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0):
+        f = [expected_max_normal(2) * (math.sqrt(w / 1e3) if w >= q else w / 1e3 / math.sqrt(q / 1e3)) for w, _ in pts]
+        den = sum(x * x for x in f)
+        if den <= 0:
+            continue
+        sigma = max(0.0, sum(x * y for x, (_, y) in zip(f, pts)) / den)
+        sse = sum((sigma * x - y) ** 2 for x, (_, y) in zip(f, pts))
+        if sse < best[2]:
+            best = (sigma, q, sse)
+    return round(best[0], 4), best[1]
+
+
+def measure_skew(*, ranks: int, budget_s: float) -> list[tuple[float, float]]:
+    """(work ms, wait ms) per burst length, `ranks` gloo processes working in pairs (`_skew_worker`)."""
+    return [(float(w), float(t)) for w, t in _spawn(_skew_worker, ranks=ranks, budget_s=budget_s, what="skew", backend="gloo",
+                                                    hint="run with --ranks 1 to skip measurements between ranks")]
+
+
+def _spawn(target: Callable[..., None], *, ranks: int, budget_s: float, what: str, backend: str, hint: str,
+           args: tuple = ()) -> np.ndarray:
+    """Run `target(rank, ranks, port, *args, budget_s, out)` in `ranks` processes; the rows rank 0 saved."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / f"{what}.txt")
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=target, args=(r, ranks, port, *args, budget_s, out)) for r in range(ranks)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120 + budget_s * 4)
+        failed = [p.exitcode for p in procs if p.exitcode != 0]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if failed or not Path(out).exists():
+            raise PlannerError(f"the {what} benchmark between {ranks} {backend} processes failed (exit codes {failed})",
+                               hint=hint)
+        return np.loadtxt(out, ndmin=2)
+
+
 def _repeat(fn: Callable[[], object], *, reps: int, sync: Callable[[], None]) -> float:
     """Median seconds per call of `fn` over exactly `reps` calls after one warm-up."""
     fn()
@@ -129,23 +231,8 @@ def allreduce_alpha_beta(times: list[tuple[int, float]], ranks: int) -> tuple[fl
 
 def measure_allreduce(*, ranks: int, backend: str, budget_s: float) -> list[tuple[int, float]]:
     """All-reduce times by message size between `ranks` local processes."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "allreduce.txt")
-        ctx = mp.get_context("spawn")
-        port = _free_port()
-        procs = [ctx.Process(target=_allreduce_worker, args=(r, ranks, port, backend, budget_s, out)) for r in range(ranks)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=120 + budget_s * 4)
-        failed = [p.exitcode for p in procs if p.exitcode != 0]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        if failed or not Path(out).exists():
-            raise PlannerError(f"the all-reduce benchmark between {ranks} {backend} processes failed (exit codes {failed})",
-                               hint="run with --ranks 1 to skip collectives")
-        rows = np.loadtxt(out, ndmin=2)
+    rows = _spawn(_allreduce_worker, ranks=ranks, budget_s=budget_s, what="all-reduce", backend=backend,
+                  hint="run with --ranks 1 to skip collectives", args=(backend,))
     return [(int(s), float(t)) for s, t in rows]
 
 
@@ -251,6 +338,10 @@ def _profile_cpu(*, budget_s: float, ranks: int, progress: Callable[[str], None]
         coef = coef.model_copy(update=dict(nvlink_efficiency=1.0))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     hw = hw.model_copy(update=dict(cpu_cores=cores, rank_threads=threads))
+    if ranks > 1 and ranks * threads > cores:  # ranks time-share the cores: how far they drift apart
+        progress(f"drift between {ranks} processes sharing {cores} cores")
+        sigma, slice_ms = fit_skew(measure_skew(ranks=ranks, budget_s=part))
+        hw = hw.model_copy(update=dict(skew_ms_per_sqrt_s=sigma, skew_slice_ms=slice_ms))
     return Calibration(
         gpu="cpu", framework="torch", source=f"planner profile on cpu ({ranks} ranks of {threads} thread(s))",
         coefficients=Coefficients.model_validate(coef.model_dump()),

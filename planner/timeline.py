@@ -274,9 +274,11 @@ class CallComparison:
         return (self.predicted_s - self.measured_s) / self.measured_s
 
 
-def compare_calls(plan: Plan, measured: dict[str, Any], *, skip_steps: int = 1) -> list[CallComparison]:
-    """Per call and reallocation of the plan: its estimated time and its mean measured time."""
-    got = call_times_s(spans(measured), skip_steps=skip_steps)
+def compare_calls(plan: Plan, measured: dict[str, Any], *, skip_steps: int = 1, start: str = "last") -> list[CallComparison]:
+    """Per call and reallocation of the plan: its estimated time and its mean measured time, from
+    its last rank's start (or its first's, `start="first"`) to its last rank's end
+    (`plans.trace.call_times_s` says why the last start is the one a prediction is judged by)."""
+    got = call_times_s(spans(measured), skip_steps=skip_steps, start=start)
     rows = [CallComparison("call", c.name, c.model, c.est_time_s, got.get(("call", c.name))) for c in plan.calls]
     rows += [CallComparison("realloc", r.to_call, r.model, r.est_time_s, got.get(("realloc", r.to_call)))
              for r in plan.reallocations]

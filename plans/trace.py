@@ -315,10 +315,21 @@ def step_window_s(items: Iterable[Span], step: int) -> tuple[float, float]:
     return min(s.start_s for s in mine), max(s.end_s for s in mine)
 
 
-def call_times_s(items: Iterable[Span], *, skip_steps: int = 1) -> dict[tuple[str, str], float]:
-    """Mean time per (cat, call) over steps: in each step, from its first rank's start to its last
-    rank's end (a collective call is done when its slowest rank is). The first `skip_steps` steps
-    (warm-up: allocation, first-touch, lazy initialisation) are left out when later steps exist."""
+def call_times_s(items: Iterable[Span], *, skip_steps: int = 1, start: str = "last") -> dict[tuple[str, str], float]:
+    """Mean time per (cat, call) over steps: in each step, from its last rank's start to its last
+    rank's end (a call is done when its slowest rank is). The first `skip_steps` steps (warm-up:
+    allocation, first-touch, lazy initialisation) are left out when later steps exist.
+
+    Why the last start: a prediction times a call from the moment all of its ranks are free and
+    its inputs have arrived, and a rank's span begins at exactly that moment for that rank, so the
+    call's predicted start is its last rank's start. Ranks that start earlier were free earlier
+    because they left the previous calls sooner (or got their inputs sooner); that spread is the
+    lateness of the previous calls on the other ranks, already in *their* times, and counting it
+    again here would charge every call for its predecessors' stragglers. ``start="first"`` gives
+    the first-start-to-last-end span, spread included."""
+    if start not in ("last", "first"):
+        raise ValueError(f"start must be 'last' or 'first', not {start!r}")
+    pick = max if start == "last" else min
     items = list(items)
     steps = steps_of(items)
     kept = set(steps[skip_steps:] if len(steps) > skip_steps else steps)
@@ -327,5 +338,5 @@ def call_times_s(items: Iterable[Span], *, skip_steps: int = 1) -> dict[tuple[st
         if s.step not in kept:
             continue
         lo, hi = per.setdefault(s.key, {}).get(s.step, (s.start_s, s.end_s))
-        per[s.key][s.step] = (min(lo, s.start_s), max(hi, s.end_s))
+        per[s.key][s.step] = (pick(lo, s.start_s), max(hi, s.end_s))
     return {key: sum(hi - lo for lo, hi in by_step.values()) / len(by_step) for key, by_step in sorted(per.items())}

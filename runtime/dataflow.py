@@ -14,9 +14,11 @@ order on both sides (what NCCL needs; gloo also matches on the tag). Sends never
 receive is waited on only when a later call reads the handle, so ranks outside a producer's
 mesh run their own calls meanwhile.
 
-Statistics (each call's time, a train call's losses and reward statistics) go from the call's
-*leader* (its rank at the last stage, data- and tensor-parallel index 0) to rank 0, which writes
-the metrics: a fixed-size message of JSON text.
+Statistics (each call's time, a train call's reward statistics) go from the call's *leader* (its
+rank at the last stage, data- and tensor-parallel index 0) to rank 0, which writes the metrics: a
+fixed-size message of JSON text. A train call's loss statistics are sums over its rows, so each
+data-parallel replica's reporter (last stage, tensor-parallel index 0) sends its share and rank 0
+adds them up, instead of an all-reduce that every replica would wait on.
 """
 
 from __future__ import annotations
@@ -36,13 +38,21 @@ from runtime.engine import split_rows
 DATA_TAG = 11
 STATS_TAG = 12
 STATS_BYTES = 4096  # room for a train call's statistics as JSON text
+SHARES = "shares"  # key of a report's per-replica shares, which rank 0 sums
 Rows = dict[str, Tensor]
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]  # key -> (shape of one row, dtype)
 
 
 def leader(mesh: Mesh, layout: Layout) -> int:
     """The rank that reports a call's statistics: last stage, every other index 0."""
-    return mesh.ranks[layout.local_rank(Coord(pp=layout.pp - 1, dp=0, cp=0, tp=0))]
+    return reporters(mesh, layout, kind="")[0]
+
+
+def reporters(mesh: Mesh, layout: Layout, *, kind: str) -> tuple[int, ...]:
+    """The ranks that send a call's statistics to rank 0, the leader first: a train call's
+    replicas each report their share of its loss statistics (key `SHARES`)."""
+    replicas = range(layout.dp) if kind == "train" else range(1)
+    return tuple(mesh.ranks[layout.local_rank(Coord(pp=layout.pp - 1, dp=d, cp=0, tp=0))] for d in replicas)
 
 
 def replica_holders(mesh: Mesh, layout: Layout) -> list[tuple[int, ...]]:

@@ -160,7 +160,10 @@ class ModelRunner:
 
         `loss(out, rows, denom)` turns the per-token output of a micro-batch into its share of
         the minibatch loss (sums divided by the minibatch's global `denom`) and its statistics.
-        Returns each statistic averaged over minibatches (valid on the last stage)."""
+        Returns each statistic averaged over minibatches, as this data-parallel replica's share
+        (valid on the last stage): the sum of the replicas' returns is the batch's statistic. No
+        collective gathers them; the caller sends the shares to whoever reports them
+        (`runtime.executor` sums them on rank 0), off the training step's critical path."""
         if self.dp is None:
             raise PlannerError("a train call ran on a model that is not trainable")
         tokens = batch["tokens"]
@@ -191,11 +194,8 @@ class ModelRunner:
             self.dp.reduce_gradients()
             self.dp.step(lr=lr)
             if self.pipe.last:
-                packed = torch.stack([stats[n] for n in sorted(stats)])
-                if self.groups.dp.size > 1:
-                    torch.distributed.all_reduce(packed, group=self.groups.dp.group)
-                for n, v in zip(sorted(stats), packed):
-                    totals[n] = totals.get(n, 0.0) + v / len(denoms)
+                for n in sorted(stats):
+                    totals[n] = totals.get(n, 0.0) + stats[n] / len(denoms)
         return {n: float(v) for n, v in sorted(totals.items())}
 
     def generate(self, prompts: Tensor, *, gen_len: int, temperature: float, seed: int,

@@ -12,7 +12,9 @@ it, so calls on disjoint meshes run at the same time:
    list names it) and that is freed right after it.
 2. *Data*. A call's outputs go, point to point, from its last stage to the ranks of the calls that
    read them (`runtime.dataflow`); a rank waits for a handle only when it runs a call reading it.
-3. *Metrics*. Each call's leader sends its statistics and times to rank 0.
+3. *Metrics*. Each call's leader sends its statistics and times to rank 0; every data-parallel
+   replica of a train call sends its share of the loss statistics, which rank 0 sums (no
+   collective on the training step's path).
 4. *Timeline*. Every rank records a span per call it runs and per reallocation it sends,
    receives or copies in (`plans.trace.TraceRecorder`, one time origin taken right after the
    barrier that ends `PlanRunner.__init__`). A call's span starts once its inputs have arrived
@@ -46,7 +48,7 @@ from plans.plan import Plan, PlanCall
 from plans.trace import US_PER_S, TraceRecorder
 from runtime.algorithms import Glue, Rows, aligned, last_index, load_reward_fn
 from runtime.data_parallel import AdamConfig
-from runtime.dataflow import Incoming, Mailbox, Shapes, StatsInbox, leader
+from runtime.dataflow import SHARES, Incoming, Mailbox, Shapes, StatsInbox, reporters
 from runtime.engine import ModelRunner
 from runtime.faults import FaultHooks, named
 from runtime.groups import Groups, RankGroups, solo_groups
@@ -286,15 +288,17 @@ class PlanRunner:
             return {"scores": out.cpu().gather(1, last[:, None])[:, 0]}, shapes
         return {what: out}, shapes
 
-    def _train(self, call: PlanCall, runner: ModelRunner | None, store: dict) -> dict[str, float]:
+    def _train(self, call: PlanCall, runner: ModelRunner | None,
+               store: dict) -> tuple[dict[str, float], dict[str, float]]:
+        """(statistics of the batch, this replica's shares of the loss statistics)."""
         if runner is None:
-            return {}
+            return {}, {}
         batch = self.glue.train_batch(call, {h: self._get(store, h) for h in call.inputs})
         assert call.loss is not None
         rows = {k: v.to(self.device) for k, v in batch.rows.items()}
         stats = runner.train(rows, loss=make_loss(call.loss, self.plan.algorithm), denoms=batch.denoms,
                              lr=call.lr or self.plan.algorithm.lr, group=batch.group)
-        return {**batch.stats, **stats}
+        return dict(batch.stats), stats
 
     def step(self, step: int) -> dict[str, float | int]:
         """Run every call of the plan once; the step's metrics (complete on rank 0)."""
@@ -346,8 +350,9 @@ class PlanRunner:
                 local, shapes = self._inference(call, runner, store)
             else:
                 local, shapes = None, {}
-                stats = {(k if k in ("reward_mean", "response_len", "kl_mean") else f"{call.name}.{k}"): v
-                         for k, v in self._train(call, runner, store).items()}
+                batch_stats, shares = self._train(call, runner, store)
+                stats = dict(batch_stats)  # the same on every rank: the leader's go to rank 0
+                shares = {f"{call.name}.{k}": v for k, v in shares.items()}
         if runner is not None:
             stats[f"{call.name}.time_s"] = self._last_span_s()
         if call.kind != "train":  # a train call's output handle orders calls; it carries no tensors
@@ -355,14 +360,20 @@ class PlanRunner:
         del runner  # a reallocated copy is freed here
         if call.name in self.moved:
             stats[f"{call.name}.realloc_time_s"] = realloc_s
-        src = leader(cp.where.mesh, cp.where.layout)
-        if src == self.rank:
-            if self.rank == 0:
-                state.reports.append(stats)
-            else:
-                state.mail.report(stats, device=self.device)
-        elif self.rank == 0:
-            state.inbox.expect(src, device=self.device)
+        srcs = reporters(cp.where.mesh, cp.where.layout, kind=call.kind)
+        for src in srcs:
+            if src == self.rank:
+                # The leader reports the call; a train call's other replicas only their shares of
+                # its loss statistics, which rank 0 sums (`finish_step`).
+                report = stats if src == srcs[0] else {}
+                if call.kind == "train":
+                    report = {**report, SHARES: shares}
+                if self.rank == 0:
+                    state.reports.append(report)
+                else:
+                    state.mail.report(report, device=self.device)
+            elif self.rank == 0:
+                state.inbox.expect(src, device=self.device)
 
     def finish_step(self, state: StepState) -> dict[str, float | int]:
         """Complete the step's messages; its metrics (complete on rank 0)."""
@@ -373,7 +384,9 @@ class PlanRunner:
             state.mail.flush()
             reports = [*state.reports, *state.inbox.collect()]
         metrics: dict[str, float | int] = {"step": state.step}
-        for stats in reports:
+        for stats in reports:  # in plan order, then leader first: the same sums on every run
+            for k, v in stats.pop(SHARES, {}).items():
+                metrics[k] = metrics.get(k, 0.0) + v
             metrics.update(stats)
         metrics["time_s"] = time.perf_counter() - state.t0
         return metrics

@@ -2,11 +2,14 @@
 
 A profiled CPU calibration adds: ranks sharing fewer cores than they have threads, attention's
 softmax work per (sequence, head) and per score, an efficiency of the eager memory-bound kernels,
-a host overhead per generated token; and the `torch` framework's ZeRO-3 gathers layer by layer
-without prefetch. Each term is zero or one in the GPU calibrations, so those predictions stay.
+a host overhead per generated token, the drift of ranks time-sharing cores that makes each
+collective wait for the rank furthest behind; and the `torch` framework's ZeRO-3 gathers layer by
+layer without prefetch. Each term is zero or one in the GPU calibrations, so those predictions stay.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -98,4 +101,71 @@ def test_gpu_calibrations_have_none_of_the_cpu_terms():
     cal = default_calibration()
     co, hw = cal.coefficients, cal.hardware
     assert (co.elementwise_efficiency, co.attention_head_us, co.attention_score_ns, co.decode_step_overhead_ms) == (1, 0, 0, 0)
-    assert hw.cpu_cores is None and hw.rank_threads is None
+    assert hw.cpu_cores is None and hw.rank_threads is None and hw.skew_ms_per_sqrt_s is None
+
+
+def _hw(**over: float):  # noqa: ANN202
+    from cost_models.hardware import effective_hardware
+
+    cal = Calibration(gpu="cpu", framework="torch", coefficients=COEF, hardware=HW.model_copy(update=over))
+    return effective_hardware(CPU4, cal)
+
+
+def test_a_collective_waits_for_the_rank_furthest_behind():
+    from cost_models.comm import expected_max_normal, skew_wait_s
+
+    hw = _hw(cpu_cores=2, rank_threads=1, skew_ms_per_sqrt_s=50.0, skew_slice_ms=4.0)
+    assert expected_max_normal(1) == 0 and expected_max_normal(2) == pytest.approx(1 / math.pi**0.5, rel=1e-6)
+    assert expected_max_normal(4) == pytest.approx(1.0294, abs=1e-4)  # tables of normal order statistics
+    # A random walk of time slices: sigma * sqrt(work) from one slice on, linear below it.
+    assert skew_wait_s(0.016, 2, hw) == pytest.approx(0.050 * 0.016**0.5 / math.pi**0.5)
+    assert skew_wait_s(0.002, 2, hw) == pytest.approx(0.050 * 0.002 / 0.004**0.5 / math.pi**0.5)
+    assert skew_wait_s(0.004 - 1e-12, 2, hw) == pytest.approx(skew_wait_s(0.004, 2, hw))  # continuous at a slice
+    assert skew_wait_s(0.016, 4, hw) > skew_wait_s(0.016, 2, hw) > 0
+    assert skew_wait_s(0.016, 1, hw) == 0 == skew_wait_s(0.0, 2, hw)
+    # Ranks with cores of their own (4 ranks, 4 cores) or no measured drift do not drift.
+    assert _hw(cpu_cores=4, rank_threads=1, skew_ms_per_sqrt_s=50.0).skew_s_per_sqrt_s == 0
+    assert _hw(cpu_cores=2, rank_threads=1).skew_s_per_sqrt_s == 0
+
+
+def test_drift_slows_only_calls_whose_ranks_meet():
+    drift = {"cpu_cores": 2, "rank_threads": 1, "skew_ms_per_sqrt_s": 50.0, "skew_slice_ms": 2.0}
+    steady = {"cpu_cores": 2, "rank_threads": 1}
+    zero2 = Layout(dp=2, zero=2)
+    with_drift = cost_model(hw=drift).call_cost(TRAIN, DECL, Mesh.block(0, 2), zero2)
+    without = cost_model(hw=steady).call_cost(TRAIN, DECL, Mesh.block(0, 2), zero2)
+    # the gradient reduction after the whole step's work, the weight gather after the optimizer
+    assert with_drift.breakdown_s["dp_comm"] > without.breakdown_s["dp_comm"] + 0.050 * 0.001**0.5 / math.pi**0.5
+    assert with_drift.time_s - without.time_s == pytest.approx(
+        with_drift.breakdown_s["dp_comm"] - without.breakdown_s["dp_comm"])
+    for call, mesh, layout in ((INFER, Mesh.block(0, 2), Layout(dp=2)), (TRAIN, Mesh.block(0, 1), Layout())):
+        a = cost_model(hw=drift).call_cost(call, DECL, mesh, layout).time_s
+        assert a == cost_model(hw=steady).call_cost(call, DECL, mesh, layout).time_s  # no collective, no wait
+    tp2 = Layout(tp=2)  # tensor parallel meets in every layer
+    assert cost_model(hw=drift).call_cost(INFER, DECL, Mesh.block(0, 2), tp2).time_s > \
+        cost_model(hw=steady).call_cost(INFER, DECL, Mesh.block(0, 2), tp2).time_s
+
+
+def test_fit_skew_recovers_the_drift_of_synthetic_measurements():
+    from cost_models.comm import expected_max_normal
+    from planner.profiling import fit_skew
+
+    def wait_ms(work_ms: float, sigma: float, q: float) -> float:
+        lag = sigma * ((work_ms / 1e3) ** 0.5 if work_ms >= q else work_ms / 1e3 / (q / 1e3) ** 0.5)
+        return 0.7 + expected_max_normal(2) * lag  # 0.7 ms: the all-reduce itself
+
+    rows = [(w, wait_ms(w, 55.0, 3.0)) for w in (0.0, 1.0, 2.5, 6.0, 14.0, 28.0)]
+    sigma, q = fit_skew(rows)
+    assert sigma == pytest.approx(55.0, rel=1e-3) and q == 3.0
+    assert fit_skew([(w, 0.7) for w, _ in rows]) == (0.0, 1.0)  # no wait beyond the all-reduce: no drift
+
+
+@pytest.mark.slow
+def test_measure_skew_runs_pairs_and_a_lone_rank():
+    from planner.profiling import SKEW_BURSTS_MS, measure_skew
+
+    rows = measure_skew(ranks=3, budget_s=0.3)  # ranks 0 and 1 meet; rank 2 works alone
+    assert len(rows) == len(SKEW_BURSTS_MS)
+    works = [w for w, _ in rows]
+    assert works[0] < 0.5 and works == sorted(works) and works[-1] > 5  # bursts of growing work, in ms
+    assert all(t > 0 for _, t in rows)  # every all-reduce takes some time

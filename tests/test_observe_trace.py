@@ -99,11 +99,16 @@ def test_planner_rules_catch_missing_fields(mutate, needle) -> None:  # noqa: AN
 
 def test_call_times_span_ranks_and_skip_the_warm_up_step() -> None:
     items = spans(_recorded())
-    times = call_times_s(items)  # steps 2 and 3: rank 0 starts, rank 1 ends 1 ms later
-    assert times[("call", "train")] == pytest.approx(((0.020 + 0.001) + (0.030 + 0.001)) / 2)
-    assert times[("realloc", "gen")] == pytest.approx(0.002)
-    assert call_times_s(items, skip_steps=0)[("call", "train")] == pytest.approx(0.021)
-    assert call_times_s([s for s in items if s.step == 1])[("call", "train")] == pytest.approx(0.011)
+    # steps 2 and 3 (20 and 30 ms on each rank): rank 1 starts 1 ms after rank 0 and ends 1 ms later
+    times = call_times_s(items)
+    assert times[("call", "train")] == pytest.approx((0.020 + 0.030) / 2)  # from the last start
+    first = call_times_s(items, start="first")
+    assert first[("call", "train")] == pytest.approx(((0.020 + 0.001) + (0.030 + 0.001)) / 2)  # spread included
+    assert times[("realloc", "gen")] == pytest.approx(0.002) == first[("realloc", "gen")]
+    assert call_times_s(items, skip_steps=0)[("call", "train")] == pytest.approx(0.020)
+    assert call_times_s([s for s in items if s.step == 1])[("call", "train")] == pytest.approx(0.010)
+    with pytest.raises(ValueError, match="start"):
+        call_times_s(items, start="middle")
 
 
 def test_load_trace_merges_files_and_rejects_bad_ones(tmp_path) -> None:  # noqa: ANN001

@@ -89,7 +89,12 @@ def _run_model(runner: ModelRunner, batch: dict[str, torch.Tensor]) -> dict[str,
                                                          seed=11, stop_token=3)
     halves = [float(batch["mask"][:4].sum()), float(batch["mask"][4:].sum())]
     loss = make_loss("grpo" if lm else "ppo_value", ALGO)
-    out["train"] = runner.train(batch, loss=loss, denoms=halves, lr=1e-4)
+    shares = runner.train(batch, loss=loss, denoms=halves, lr=1e-4)
+    if runner.pipe.last and runner.groups.dp.size > 1:  # each replica returns its share: sum them
+        packed = torch.tensor([shares[k] for k in sorted(shares)], dtype=torch.float64)
+        dist.all_reduce(packed, group=runner.groups.dp.group)
+        shares = dict(zip(sorted(shares), packed.tolist()))
+    out["train"] = shares
     out["params"] = runner.local_parameters()
     return out
 

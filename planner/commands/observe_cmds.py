@@ -100,7 +100,8 @@ def timeline(
 def _comparison_table(rows, mae: float | None) -> Table:  # noqa: ANN001
     from planner.render import fmt_s
 
-    t = Table(title="predicted vs measured (mean over steps)", title_justify="left")
+    t = Table(title="predicted vs measured (mean over steps, from a call's last rank starting to its last ending)",
+              title_justify="left")
     for col in ("call", "model", "predicted", "measured", "error vs measured"):
         t.add_column(col, justify="left" if col in ("call", "model") else "right")
     for r in rows:
