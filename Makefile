@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) bench/cost_speed.py
 	$(PY) bench/realloc.py
 	$(PY) bench/rlhf_learning.py
+	$(PY) bench/predict_vs_measure.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -336,6 +336,7 @@ class PlanRunner:
         runner, realloc_s = self._runner(call, state.step)
         store = state.store
         stats: dict[str, float] = {}
+        shares: dict[str, float] = {}
         if runner is not None:
             for handle in call.inputs:  # wait for the inputs outside the call's span
                 self._get(store, handle)
@@ -351,7 +352,8 @@ class PlanRunner:
             else:
                 local, shapes = None, {}
                 batch_stats, shares = self._train(call, runner, store)
-                stats = dict(batch_stats)  # the same on every rank: the leader's go to rank 0
+                stats = {(k if k in ("reward_mean", "response_len", "kl_mean") else f"{call.name}.{k}"): v
+                         for k, v in batch_stats.items()}  # the same on every rank: the leader's go to rank 0
                 shares = {f"{call.name}.{k}": v for k, v in shares.items()}
         if runner is not None:
             stats[f"{call.name}.time_s"] = self._last_span_s()

@@ -160,10 +160,15 @@ def calibrate(
 def profile(
     output: Path = typer.Option(..., "-o", "--output", help="Calibration file to write."),
     budget_s: float = typer.Option(20.0, "--budget-s", min=0.5, max=3600, help="Rough wall-time budget of the benchmarks, seconds."),
-    ranks: int = typer.Option(2, "--ranks", min=1, max=16, help="Local processes for the all-reduce benchmark (1: skip)."),
+    ranks: int = typer.Option(2, "--ranks", min=1, max=16, help="Local processes for the benchmarks between ranks: all-reduce, and on a CPU with fewer cores than their threads, how far they drift apart (1: skip). Use the ranks per node the plans will run with."),
     device: str | None = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
 ) -> None:
-    """Micro-benchmark the local devices (GEMMs, memory, attention, all-reduce) into a calibration."""
+    """Micro-benchmark the local devices (GEMMs, memory, attention, all-reduce) into a calibration.
+
+    On a CPU it also measures the planner runtime's own host costs and, when the ranks share fewer
+    cores than they have threads, how far they drift apart between collectives (each collective
+    then waits for the rank furthest behind). Compile with `--calibration FILE` to use it.
+    """
     from cost_models.calibration import save_calibration
     from planner.profiling import profile_devices
 
