@@ -131,12 +131,17 @@ def expected_max_normal(n: int) -> float:
     return total * dx
 
 
-def lag_std_s(work_s: float, hw: Hardware) -> float:
-    """Standard deviation of a rank's lag behind its peers after `work_s` of work (module docstring)."""
-    if hw.skew_s_per_sqrt_s <= 0 or work_s <= 0:
+def lag_std(work: float, *, sigma: float, slice_: float) -> float:
+    """Standard deviation of a rank's lag behind its peers after `work` of work (module
+    docstring): ``sigma * sqrt(work)`` from one slice on, linear below it (any one time unit)."""
+    if sigma <= 0 or work <= 0:
         return 0.0
-    q = hw.skew_slice_s
-    return hw.skew_s_per_sqrt_s * (math.sqrt(work_s) if work_s >= q else work_s / math.sqrt(q))
+    return sigma * (math.sqrt(work) if work >= slice_ else work / math.sqrt(slice_))
+
+
+def lag_std_s(work_s: float, hw: Hardware) -> float:
+    """`lag_std` on `hw`'s measured drift, in seconds."""
+    return lag_std(work_s, sigma=hw.skew_s_per_sqrt_s, slice_=hw.skew_slice_s)
 
 
 def skew_wait_s(work_s: float, n: int, hw: Hardware) -> float:

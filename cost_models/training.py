@@ -238,7 +238,7 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
     zero_div = layout.dp * layout.cp if layout.zero >= 1 else 1
     optimizer_s = params / zero_div * fw.optimizer_step_bytes / hw.mem_bytes_s
     out.add("optimizer", optimizer_s)
-    if layout.zero >= 1 and layout.zero < 3:  # ZeRO gathers the updated weight shards back to every rank
+    if 1 <= layout.zero < 3:  # ZeRO gathers the updated weight shards back to every rank
         g = topo.group(layout, "dpcp")
         out.add("dp_comm", comm.all_gather_s(params * fw.param_bytes, g, hw) + comm.skew_wait_s(optimizer_s, g.n, hw))
     if spec.tied and head == "lm" and pp > 1:  # first and last stage sum the shared embedding's gradient

@@ -28,7 +28,6 @@ A CPU "GPU" is one rank of a local gloo cluster, so everything is measured as a 
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import tempfile
@@ -42,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cost_models.calibration import Calibration, Coefficients, HardwareOverrides, default_calibration
+from cost_models.comm import expected_max_normal, lag_std
 from plans.errors import PlannerError
 from planner.runtime_profile import attention_softmax, runtime_costs
 
@@ -156,13 +156,11 @@ def fit_skew(rows: list[tuple[float, float]]) -> tuple[float, float]:
     The wait after the shortest work is the all-reduce itself; the rest of each wait is the
     pair's lag, ``E[max of 2 normals] * lag_std(work)``: least squares on sigma for each slice
     on a grid, keeping the best. No wait beyond the all-reduce: sigma 0."""
-    from cost_models.comm import expected_max_normal  # noqa: PLC0415 (planner.profiling is imported by the CLI early)
-
     base_work, base_wait = min(rows)
     pts = [(w - base_work, max(0.0, t - base_wait)) for w, t in rows if w > base_work]
     best = (0.0, 1.0, sum(y * y for _, y in pts))
     for q in (0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0):
-        f = [expected_max_normal(2) * (math.sqrt(w / 1e3) if w >= q else w / 1e3 / math.sqrt(q / 1e3)) for w, _ in pts]
+        f = [expected_max_normal(2) * lag_std(w / 1e3, sigma=1.0, slice_=q / 1e3) for w, _ in pts]
         den = sum(x * x for x in f)
         if den <= 0:
             continue
