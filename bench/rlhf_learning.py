@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import runpy  # noqa: E402
 
-from planner.candidates import home_calls  # noqa: E402
+
 from plans import Layout, Mesh, PlanCall, Reallocation, save_plan  # noqa: E402
 from plans.plan import Plan, load_plan  # noqa: E402
 from plans.sharding import transfer_volume  # noqa: E402
@@ -77,7 +77,7 @@ def spread_plan(compiled: Plan, name: str) -> Plan:
     compiler would: each non-home call whose placement holds other slices than its home's."""
     graph = runpy.run_path(str(ROOT / "examples" / f"{name}.py"))["graph"]
     where = {c.name: SPREAD[name].get(c.name) or SPREAD[name][c.model] for c in graph.calls}
-    homes = home_calls(graph)
+    homes = graph.home_calls()
     moves = []
     for c in graph.calls:
         home = homes[c.model]

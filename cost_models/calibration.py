@@ -22,9 +22,9 @@ from pathlib import Path
 
 from pydantic import Field
 
-from plans.base import Strict, validated
+from plans.base import Strict, loads_json, validated
 from plans.errors import PlannerError
-from plans.plan import write_text_atomic
+from plans.io import write_text_atomic
 
 CALIBRATION_FORMAT = "planner-calibration/1"
 
@@ -78,12 +78,7 @@ class Calibration(Strict):
 
 def parse_calibration(text: str, *, source: str) -> Calibration:
     """Parse a calibration document, or raise a `PlannerError` naming `source`."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlannerError(f"calibration {source} is not valid JSON: {e}") from None
-    except RecursionError:
-        raise PlannerError(f"calibration {source} is not a calibration: its JSON nests too deeply") from None
+    data = loads_json(text, source=f"calibration {source}")
     if not isinstance(data, dict):
         raise PlannerError(f"calibration {source} must hold a JSON object")
     if data.get("format") != CALIBRATION_FORMAT:

@@ -26,7 +26,7 @@ import torch
 
 import planner
 from plans.errors import PlannerError
-from plans.plan import write_text_atomic
+from plans.io import write_text_atomic
 from runtime.algorithms import aligned, gae, last_index, whiten
 from runtime.tasks import pattern_reward
 

@@ -285,7 +285,8 @@ class AutoFunction:
                     atexit.register(self.close)
                     self._exit_hook = True
             plan = self._plan_everywhere(graph)
-            self._session = Session(plan, launch=self._launch, seed=self.seed)
+            # The loop's own decorator names the reward function: a plan file naming another is refused.
+            self._session = Session(plan, launch=self._launch, seed=self.seed, reward_fn=graph.algorithm.reward_fn)
         values = {**self.defaults, **constants}
         value, self._metrics = self._session.run(lambda handles: self._invoke({**values, **handles}),
                                                  models={p: p for p in self.models}, data_params=self.data_params,

@@ -18,7 +18,7 @@ from cost_models import CallCost, CostModel
 from plans.cluster import ClusterSpec
 from plans.graph import Call, Graph, ModelDecl
 from plans.layout import Layout, Mesh
-from plans.sharding import layout_problems
+from plans.sharding import layout_problems, slices_key
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 SPLIT_DECODE_PREFILLS = 3  # prefill layouts per mesh size tried with every other decode layout
@@ -49,8 +49,7 @@ class Candidate:
 
     @cached_property
     def _param_key(self) -> tuple[int, ...]:
-        lay = self.layout
-        return (self.mesh.first, self.mesh.size, lay.tp, lay.pp, lay.interleave, lay.dp if lay.zero == 3 else 0)
+        return slices_key(self.mesh, self.layout)
 
     def param_key(self) -> tuple[int, ...]:
         """Equal keys hold every parameter slice on the same ranks (a reallocation moves nothing)."""

@@ -14,7 +14,7 @@ import sys
 import typer
 from rich.console import Console
 
-from plans.errors import PlannerError
+from plans.errors import PlannerError, brief
 
 app = typer.Typer(
     name="planner",
@@ -75,6 +75,12 @@ def main(argv: list[str] | None = None) -> None:
             raise
         render_error(err)
         sys.exit(err.exit_code)
+    except OSError as err:  # the file system refused a path no check above anticipated: still the user's input
+        if os.environ.get("PLANNER_DEBUG"):
+            raise
+        where = f" {brief(str(err.filename))}" if err.filename is not None else ""
+        render_error(PlannerError(f"cannot access{where}: {err.strerror or err}"))
+        sys.exit(PlannerError.exit_code)
 
 
 if __name__ == "__main__":

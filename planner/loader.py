@@ -3,18 +3,27 @@ training loop decorated with `@planner.auto` (traced into its graph).
 
 The file may also set `CLUSTER` (a cluster string) as the default for `--cluster`; a decorated
 loop brings its own cluster and plan path.
+
+A graph file is Python code and runs as such (compile only files you trust); while it runs, its
+``print()`` output goes to stderr, so ``--json`` output on stdout stays valid, and whatever way
+it ends (an exception, ``sys.exit``, ``os._exit``, a `BaseException`) is a `PlannerError` naming
+the file, not a silent exit or a traceback. Ctrl-C still interrupts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import runpy
+import sys
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from plans.cluster import ClusterSpec
-from plans.errors import PlannerError
+from plans.errors import PlannerError, brief
 from plans.graph import Graph as GraphSpec
 from planner.auto import AutoFunction
 from planner.graph import Graph as GraphBuilder
@@ -46,18 +55,45 @@ def _user_error(e: BaseException, path: Path, what: str) -> PlannerError:
     return PlannerError(f"{where}: {what} raised {type(e).__name__}: {e}")
 
 
-def _run_file(path: Path) -> dict[str, Any]:
+class _ExitCalled(BaseException):
+    """`os._exit` called by a graph file (raised instead of ending the process)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _no_exit(code: int) -> None:
+    raise _ExitCalled(code)
+
+
+@contextlib.contextmanager
+def _guarded(path: Path, what: str) -> Iterator[None]:
+    """Run the user's code of `path` with stdout sent to stderr and `os._exit` made an exception;
+    any way the code ends but returning or Ctrl-C becomes a `PlannerError` naming the file."""
+    real_exit = os._exit
+    os._exit = _no_exit  # type: ignore[assignment]
     try:
-        return runpy.run_path(str(path), run_name="__planner_graph__")
-    except SyntaxError as e:  # also a file that is not Python text (bad encoding, NUL bytes)
-        where = f"{path}:{e.lineno}" if e.lineno else str(path)
-        raise PlannerError(f"{where}: syntax error: {e.msg}", hint=(e.text or "").strip() or None) from None
-    except PlannerError:
-        raise
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    except _ExitCalled as e:
+        raise PlannerError(f"{path}: {what} called os._exit({e.code}) instead of defining a graph") from None
     except SystemExit as e:  # sys.exit() in a graph file ends the file, not the planner
-        raise PlannerError(f"{path}: the graph file called sys.exit({e.code!r}) instead of defining a graph") from None
-    except Exception as e:
-        raise _user_error(e, path, "the graph file") from None
+        raise PlannerError(f"{path}: {what} called sys.exit({e.code!r}) instead of defining a graph") from None
+    except (PlannerError, KeyboardInterrupt):
+        raise
+    except SyntaxError as e:  # also a file that is not Python text (bad encoding, NUL bytes)
+        where = f"{e.filename or path}:{e.lineno}" if e.lineno else str(e.filename or path)
+        raise PlannerError(f"{where}: syntax error: {e.msg}", hint=(e.text or "").strip() or None) from None
+    except BaseException as e:  # an Exception, or a class derived from BaseException: the file's failure
+        raise _user_error(e, path, what) from None
+    finally:
+        os._exit = real_exit  # type: ignore[assignment]
+
+
+def _run_file(path: Path) -> dict[str, Any]:
+    with _guarded(path, "the graph file"):
+        return runpy.run_path(str(path), run_name="__planner_graph__")
 
 
 def _pick_loop(ns: dict[str, Any], path: Path, function: str | None) -> AutoFunction | None:
@@ -80,10 +116,14 @@ def load_target(path: str | Path, *, function: str | None = None) -> LoadedGraph
     """The graph a file defines (`graph`, `build()`, or its one `@planner.auto` loop, or the
     loop named `function`), with its default cluster."""
     path = Path(path)
-    if path.is_dir():
-        raise PlannerError(f"graph file {str(path)!r} is a directory", hint="give the .py file that defines `graph`")
-    if not path.is_file():
-        raise PlannerError(f"graph file {str(path)!r} does not exist")
+    try:
+        is_dir, is_file = path.is_dir(), path.is_file()
+    except (OSError, ValueError) as e:  # a name too long for the file system, a NUL byte
+        raise PlannerError(f"graph file {brief(str(path))} is not a usable path: {e}") from None
+    if is_dir:
+        raise PlannerError(f"graph file {brief(str(path))} is a directory", hint="give the .py file that defines `graph`")
+    if not is_file:
+        raise PlannerError(f"graph file {brief(str(path))} does not exist")
     ns = _run_file(path)
     cluster = ns.get("CLUSTER")
     if cluster is not None and not isinstance(cluster, (str, dict)):
@@ -92,19 +132,17 @@ def load_target(path: str | Path, *, function: str | None = None) -> LoadedGraph
     if function is None and "graph" in ns:
         return LoadedGraph(_as_graph(ns["graph"], str(path)), cluster)
     if function is None and callable(ns.get("build")) and not isinstance(ns.get("build"), AutoFunction):
-        try:
+        with _guarded(path, "build()"):
             built = ns["build"]()
-        except PlannerError:
-            raise
-        except Exception as e:
-            raise _user_error(e, path, "build()") from None
         return LoadedGraph(_as_graph(built, str(path)), cluster)
     loop = _pick_loop(ns, path, function)
     if loop is None:
         raise PlannerError(f"{path} defines neither `graph` nor `build()`, and no @planner.auto function",
                            hint="end the file with `graph = ...` (a Graph), define `def build(): return ...`, "
                            "or decorate a training loop with @planner.auto(...)")
-    return LoadedGraph(loop.trace(), loop.cluster_arg, loop)
+    with _guarded(path, f"tracing {loop.fn.__qualname__}()"):
+        traced = loop.trace()
+    return LoadedGraph(traced, loop.cluster_arg, loop)
 
 
 def load_graph_file(path: str | Path) -> tuple[GraphSpec, str | dict[str, Any] | None]:

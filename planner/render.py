@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from plans.hardware import GIB
@@ -84,5 +85,19 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     if plan.host_steps:
         steps = ", ".join(f"{s.name} ({', '.join(s.inputs)} -> {', '.join(s.outputs)})" for s in plan.host_steps)
         console.print(f"host steps, run as written on every rank: {steps}", highlight=False, soft_wrap=True)
+    code_lines(plan, console)
     for line in estimate_lines(plan):
         console.print(line, highlight=False)
+
+
+def code_lines(plan: Plan, console: Console) -> None:
+    """The code the plan names and what it takes to run (`plans.graph.named_code`)."""
+    from plans.graph import named_code
+
+    named = named_code(plan.graph())
+    if not named:
+        console.print("code: none (the plan names no function to run)", highlight=False)
+        return
+    console.print("code the plan names:", highlight=False)
+    for item in named:
+        console.print(f"  {escape(item.line())}", highlight=False, soft_wrap=True)

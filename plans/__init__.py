@@ -10,6 +10,7 @@ from plans.graph import AlgorithmConfig, Call, DataInput, Graph, HostStep, Model
 from plans.hardware import GpuSpec, gpu_catalog, gpu_spec
 from plans.layout import Coord, Layout, Mesh
 from plans.model import PRESETS, ModelSpec, resolve_model
+from plans.io import check_output, write_bytes_atomic, write_text_atomic
 from plans.plan import (
     PLAN_VERSION,
     DataTransfer,
@@ -18,18 +19,16 @@ from plans.plan import (
     PlanCall,
     Reallocation,
     SearchInfo,
-    check_writable,
     load_plan,
     parse_plan,
     plan_to_json,
     save_plan,
-    write_text_atomic,
 )
 
 __all__ = [
     "PLAN_VERSION", "PRESETS", "AlgorithmConfig", "Call", "CheckpointManifest", "ClusterSpec", "Coord", "DataInput",
     "DataTransfer", "Estimate", "GpuSpec", "Graph", "HostStep", "Layout", "Mesh", "ModelDecl", "ModelSpec", "Plan", "PlanCall",
-    "PlannerError", "Reallocation", "SearchInfo", "check_writable", "gpu_catalog", "gpu_spec", "graph_fingerprint",
+    "PlannerError", "Reallocation", "SearchInfo", "check_output", "gpu_catalog", "gpu_spec", "graph_fingerprint",
     "latest_complete", "load_manifest", "load_plan", "parse_cluster", "parse_graph", "parse_plan", "plan_to_json",
-    "resolve_cluster", "resolve_model", "save_plan", "write_text_atomic",
+    "resolve_cluster", "resolve_model", "save_plan", "write_bytes_atomic", "write_text_atomic",
 ]

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import stat
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from plans.base import Strict, validated
-from plans.errors import PlannerError
+from plans.base import Strict, loads_json, validated
+from plans.errors import PlannerError, brief
 from plans.graph import Graph
 from plans.layout import Layout, Mesh
 from plans.model import Head, ModelSpec
@@ -86,11 +88,12 @@ class SavedModel(Strict):
 
 
 class SavedFile(Strict):
-    """A file of the checkpoint and its exact size (a truncated file is an incomplete checkpoint)."""
+    """A file of the checkpoint, its exact size (a truncated file is an incomplete checkpoint) and
+    its content hash (a resume reads only files whose content hashes to it)."""
 
     path: str
     bytes: int = Field(ge=0)
-    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="Optional content hash.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the file's content (mandatory).")
 
     @field_validator("path")
     @classmethod
@@ -244,45 +247,91 @@ def load_manifest(directory: str | Path) -> CheckpointManifest:
     """Read and validate ``DIRECTORY/manifest.json``; a `PlannerError` says what is wrong."""
     path = Path(directory) / MANIFEST_NAME
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_text(encoding="utf-8")
     except OSError as e:
         raise PlannerError(f"checkpoint {str(directory)!r} has no readable manifest: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except UnicodeDecodeError as e:
         raise PlannerError(f"checkpoint manifest {str(path)!r} is not valid JSON: {e}") from None
+    data = loads_json(raw, source=f"checkpoint manifest {str(path)!r}")
     if isinstance(data, dict) and data.get("format") != CHECKPOINT_FORMAT:
         raise PlannerError(f"checkpoint {str(directory)!r} has format {data.get('format')!r}; this version reads "
                            f"{CHECKPOINT_FORMAT!r}")
+    files = data.get("files") if isinstance(data, dict) else None
+    unhashed = [f.get("path") for f in files if isinstance(f, dict) and not f.get("sha256")] \
+        if isinstance(files, list) else []
+    if unhashed:
+        raise PlannerError(f"checkpoint manifest {str(path)!r} lists {len(unhashed)} file(s) without a SHA-256 "
+                           f"(e.g. {brief(unhashed[0])}); every file of a checkpoint must carry its hash, so that a "
+                           "resume reads only what was written", hint="resume from a checkpoint this version wrote")
     return validated(CheckpointManifest, data, source=f"checkpoint manifest {str(path)!r}")
 
 
+def symbolic_links(root: str | Path) -> list[str]:
+    """Every symbolic link at or under `root` (not followed), relative to `root`'s parent: a
+    checkpoint directory holds none, so that a resume never reads, and pruning never deletes,
+    files outside it."""
+    root = Path(root)
+    found = [root.name] if root.is_symlink() else []
+    for top, dirs, files in os.walk(root, followlinks=False):
+        for name in sorted(dirs + files):
+            if os.path.islink(os.path.join(top, name)):
+                found.append(os.path.relpath(os.path.join(top, name), root.parent))
+    return found
+
+
 def completeness_problems(directory: str | Path, manifest: CheckpointManifest) -> list[str]:
-    """Files the manifest lists that are missing or of another size, and shards it lacks."""
+    """Files the manifest lists that are missing, not regular files (a symbolic link is refused,
+    never followed) or of another size, and shards it lacks. The hashes are checked when the
+    files are read (`runtime.stfile`)."""
     root = Path(directory)
-    problems = []
+    problems = [f"{link!r} is a symbolic link (never followed in a checkpoint)" for link in symbolic_links(root)]
     for f in manifest.files:
-        p = root / f.path
-        if not p.is_file():
+        try:
+            st = os.lstat(root / f.path)
+        except OSError:
             problems.append(f"file {f.path!r} is missing")
-        elif p.stat().st_size != f.bytes:
-            problems.append(f"file {f.path!r} has {p.stat().st_size} bytes, the manifest says {f.bytes}")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"file {f.path!r} is not a regular file")
+        elif st.st_size != f.bytes:
+            problems.append(f"file {f.path!r} has {st.st_size} bytes, the manifest says {f.bytes}")
     return problems + checkpoint_problems(manifest)
 
 
-def latest_complete(root: str | Path) -> tuple[Path, CheckpointManifest] | None:
-    """The newest complete checkpoint under `root` (what ``--resume auto`` loads), or None.
-
-    Incomplete directories (no manifest, a partial file, a missing shard) are skipped, never
-    loaded; temporary directories of an interrupted save do not match the ``step-NNNNNNNNN`` name."""
+def step_dirs(root: str | Path) -> list[Path]:
+    """The ``step-NNNNNNNNN`` entries directly under `root`, newest first (links included, so
+    that callers can refuse them); temporary directories of an interrupted save do not match."""
     root = Path(root)
     if not root.is_dir():
-        return None
-    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name)))
-    for _, directory in reversed(steps):
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def scan(root: str | Path) -> list[tuple[Path, CheckpointManifest | None, list[str]]]:
+    """Every checkpoint under `root`, newest first: (directory, its manifest or None, why it is
+    incomplete: empty for a complete one)."""
+    out: list[tuple[Path, CheckpointManifest | None, list[str]]] = []
+    for directory in step_dirs(root):
+        if directory.is_symlink() or not directory.is_dir():
+            out.append((directory, None, ["it is a symbolic link or not a directory"]))
+            continue
         try:
             manifest = load_manifest(directory)
-        except PlannerError:
+        except PlannerError as e:
+            out.append((directory, None, [e.message]))
             continue
-        if not completeness_problems(directory, manifest):
+        out.append((directory, manifest, completeness_problems(directory, manifest)))
+    return out
+
+
+def latest_complete(root: str | Path) -> tuple[Path, CheckpointManifest] | None:
+    """The newest complete checkpoint under `root`, or None. Incomplete directories (no manifest,
+    a partial file, a missing shard, a symbolic link) are skipped, never loaded. ``--resume
+    auto`` starts from here and also falls back past one whose content does not hash to its
+    manifest (`runtime.checkpoint.resume`)."""
+    for directory, manifest, problems in scan(root):
+        if manifest is not None and not problems:
             return directory, manifest
     return None
 

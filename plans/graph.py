@@ -15,6 +15,7 @@ resolves through host steps), and the runtime runs them as written, on every ran
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -26,6 +27,10 @@ CallKind = Literal["generate", "inference", "train"]
 Loss = Literal["sft", "dpo", "ppo_policy", "ppo_value", "grpo", "rloo", "remax"]
 Returns = Literal["logprobs", "values", "scores"]
 AlgorithmName = Literal["sft", "dpo", "ppo", "grpo", "remax", "rloo", "custom"]
+
+# Reward functions built into the runtime (`runtime.trusted`): a plan may name them without the
+# launch naming them too, as they are part of the runtime, looked up, never imported by name.
+BUILTIN_REWARDS = ("runtime.tasks:pattern_reward",)
 
 # Far beyond any real iteration (2**24 sequences of 2**24 tokens); keeps every count the cost model
 # derives finite and every enumeration over divisors short.
@@ -155,7 +160,9 @@ class AlgorithmConfig(Strict):
     gamma: float = Field(1.0, ge=0, le=1, description="PPO: discount.")
     lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE lambda.")
     dpo_beta: float = Field(0.1, gt=0, description="DPO: inverse temperature.")
-    reward_fn: str | None = Field(None, description="'module:function' scoring generated tokens instead of a reward model.")
+    reward_fn: str | None = Field(None, max_length=300, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+                                  description="'module:function' scoring generated tokens instead of a reward model; "
+                                  "the runtime runs it only when the launch names it too (--reward-fn).")
     task: str | None = Field(None, description="Runtime data source, e.g. a toy task name; None is random prompts.")
 
 
@@ -245,6 +252,34 @@ class Graph(Strict):
     def topo_order(self) -> list[str]:
         """Call names in a dependency order; ties keep the declared order."""
         return _topo_order(self) or []
+
+
+@dataclass(frozen=True)
+class NamedCode:
+    """A piece of code a graph (or plan) names, and what it takes for it to run."""
+
+    kind: str  # "reward function" or "host step"
+    name: str
+    runs: str
+
+    def line(self) -> str:
+        return f"{self.kind} {self.name}: {self.runs}"
+
+
+def named_code(g: Graph) -> list[NamedCode]:
+    """Every piece of code a graph names (what `planner validate` and `planner show` list). A plan
+    never makes the runtime import code by itself: a reward function runs only when the launch
+    names it too (`runtime.trusted`), a host step only inside the loop that traced it."""
+    out = []
+    fn = g.algorithm.reward_fn
+    if fn is not None:
+        runs = "built into the runtime" if fn in BUILTIN_REWARDS else \
+            f"imported and run on every rank only when the launch names it: python -m runtime ... --reward-fn {fn}"
+        out.append(NamedCode("reward function", fn, runs))
+    for s in g.host_steps:
+        out.append(NamedCode("host step", s.name, f"Python function {s.function} (source SHA-256 {s.source_sha256[:12]}...) "
+                             "of the traced loop; runs only in that loop's own program, never from the plan"))
+    return out
 
 
 def parse_graph(data: Any, *, source: str = "graph") -> Graph:

@@ -15,14 +15,13 @@ so the count the cost model uses is the count the runtime allocates.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from plans.base import Strict, validated
-from plans.errors import PlannerError
+from plans.base import Strict, loads_json, validated
+from plans.errors import PlannerError, brief
 
 ModelType = Literal["llama", "gpt"]
 Head = Literal["lm", "value"]
@@ -272,9 +271,10 @@ def resolve_model(spec: str | ModelSpec | dict[str, Any]) -> ModelSpec:
         if not is_file:
             raise PlannerError(f"model config file {text!r} does not exist")
         try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise PlannerError(f"model config {text!r} is not readable JSON: {e}") from None
+            raw = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlannerError(f"model config {brief(text)} is not readable JSON: {e}") from None
+        config = loads_json(raw, source=f"model config {brief(text)}")
         if not isinstance(config, dict):
             raise PlannerError(f"model config {text!r} must hold a JSON object")
         return spec_from_hf_config(config, source=text)

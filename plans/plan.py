@@ -11,16 +11,15 @@ of what it was compiled from (`source_hash`), so the loop reuses it while it is 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from plans.base import Strict, validated
+from plans.base import Strict, loads_json, validated
 from plans.cluster import ClusterSpec
 from plans.errors import PlannerError, brief
+from plans.io import write_text_atomic
 from plans.graph import AlgorithmConfig, Call, DataInput, Graph, HostStep, ModelDecl
 from plans.layout import Layout, Mesh
 from plans.sharding import layout_problems
@@ -184,12 +183,7 @@ def parse_plan(text: str, *, source: str = "plan") -> Plan:
     """Validate plan JSON text, turning any problem into a `PlannerError` naming `source`."""
     if not text.strip():
         raise PlannerError(f"{source} is empty", hint="compile a plan with `planner compile`")
-    try:
-        data: Any = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlannerError(f"{source} is not valid JSON: {e}") from None
-    except RecursionError:
-        raise PlannerError(f"{source} is not a plan: its JSON nests too deeply") from None
+    data: Any = loads_json(text, source=source)
     version = data.get("version") if isinstance(data, dict) else None
     if isinstance(data, dict) and "version" in data and (type(version) is not int or version != PLAN_VERSION):
         raise PlannerError(
@@ -212,53 +206,6 @@ def load_plan(path: str | Path) -> Plan:
     except ValueError as e:  # e.g. a NUL byte in the path
         raise PlannerError(f"cannot read plan {where}: {e}") from None
     return parse_plan(text, source=str(path)[:200])
-
-
-def check_writable(path: str | Path) -> None:
-    """A `PlannerError` now, before long work, if `path` clearly cannot be written: it is a
-    directory, or its nearest existing ancestor is a file or not writable."""
-    path = Path(path)
-    if path.is_dir():
-        raise PlannerError(f"cannot write {str(path)!r}: it is a directory", hint="give a file name, e.g. DIR/plan.json")
-    parent = path.absolute().parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise PlannerError(f"cannot write {str(path)!r}: {str(parent)!r} is a file, not a directory")
-    if not os.access(parent, os.W_OK):
-        raise PlannerError(f"cannot write {str(path)!r}: directory {str(parent)!r} is not writable")
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write `text` (UTF-8) to `path` so readers see the old file or the whole new one, never a part."""
-    write_bytes_atomic(path, text.encode("utf-8"))
-
-
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` so readers see the old file or the whole new one, never a part.
-
-    A path that cannot be written (a directory, a read-only place, a parent that is a file) is a
-    `PlannerError` naming it."""
-    path = Path(path)
-    if path.is_dir():
-        raise PlannerError(f"cannot write {str(path)!r}: it is a directory", hint="give a file name, e.g. DIR/plan.json")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        raise PlannerError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise PlannerError(f"cannot write {str(path)!r}: {e.strerror or e}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:

@@ -176,6 +176,12 @@ def layout_problems(spec: ModelSpec, layout: Layout) -> list[str]:
     return problems
 
 
+def slices_key(mesh: Mesh, layout: Layout) -> tuple[int, ...]:
+    """Placements with equal keys hold every parameter slice on the same ranks (`shard_box` is a
+    function of these fields alone), so moving a model between them moves nothing."""
+    return (mesh.first, mesh.size, layout.tp, layout.pp, layout.interleave, layout.dp if layout.zero == 3 else 0)
+
+
 def shard_box(param: Param, spec: ModelSpec, layout: Layout, local: int) -> Box | None:
     """The slice of `param` the `local`-th rank of a mesh holds under `layout`, or None."""
     c = layout.coord(local)

@@ -42,8 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plans.errors import PlannerError
-from plans.plan import write_text_atomic
+from plans.base import loads_json
+from plans.errors import PlannerError, brief
+from plans.io import write_text_atomic
 
 TRACE_FORMAT = "planner-trace"
 TRACE_VERSION = 1
@@ -278,11 +279,12 @@ def load_trace(paths: str | Path | Iterable[str | Path]) -> dict[str, Any]:
     docs = []
     for path in paths:
         try:
-            doc = json.loads(Path(path).read_text())
+            raw = Path(path).read_text(encoding="utf-8")
         except OSError as e:
-            raise PlannerError(f"cannot read trace {str(path)!r}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise PlannerError(f"trace {str(path)!r} is not valid JSON: {e}") from None
+            raise PlannerError(f"cannot read trace {brief(str(path))}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise PlannerError(f"trace {brief(str(path))} is not a text (UTF-8) file: {e.reason} at byte {e.start}") from None
+        doc = loads_json(raw, source=f"trace {brief(str(path))}")
         problems = planner_trace_problems(doc)
         if problems:
             more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""

@@ -29,19 +29,23 @@ import argparse
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from plans.errors import PlannerError
-from plans.plan import load_plan, write_text_atomic
-from runtime.checkpoint import CheckpointOptions, resume, save_checkpoint, seed_process
-from runtime.executor import DEFAULT_TIMEOUT_S, PlanRunner
-from runtime.faults import FaultHooks
+from plans.io import check_output, write_text_atomic
+from plans.plan import Plan, load_plan
+from runtime.checkpoint import CheckpointOptions, claim_directory, resume, save_checkpoint, seed_process
+from runtime.executor import DEFAULT_TIMEOUT_S, PlanRunner, check_runnable
+from runtime.faults import FaultHooks, SharedError
 from runtime.groups import init_default_group
 from runtime.observe import gather_events, progress_line, write_measured_trace
+from runtime.process import Interrupted, Interrupts, cpu_threads, device_problem, memory_problem, watch_parent
 
+LEAVE_TIMEOUT_S = 30.0  # how long a rank that reported a shared problem waits for the others to report it too
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EXAMPLES = """examples:
   torchrun --nproc-per-node 4 -m runtime plans/tiny_ppo.json --steps 30 --metrics-out m.jsonl
@@ -74,6 +78,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--resume", metavar="auto|PATH",
                     help="continue from the newest complete checkpoint in --checkpoint-dir (auto; a fresh start "
                     "when there is none) or from checkpoint directory PATH")
+    ap.add_argument("--reward-fn", metavar="MODULE:FUNCTION",
+                    help="run the reward function the plan names (algorithm.reward_fn): a plan's code runs only when "
+                    "the launch names the same function; imported from PYTHONPATH or installed packages, never "
+                    "implicitly from the current directory")
     ap.add_argument("--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                     help=f"seconds a collective may wait for its peers before the run fails (default {DEFAULT_TIMEOUT_S:g})")
     args = ap.parse_args(argv)
@@ -92,7 +100,7 @@ def _earlier_metrics(path: str | None, *, upto: int) -> list[str]:
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
         try:
             step = json.loads(line)["step"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):  # also an integer too long to read
             raise PlannerError(f"--metrics-out {path!r} line {n} is not a metrics line of this runtime",
                                hint="give a new --metrics-out file, or remove that one") from None
         if step <= upto:
@@ -100,11 +108,8 @@ def _earlier_metrics(path: str | None, *, upto: int) -> list[str]:
     return kept
 
 
-def run(args: argparse.Namespace) -> None:
-    """Check the launch against the plan, run the steps, write metrics and the trace (rank 0)."""
-    plan = load_plan(args.plan)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+def _check_launch(args: argparse.Namespace, plan: Plan, *, world: int) -> None:
+    """Refuse a launch that cannot run the plan, before anything is allocated."""
     if args.reference and world != 1:
         raise PlannerError(f"--reference runs in one process, but this launch has {world} ranks",
                            hint="run `python -m runtime PLAN.json --reference` without torchrun")
@@ -114,34 +119,65 @@ def run(args: argparse.Namespace) -> None:
             f"but this launch has {world}",
             hint=f"launch with torchrun --nproc-per-node {plan.cluster.gpus_per_node} --nnodes {plan.cluster.nodes}, "
             "or add --reference to run it in one process")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    problem = device_problem(plan, cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                             local_ranks=local, reference=args.reference)
+    if problem:
+        raise PlannerError(problem, hint="run it on the GPUs it was compiled for; to try its calls on this machine, "
+                           "`planner replan PLAN --cluster cpu:1xN` gives a plan for N CPU ranks, and --reference "
+                           "runs it in one process")
+    check_runnable(plan, reference=args.reference)
+    if args.reference:
+        problem = memory_problem(plan)
+        if problem:
+            raise PlannerError(problem, hint="run the plan's own layouts under torchrun on the cluster it was compiled "
+                               "for; the reference is for plans of small models")
+
+
+def run(args: argparse.Namespace, interrupts: Interrupts) -> None:
+    """Check the launch against the plan, run the steps, write metrics and the trace (rank 0)."""
+    plan = load_plan(args.plan)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     ckpt = CheckpointOptions(directory=args.checkpoint_dir, every=args.checkpoint_every, resume=args.resume,
                              keep=args.checkpoint_keep)
     ckpt.check()
+    _check_launch(args, plan, world=world)
+    for path in (args.metrics_out, args.trace_out):
+        if path is not None and rank == 0:
+            check_output(path)  # before any step, not after the run
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:
+        threads = cpu_threads(local_ranks=1 if args.reference else int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        if threads is not None:
+            torch.set_num_threads(threads)
     distributed = not args.reference and world > 1
     if distributed:
         init_default_group("nccl" if cuda else "gloo", timeout_s=args.collective_timeout)
+    lock = None
     try:
         hooks = FaultHooks.from_env(rank)
         seed_process(args.seed, rank)
         runner = PlanRunner(plan, rank=rank, world_size=world, reference=args.reference, seed=args.seed,
                             dtype=DTYPES[args.dtype], device=device, trace=args.trace_out is not None,
-                            collective_timeout_s=args.collective_timeout, hooks=hooks)
+                            collective_timeout_s=args.collective_timeout, hooks=hooks, reward_fn=args.reward_fn)
+        lock = claim_directory(runner, ckpt)
         resumed = resume(runner, ckpt)
         start = resumed.step if resumed is not None else 0
         say = print if rank == 0 and not args.quiet else (lambda *_a, **_k: None)
         if resumed is not None:
             say(f"resumed from {resumed.directory} (step {resumed.step}, saved by {resumed.world_size} rank{'s' if resumed.world_size > 1 else ''})"
-                + (f"; skipped incomplete {', '.join(resumed.skipped)}" if resumed.skipped else ""), flush=True)
+                + (f"; skipped {'; '.join(resumed.skipped)}" if resumed.skipped else ""), flush=True)
         elif ckpt.resume == "auto":
-            say(f"no complete checkpoint in {ckpt.directory}: starting at step 1", flush=True)
+            say(f"no intact checkpoint in {ckpt.directory}: starting at step 1", flush=True)
         if start >= args.steps:
             say(f"the checkpoint is at step {start}: --steps {args.steps} already done", flush=True)
         lines = _earlier_metrics(args.metrics_out, upto=start) if rank == 0 else []
         for step in range(start + 1, args.steps + 1):
+            interrupts.step = step
             metrics = runner.step(step)
             if rank == 0:
                 lines.append(json.dumps(metrics, sort_keys=True))
@@ -149,27 +185,73 @@ def run(args: argparse.Namespace) -> None:
                     write_text_atomic(args.metrics_out, "\n".join(lines) + "\n")
                 say(progress_line(metrics, plan=plan, steps=args.steps), flush=True)
             if ckpt.due(step, last=step == args.steps):
-                saved = save_checkpoint(runner, ckpt.directory, step=step, keep=ckpt.keep, hooks=hooks)
+                saved = save_checkpoint(runner, ckpt.directory, step=step, keep=ckpt.keep, hooks=hooks)  # type: ignore[arg-type]
                 say(f"saved checkpoint {saved}", flush=True)
         if args.trace_out:
             events = gather_events(runner.recorder.events, distributed=distributed, rank=rank, world_size=world)
             if events is not None:
                 write_measured_trace(args.trace_out, events, plan=plan, world_size=world, steps=args.steps,
                                      reference=args.reference)
+    except PlannerError as e:
+        if interrupts.received is not None:  # a collective failed because the peers were interrupted too
+            raise interrupts.received from None
+        _report(e, rank=rank)
+        if isinstance(e, SharedError) and distributed:  # leave together: every rank has said it
+            _leave_together(timeout_s=min(args.collective_timeout, LEAVE_TIMEOUT_S))
+        raise Reported(e.exit_code) from None
     finally:
-        if distributed:
+        if lock is not None:
+            lock.release()
+        if distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class Reported(Exception):
+    """A problem already reported on this rank; the process exits with `code`."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def _report(e: PlannerError, *, rank: int | str) -> None:
+    """One message per rank, written at once (lines of several ranks sharing a terminal stay whole)."""
+    sys.stderr.write(f"error (rank {rank}): {e}\n")
+    sys.stderr.flush()
+
+
+def _leave_together(*, timeout_s: float) -> None:
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError:  # a peer is gone: nothing to wait for
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    rank = os.environ.get("RANK", "0")
+    interrupts = Interrupts()
+    interrupts.install()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun: do not outlive its agent
+        watch_parent(interrupts)
     try:
-        run(args)
-    except PlannerError as e:
-        rank = os.environ.get("RANK", "0")
-        print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        return PlannerError.exit_code
+        run(args, interrupts)
+    except Interrupted as e:
+        return _interrupted(e, rank=rank, interrupts=interrupts)
+    except Reported as e:
+        return e.code
+    except PlannerError as e:  # found before the run started (options, plan, launch)
+        _report(e, rank=rank)
+        return e.exit_code
     return 0
+
+
+def _interrupted(e: Interrupted, *, rank: str, interrupts: Interrupts) -> int:
+    """One line for the whole run (rank 0's; another rank stopped alone says so itself)."""
+    if rank == "0" or ("launcher" in e.reason and os.environ.get("LOCAL_RANK", "0") == "0"):  # one line per node
+        where = f" in step {interrupts.step}" if interrupts.step else ""
+        print(f"stopped (rank {rank}): {e.reason}{where}; no file was left half written", file=sys.stderr, flush=True)
+    return e.exit_code
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import torch
 from torch import Tensor
 
 from plans.errors import PlannerError
-from plans.graph import AlgorithmConfig
 from plans.plan import Plan, PlanCall
 from plans.sharding import split_range
 
@@ -217,18 +216,3 @@ class Glue:
             adv = group_advantages(scores, kind=str(kind), group=gen_call.samples_per_prompt, baseline=baseline)
             rows["advantages"] = adv[:, None] * mask
         return TrainBatch(rows, _denoms(mask.sum(1), call.minibatches, 1), 1, stats)
-
-
-def load_reward_fn(algo: AlgorithmConfig) -> RewardFn | None:
-    """Import ``algorithm.reward_fn`` ('module:function'), or None when the plan has none."""
-    if algo.reward_fn is None:
-        return None
-    import importlib
-
-    module, _, name = algo.reward_fn.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise PlannerError(f"cannot load reward function {algo.reward_fn!r}: {e}",
-                           hint="write it as 'package.module:function', importable on every rank") from None
-    return fn

@@ -27,6 +27,7 @@ from plans.errors import PlannerError
 from plans.layout import Layout
 from plans.model import Head, ModelSpec
 from plans.sharding import Param, split_range
+from plans.runnable import layout_runtime_problems
 from runtime import generate as gen
 from runtime.data_parallel import AdamConfig, DataParallel, apply_data_parallel
 from runtime.groups import RankGroups
@@ -45,12 +46,10 @@ def parallelize(spec: ModelSpec, *, head: Head, trainable: bool, groups: RankGro
     """Build this rank's shard of a model under `groups.layout`, in the documented order, from
     whole tensors (`state`) or from this rank's slices, used as they are (`params`)."""
     layout, c = groups.layout, groups.coord
-    if layout.cp != 1:
-        raise PlannerError(f"layout {layout.short()}: context parallel (cp > 1) is not supported by the runtime yet",
-                           hint="compile the plan without context parallelism")
-    if layout.interleave != 1:
-        raise PlannerError(f"layout {layout.short()}: interleaved pipelines are not supported by the runtime yet",
-                           hint="compile the plan with interleave 1")
+    problems = layout_runtime_problems(layout)
+    if problems:
+        raise PlannerError(f"layout {layout.short()}: " + "; ".join(problems),
+                           hint="compile the plan without these layout dimensions")
     layers, pipe = apply_pipeline_parallel(spec.num_hidden_layers, layout=layout, pp=groups.pp, stage=c.pp)
     shard = build_shard(spec, head=head, layout=layout, local=groups.local, layers=layers, state=state, given=params,
                         device=device)

@@ -45,8 +45,10 @@ import torch.distributed as dist
 from plans.errors import PlannerError
 from plans.layout import Layout, Mesh
 from plans.plan import Plan, PlanCall
+from plans.runnable import runtime_problems
+from plans.sharding import slices_key
 from plans.trace import US_PER_S, TraceRecorder
-from runtime.algorithms import Glue, Rows, aligned, last_index, load_reward_fn
+from runtime.algorithms import Glue, Rows, aligned, last_index
 from runtime.data_parallel import AdamConfig
 from runtime.dataflow import SHARES, Incoming, Mailbox, Shapes, StatsInbox, reporters
 from runtime.engine import ModelRunner
@@ -54,6 +56,7 @@ from runtime.faults import FaultHooks, named
 from runtime.groups import Groups, RankGroups, solo_groups
 from runtime.losses import make_loss
 from runtime.model import init_tensor
+from runtime.trusted import reward_function
 from runtime.realloc import RankPlan, rank_plan, reallocate
 from runtime.tasks import make_inputs
 
@@ -69,9 +72,8 @@ class Placement:
     layout: Layout
 
     def slices_key(self) -> tuple[int, ...]:
-        """Equal keys hold every parameter slice on the same ranks (`plans.sharding.shard_box`)."""
-        lay = self.layout
-        return (self.mesh.first, self.mesh.size, lay.tp, lay.pp, lay.interleave, lay.dp if lay.zero == 3 else 0)
+        """Equal keys hold every parameter slice on the same ranks (`plans.sharding.slices_key`)."""
+        return slices_key(self.mesh, self.layout)
 
 
 @dataclass(frozen=True)
@@ -85,44 +87,33 @@ class CallPlan:
 
 
 def call_plans(plan: Plan) -> dict[str, CallPlan]:
-    """How every call gets its parameters; a `PlannerError` when the plan's reallocations do not
-    match its placements (a move is missing, or starts elsewhere than the model's home)."""
+    """How every call gets its parameters, for a plan `plans.runnable.runtime_problems` accepts."""
     homes = plan.graph().home_calls()
-    listed = {(r.model, r.to_call): r for r in plan.reallocations}
-    for r in plan.reallocations:
-        if r.from_call != homes[r.model]:
-            raise PlannerError(f"the plan reallocates {r.model!r} from {r.from_call!r} to {r.to_call!r}, but the "
-                               f"model's parameters live with its home call {homes[r.model]!r}",
-                               hint="recompile the plan with this version of planner")
-        if r.to_call == homes[r.model]:
-            raise PlannerError(f"the plan reallocates {r.model!r} to its home call {r.to_call!r}",
-                               hint="recompile the plan with this version of planner")
+    listed = {(r.model, r.to_call) for r in plan.reallocations}
     out: dict[str, CallPlan] = {}
     for c in plan.calls:
-        if c.decode_layout is not None and c.decode_layout != c.layout:
-            raise PlannerError(f"call {c.name!r} decodes with a layout different from its prefill; "
-                               "the runtime does not reallocate between phases yet",
-                               hint="compile the plan without a separate decode layout")
         home = plan.call(homes[c.model])
         where, home_where = Placement(c.mesh, c.layout), Placement(home.mesh, home.layout)
         if c.name == home.name or where == home_where:
             source = "home"
-        elif c.kind == "train":
-            raise PlannerError(f"model {c.model!r} is trained by {c.name!r} on {c.mesh.short()} {c.layout.short()} and "
-                               f"by {home.name!r} on {home.mesh.short()} {home.layout.short()}; the runtime keeps one "
-                               "optimizer state per model, so its train calls must share one placement",
-                               hint="give the model's train calls the same mesh and layout")
         elif (c.model, c.name) in listed:
             source = "realloc"
-        elif where.slices_key() == home_where.slices_key():
-            source = "shared"
         else:
-            raise PlannerError(f"call {c.name!r} runs {c.model!r} on {c.mesh.short()} {c.layout.short()}, which does not "
-                               f"hold the slices of its home {home.name!r} ({home.mesh.short()} {home.layout.short()}), "
-                               "but the plan lists no reallocation to it",
-                               hint="recompile the plan, or list the reallocation in 'reallocations'")
+            assert where.slices_key() == home_where.slices_key(), f"{c.name}: rejected by runtime_problems"
+            source = "shared"
         out[c.name] = CallPlan(where, home.name, source)
     return out
+
+
+def check_runnable(plan: Plan, *, reference: bool) -> None:
+    """A `PlannerError` listing why this runtime cannot run `plan` (`plans.runnable`), on every
+    rank alike, before any collective."""
+    problems = runtime_problems(plan, reference=reference)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise PlannerError(f"plan {plan.name!r} cannot run on this runtime: " + "; ".join(problems[:3]) + more,
+                           hint="`planner validate PLAN` lists every problem; recompile the plan with this version of "
+                           "planner, or use a larger batch, fewer minibatches or a smaller data-parallel degree")
 
 
 def call_seed(seed: int, step: int, call: str) -> int:
@@ -154,14 +145,18 @@ class PlanRunner:
 
     def __init__(self, plan: Plan, *, rank: int, world_size: int, reference: bool, seed: int,
                  dtype: torch.dtype, device: torch.device, trace: bool = False,
-                 collective_timeout_s: float = DEFAULT_TIMEOUT_S, hooks: FaultHooks | None = None) -> None:
+                 collective_timeout_s: float = DEFAULT_TIMEOUT_S, hooks: FaultHooks | None = None,
+                 reward_fn: str | None = None, reward_flag: str = "--reward-fn") -> None:
         """`trace`: keep every step's spans in `recorder.events` (else only the current step's).
         `collective_timeout_s`: the timeout of the process groups created here (the caller gives
         the default group the same); a collective failing is a `PlannerError` naming its call.
-        `hooks`: test hooks that kill or stall this rank (`runtime.faults`; none by default)."""
+        `hooks`: test hooks that kill or stall this rank (`runtime.faults`; none by default).
+        `reward_fn`: the reward function the launch names (`reward_flag` says how, for messages);
+        the plan's ``algorithm.reward_fn`` runs only if it is the same or built in (`runtime.trusted`)."""
         self.plan, self.rank, self.world, self.seed = plan, rank, world_size, seed
         self.reference, self.device, self.dtype = reference, device, dtype
         self.timeout_s, self.hooks = collective_timeout_s, hooks or FaultHooks(rank)
+        check_runnable(plan, reference=reference)
         self.calls = call_plans(plan)
         # Calls that run on a reallocated copy (the reference reports their move as taking 0 s).
         self.moved = {n for n, cp in self.calls.items() if cp.source == "realloc"}
@@ -169,8 +164,8 @@ class PlanRunner:
             solo = Placement(SOLO_MESH, Layout())
             self.calls = {n: CallPlan(solo, cp.home, "home") for n, cp in self.calls.items()}
         self.distributed = not reference and world_size > 1
-        _check_batches(plan, self.calls)
-        self.glue = Glue(plan, reward_fn=load_reward_fn(plan.algorithm))
+        self.glue = Glue(plan, reward_fn=reward_function(plan.algorithm.reward_fn, named_at_launch=reward_fn,
+                                                         flag=reward_flag))
         # handle -> the ranks that read it: those of the meshes of the calls taking it as input,
         # and every rank for a handle a host step reads (host steps run on every rank)
         host_read = {h for s in plan.host_steps for h in s.inputs}
@@ -408,16 +403,3 @@ def _check_shape(call: PlanCall, tokens: torch.Tensor, want: tuple[int, int]) ->
         raise PlannerError(f"call {call.name!r} declares {want[0]} sequences of {want[1]} tokens but reads "
                            f"{tuple(tokens.shape)[0]} of {tuple(tokens.shape)[1]}",
                            hint="the call's seqs and seq_len must match the data it reads")
-
-
-def _check_batches(plan: Plan, calls: dict[str, CallPlan]) -> None:
-    """Every data-parallel replica of every call gets at least one sequence (checked on every
-    rank before any collective, so a bad plan fails everywhere instead of hanging)."""
-    for c in plan.calls:
-        dp = calls[c.name].where.layout.dp
-        group = 2 if c.loss == "dpo" else 1
-        rows = c.seqs // c.minibatches if c.kind == "train" else c.seqs
-        if rows // group < dp:
-            what = "each minibatch of" if c.kind == "train" else "the batch of"
-            raise PlannerError(f"call {c.name!r}: {what} {rows} sequences cannot split over dp={dp}",
-                               hint="use a larger batch, fewer minibatches or a smaller data-parallel degree")

@@ -18,6 +18,8 @@ torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0 or unset, so a restarted group ru
   STEP is being written, right after its own shard file.
 - ``RUNTIME_TEST_HANG_AT=STEP:RANK``: rank RANK stops (sleeps) before the first call it runs in
   step STEP and never joins it, so its peers' collective timeout fires.
+- ``RUNTIME_TEST_DISK_FULL_AT=STEP``: the manifest of checkpoint STEP is written to ``/dev/full``
+  instead of its file, so the kernel answers with a real ENOSPC (a disk that filled up).
 """
 
 from __future__ import annotations
@@ -32,12 +34,19 @@ import torch.distributed as dist
 
 from plans.errors import PlannerError
 
-KILL_ENV, HANG_ENV = "RUNTIME_TEST_KILL_AT", "RUNTIME_TEST_HANG_AT"
+KILL_ENV, HANG_ENV, FULL_ENV = "RUNTIME_TEST_KILL_AT", "RUNTIME_TEST_HANG_AT", "RUNTIME_TEST_DISK_FULL_AT"
+FULL_DEVICE = "/dev/full"  # every write to it fails with ENOSPC
 KILLED_EXIT = 137  # what a SIGKILLed process reports
 HANG_S = 3600.0  # a hung rank sleeps until its launcher ends it
 # What gloo's transport says when an operation timed out or its peer went away (it raises plain
 # RuntimeErrors; NCCL's errors are DistBackendErrors).
 _COMM_SIGNS = ("timed out", "connection closed", "connection reset", "broken pipe", "gloo/transport")
+
+
+class SharedError(PlannerError):
+    """A problem every rank of the run raises alike (rank 0 found it and sent it to all): each
+    rank reports it, and they leave together, so the launcher stopping the group after the first
+    exit does not silence the others."""
 
 
 def is_comm_failure(err: BaseException) -> bool:
@@ -88,13 +97,17 @@ class FaultHooks:
     rank: int
     kill: tuple[str, int, int] | None = None
     hang: tuple[str, int, int] | None = None
+    full_at: int | None = None
     fired: set[str] = field(default_factory=set)
 
     @classmethod
     def from_env(cls, rank: int) -> FaultHooks:
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return cls(rank)
-        return cls(rank, kill=_spec(KILL_ENV), hang=_spec(HANG_ENV))
+        full = os.environ.get(FULL_ENV)
+        if full is not None and not full.isdigit():
+            raise PlannerError(f"{FULL_ENV}={full!r} must be a step number")
+        return cls(rank, kill=_spec(KILL_ENV), hang=_spec(HANG_ENV), full_at=int(full) if full else None)
 
     def _due(self, hook: tuple[str, int, int] | None, where: str, step: int) -> bool:
         return hook is not None and hook == (where, step, self.rank)
@@ -106,6 +119,10 @@ class FaultHooks:
             time.sleep(HANG_S)
         if kind == "train" and self._due(self.kill, "call", step) and "kill" not in self.fired:
             os._exit(KILLED_EXIT)
+
+    def manifest_device(self, step: int) -> str | None:
+        """The device the manifest of checkpoint `step` is written to instead of its file (None: its file)."""
+        return FULL_DEVICE if self.full_at == step else None
 
     def while_saving(self, step: int) -> None:
         """After this rank wrote its shard file of checkpoint `step`, before the checkpoint is complete."""

@@ -62,6 +62,9 @@ def clipped_value(values: Tensor, rows: dict[str, Tensor], denom: float, *, clip
     return (per_token * mask).sum() / denom, {"value_mean": (v * mask).sum().detach() / denom}
 
 
+TIE_RTOL = 1e-5  # relative size of a DPO margin below which it is float rounding, a tie
+
+
 def dpo(logprobs: Tensor, rows: dict[str, Tensor], denom: float, *, beta: float) -> tuple[Tensor, Stats]:
     """DPO (Rafailov et al. 2023) on consecutive (chosen, rejected) rows; `denom` counts pairs."""
     mask = rows["mask"].float()
@@ -69,7 +72,11 @@ def dpo(logprobs: Tensor, rows: dict[str, Tensor], denom: float, *, beta: float)
     ref = (rows["ref_logprobs"] * mask).sum(-1)
     margin = beta * ((policy[0::2] - ref[0::2]) - (policy[1::2] - ref[1::2]))
     loss = -F.logsigmoid(margin).sum() / denom
-    return loss, {"accuracy": (margin > 0).float().sum().detach() / denom}
+    # A pair is won when its margin is positive beyond float rounding: while the policy equals the
+    # reference (the first step) the margin is 0 in exact arithmetic, and the order in which a
+    # layout sums the log-probs would otherwise decide its sign.
+    tie = TIE_RTOL * beta * (policy[0::2].abs() + ref[0::2].abs() + policy[1::2].abs() + ref[1::2].abs())
+    return loss, {"accuracy": (margin > tie).float().sum().detach() / denom}
 
 
 def make_loss(kind: Loss, algo: AlgorithmConfig) -> LossFn:

@@ -283,19 +283,19 @@ def hf_config(spec: ModelSpec, *, head: Head) -> dict:
 
 def save_checkpoint(path: str | Path, state: dict[str, Tensor], *, spec: ModelSpec, head: Head) -> None:
     """Write whole tensors as an HF checkpoint directory (``model.safetensors`` + ``config.json``)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    from plans.plan import write_text_atomic
+    from plans.io import check_output, write_bytes_atomic, write_text_atomic
 
     expected = {p.name: p.shape for p in parameters(spec, head=head)}
     missing = sorted(set(expected) - set(state))
     if missing:
         raise PlannerError(f"checkpoint for {spec.display_name()} is missing {len(missing)} tensors, e.g. {missing[0]}")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = path / ".model.safetensors.tmp"
-    save_file({n: state[n].detach().float().contiguous().cpu() for n in expected}, str(tmp), metadata={"format": "pt"})
-    tmp.replace(path / "model.safetensors")
+    for name in ("model.safetensors", "config.json"):
+        check_output(path / name)  # both refused before either is written
+    data = save({n: state[n].detach().float().contiguous().cpu() for n in expected}, metadata={"format": "pt"})
+    write_bytes_atomic(path / "model.safetensors", data)
     write_text_atomic(path / "config.json", json.dumps(hf_config(spec, head=head), indent=2, sort_keys=True) + "\n")
 
 
@@ -303,12 +303,15 @@ def load_checkpoint(path: str | Path, *, head: Head) -> tuple[ModelSpec, dict[st
     """Read an HF checkpoint directory (one or several ``*.safetensors`` files) into whole tensors."""
     from safetensors.torch import load_file
 
+    from plans.base import loads_json
+
     path = Path(path)
     cfg_path = path / "config.json"
     files = sorted(path.glob("*.safetensors"))
     if not cfg_path.is_file() or not files:
         raise PlannerError(f"{str(path)!r} is not an HF checkpoint directory (needs config.json and *.safetensors)")
-    spec = spec_from_hf_config(json.loads(cfg_path.read_text()), source=str(cfg_path))
+    spec = spec_from_hf_config(loads_json(cfg_path.read_text(encoding="utf-8"), source=f"model config {str(cfg_path)!r}"),
+                               source=str(cfg_path))
     state: dict[str, Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))

@@ -92,7 +92,9 @@ def launch() -> Launch:
 class Session:
     """A traced loop's plan, ready on this rank: each `run` is one iteration."""
 
-    def __init__(self, plan: Plan, *, launch: Launch, seed: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, plan: Plan, *, launch: Launch, seed: int, dtype: torch.dtype = torch.float32,
+                 reward_fn: str | None = None) -> None:
+        """`reward_fn`: the reward function the loop's own decorator names (the plan's must match)."""
         if launch.torchrun and launch.world_size != plan.cluster.world_size:
             raise PlannerError(
                 f"plan {plan.name!r} is for {plan.cluster.world_size} ranks ({plan.cluster.short()}) but this launch "
@@ -101,7 +103,8 @@ class Session:
                 f"{plan.cluster.nodes}, or run the program without torchrun for the single-process reference")
         self.plan, self.launch = plan, launch
         self.runner = PlanRunner(plan, rank=launch.rank, world_size=launch.world_size, reference=not launch.torchrun,
-                                 seed=seed, dtype=dtype, device=launch.device)
+                                 seed=seed, dtype=dtype, device=launch.device, reward_fn=reward_fn,
+                                 reward_flag="@planner.auto(algorithm={'reward_fn': ...})")
         self.steps = 0
 
     def run(self, invoke: Callable[[dict[str, Any]], Any], *, models: dict[str, str], data_params: list[str],

@@ -270,6 +270,14 @@ REPLACEMENTS = st.one_of(
 )
 
 
+def _replacement(draw: st.DrawFn) -> Any:
+    """A replacement value, copied: `sampled_from` hands out the same object every time, and an
+    edit inside one (a key added to it) must not change the next example, or put it inside itself."""
+    import copy
+
+    return copy.deepcopy(draw(REPLACEMENTS))
+
+
 @st.composite
 def mutated(draw: st.DrawFn, base: Any, *, max_edits: int = 3) -> Any:
     """`base` (a JSON value, not modified) with 1..max_edits random edits: replace a value, delete or
@@ -283,16 +291,16 @@ def mutated(draw: st.DrawFn, base: Any, *, max_edits: int = 3) -> Any:
         op = draw(st.sampled_from(["replace", "delete", "add", "scale", "dup", "swap"]))
         if not path:
             if op == "replace":
-                obj = draw(REPLACEMENTS)
+                obj = _replacement(draw)
             continue
         parent, key = _get(obj, path[:-1]), path[-1]
         node = parent[key]
         if op == "replace":
-            parent[key] = draw(REPLACEMENTS)
+            parent[key] = _replacement(draw)
         elif op == "delete":
             del parent[key]
         elif op == "add" and isinstance(node, dict):
-            node[draw(st.sampled_from(["extra", "dp", "ranks", "name", "version"]))] = draw(REPLACEMENTS)
+            node[draw(st.sampled_from(["extra", "dp", "ranks", "name", "version"]))] = _replacement(draw)
         elif op == "scale" and isinstance(node, (int, float)) and not isinstance(node, bool):
             parent[key] = node * draw(st.sampled_from([0, -1, 2, 3, 1000, 10**12])) + draw(st.sampled_from([0, 1]))
         elif op == "dup" and isinstance(node, list) and node:

@@ -7,6 +7,7 @@ re-planned plan of the same graph may resume it, a plan of another graph may not
 
 from __future__ import annotations
 
+import hashlib
 import json
 from itertools import product
 from pathlib import Path
@@ -51,9 +52,9 @@ def write_checkpoint(root: Path, step: int, *, layout: Layout = SAVED, optimizer
             size = 4 * box_numel(box)
             (directory / name).write_bytes(b"\0" * size)
             tensors.append({"model": "actor", "param": param, "kind": kind, "box": box, "file": name, "key": "t"})
-            files.append({"path": name, "bytes": size})
+            files.append({"path": name, "bytes": size, "sha256": hashlib.sha256(b"\0" * size).hexdigest()})
     (directory / "rng-0.bin").write_bytes(b"rng")
-    files.append({"path": "rng-0.bin", "bytes": 3})
+    files.append({"path": "rng-0.bin", "bytes": 3, "sha256": hashlib.sha256(b"rng").hexdigest()})
     manifest = {
         "format": "planner-checkpoint/1", "step": step, "plan_name": "tiny", "graph_fingerprint": "a" * 64,
         "plan_fingerprint": "b" * 64, "world_size": layout.size, "seed": 0,
@@ -135,6 +136,8 @@ def test_any_layout_assembles_from_the_saved_pieces_exactly_once(tmp_path, saved
     (lambda d: d.update(graph_fingerprint="xyz"), "graph_fingerprint"),
     (lambda d: d.update(format="planner-checkpoint/0"), "format"),
     (lambda d: d.pop("data"), "data"),
+    (lambda d: d["files"][0].pop("sha256"), "without a SHA-256"),
+    (lambda d: d["files"][0].update(sha256=None), "without a SHA-256"),
 ])
 def test_bad_manifests_are_planner_errors(tmp_path, edit, message):
     directory = write_checkpoint(tmp_path, 1)
@@ -168,3 +171,17 @@ def test_a_replanned_plan_may_resume_a_checkpoint_of_the_same_graph_only():
     assert resume_problems(manifest, new) == []
     other = compile_graph(bigger, parse_cluster("cpu:1x2"), time_limit_s=0)
     assert "another graph" in resume_problems(manifest, other)[0]
+
+
+def test_a_link_in_a_checkpoint_makes_it_incomplete(tmp_path):
+    directory = write_checkpoint(tmp_path, 10)
+    victim = next(p for p in sorted(directory.iterdir()) if p.name.startswith("shard-"))
+    outside = tmp_path / "outside.bin"
+    victim.rename(outside)
+    victim.symlink_to(outside)
+    problems = completeness_problems(directory, load_manifest(directory))
+    assert f"{'step-000000010/' + victim.name!r} is a symbolic link (never followed in a checkpoint)" in problems
+    assert f"file {victim.name!r} is not a regular file" in problems
+    assert latest_complete(tmp_path) is None
+    (tmp_path / "step-000000011").symlink_to(directory)  # a linked step directory is never a checkpoint
+    assert latest_complete(tmp_path) is None

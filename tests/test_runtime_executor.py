@@ -26,6 +26,7 @@ from plans import Estimate, Layout, Mesh, Plan, PlanCall, Reallocation, SearchIn
 from plans.errors import PlannerError
 from plans.sharding import transfer_volume
 from runtime.executor import PlanRunner
+from tests.machine import facts
 
 WORLD = 4
 TOL = 1e-5
@@ -126,7 +127,7 @@ def test_every_algorithm_plan_matches_the_reference(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     mp.spawn(_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
     result = json.loads((tmp_path / "rank0.json").read_text())
-    assert not result["problems"], "\n".join(result["problems"][:30])
+    assert not result["problems"], "\n".join(result["problems"][:30]) + "\n" + facts()
     assert result["compared"] >= 7 * 2 * 2
 
 

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from plans.errors import PlannerError
 from plans.hardware import GIB
-from plans.plan import check_writable
+from plans.io import check_output
 
 
 class Recompute(str, Enum):
@@ -127,7 +127,7 @@ def calibrate(
     # The node the runs were measured on, checked as a cluster (bandwidth bounds) before any work.
     resolve_cluster({"gpu": gpu, "nodes": 1, "gpus_per_node": gpus_per_node, "intra_node_gbps": intra_node_gbps,
                      "inter_node_gbps": inter_node_gbps})
-    check_writable(output)
+    check_output(output)
     if recompute.value not in ("none", "selective", "full"):
         raise PlannerError(f"unknown recompute {recompute.value!r}")
     groups = [read_measured(p, model_type=model_type, vocab_size=vocab_size, recompute=recompute.value) for p in measured]
@@ -174,7 +174,7 @@ def profile(
 
     if device not in (None, "cpu", "cuda"):
         raise PlannerError(f"unknown device {device!r}", hint="use --device cpu or --device cuda")
-    check_writable(output)  # before minutes of benchmarks, not after
+    check_output(output)  # before minutes of benchmarks, not after
     console = Console(stderr=True, highlight=False)
     with console.status("profiling", spinner="dots") as status:
         cal = profile_devices(budget_s=budget_s, ranks=ranks, device=device, progress=lambda m: status.update(f"profiling: {m}"))

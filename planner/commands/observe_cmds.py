@@ -53,7 +53,8 @@ def timeline(
     skip_steps: Annotated[int, typer.Option("--skip-steps", min=0, help="Warm-up steps left out of measured per-call times.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print what was written (and the comparison) as JSON.")] = False,
 ) -> None:
-    from plans.plan import load_plan, write_bytes_atomic
+    from plans.io import check_output, write_bytes_atomic
+    from plans.plan import load_plan
     from plans.trace import load_trace, write_trace
     from planner.timeline import (
         chrome_trace,
@@ -73,6 +74,9 @@ def timeline(
     if output.suffix not in (".png", ".json"):
         raise PlannerError(f"cannot write a timeline as {output.suffix or 'a file without suffix'!r}",
                            hint="use -o FILE.png for the chart or -o FILE.json for a Chrome trace")
+    for path in (output, trace):
+        if path is not None:
+            check_output(path)  # before drawing
     doc = merged_trace(plan, meas, step=step) if meas is not None else chrome_trace(plan)
     written = []
     if output.suffix == ".png":
@@ -204,9 +208,12 @@ def export(
 ) -> None:
     """Export a plan to another engine: Megatron-LM flags, a DeepSpeed config, verl PPO trainer
     overrides, or OpenRLHF train_ppo_ray flags, with what the engine cannot express of the plan."""
-    from plans.plan import load_plan, write_text_atomic
+    from plans.io import check_output, write_text_atomic
+    from plans.plan import load_plan
     from planner.exports import export_plan
 
+    if output is not None:
+        check_output(output)
     exp = export_plan(load_plan(plan_file), to.value, call=call)
     if as_json:
         typer.echo(json.dumps(exp.to_json(), indent=2, sort_keys=True))

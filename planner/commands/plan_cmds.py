@@ -33,6 +33,11 @@ Examples:
 
   planner compile sft --actor llama-3-70b --cluster h100-sxm:8x8 --batch 512 --seq-len 4096
 
+A graph file is Python code: compiling it runs it, as `python FILE` would, so compile only files
+you trust (its print() output goes to stderr). A plan, in contrast, is data: the runtime never
+runs code a plan names (algorithm.reward_fn) unless the launch names the same code too
+(--reward-fn), and `planner validate` lists it.
+
 A SPEC is a preset (llama-2-7b, qwen2.5-7b, ...), a config.json path, or inline HF fields
 (model_type=llama,hidden_size=4096,...). A CLUSTER is GPU:NODESxGPUS_PER_NODE
 (h100-sxm:2x8, a100-80gb:16x8,inter_node_gbps=800) or a .yaml/.json file.
@@ -45,6 +50,13 @@ class Baseline(str, Enum):
     heuristic = "heuristic"
 
 
+def _is_file(path: str) -> bool:
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte: not a file
+        return False
+
+
 def _graph_from_target(target: str, *, actor: str | None, critic: str | None, ref: str | None, reward: str | None,
                        reward_fn: str | None, batch: int | None, prompt_len: int | None, gen_len: int | None,
                        seq_len: int | None, samples_per_prompt: int | None, ppo_minibatches: int | None,
@@ -52,7 +64,7 @@ def _graph_from_target(target: str, *, actor: str | None, critic: str | None, re
     from planner.algorithms import ALGORITHMS
     from planner.loader import LoadedGraph, load_target
 
-    if target.endswith(".py") or Path(target).is_file():
+    if target.endswith(".py") or _is_file(target):
         return load_target(target, function=function)
     if function is not None:
         raise PlannerError(f"--function picks a @planner.auto loop of a graph file; {target!r} is not a file")
@@ -99,7 +111,8 @@ def compile_cmd(
     function: Annotated[Optional[str], typer.Option("--function", help="The @planner.auto loop to trace, when the file has several.")] = None,
 ) -> None:
     from plans.cluster import resolve_cluster
-    from plans.plan import check_writable, plan_to_json, save_plan
+    from plans.io import check_output
+    from plans.plan import plan_to_json, save_plan
     from planner.compile import SearchProgress, compile_graph
     from planner.render import print_plan
 
@@ -113,7 +126,7 @@ def compile_cmd(
     cl = resolve_cluster(cluster if cluster is not None else loaded.cluster)  # type: ignore[arg-type]
     default_path = loaded.auto.plan_path if loaded.auto is not None else Path("plans") / f"{graph.name}.json"
     if not as_json or output is not None:
-        check_writable(output or default_path)
+        check_output(output or default_path)
     calib = None
     if calibration is not None:
         from cost_models import load_calibration  # type: ignore[attr-defined]
@@ -170,18 +183,47 @@ def show(plan_file: Annotated[Path, typer.Argument(help="Plan JSON file.")],
         print_plan(plan)
 
 
-def validate(plan_file: Annotated[Path, typer.Argument(help="Plan JSON file.")]) -> None:
-    """Check a plan: schema, placements inside the cluster, degrees that fill each mesh and shard
-    each model, and every call's memory within the GPU's capacity under the cost model."""
+class Engine(str, Enum):
+    megatron = "megatron"
+    deepspeed = "deepspeed"
+    verl = "verl"
+    openrlhf = "openrlhf"
+
+
+def validate(plan_file: Annotated[Path, typer.Argument(help="Plan JSON file.")],
+             target: Annotated[Optional[list[Engine]], typer.Option("--target", help="Also check what this engine's export cannot take of the plan (repeat for several): megatron, deepspeed, verl, openrlhf.")] = None,
+             as_json: Annotated[bool, typer.Option("--json", help="Print the findings as one JSON object.")] = False) -> None:
+    """Check a plan before running it: schema, placements inside the cluster, degrees that fill
+    each mesh and shard each model, every call's memory within the GPU's capacity under the cost
+    model, what this runtime cannot run (context parallel, separate decode layouts, sequences
+    beyond a model's positions, ...), batches that do not split the way the plan was costed, and
+    with --target what an engine's export cannot take. Lists the code the plan names (a reward
+    function, host steps): the runtime runs it only when the launch names it too. Exit status 2
+    when anything is found."""
     from plans.plan import load_plan
-    from planner.check import memory_problems
+    from planner.check import check_plan
 
     plan = load_plan(plan_file)
-    problems = memory_problems(plan)
-    if problems:
-        raise PlannerError(f"{plan_file} is not executable:\n  " + "\n  ".join(problems))
+    found = check_plan(plan, targets=tuple(t.value for t in target or ()))
+    if as_json:
+        typer.echo(json.dumps({"plan": str(plan_file), "ok": found.ok, "problems": found.problems,
+                               "mismatches": found.mismatches, "export": found.export,
+                               "code": [{"kind": c.kind, "name": c.name, "runs": c.runs} for c in found.code]},
+                              indent=2, sort_keys=True))
+        if not found.ok:
+            raise typer.Exit(PlannerError.exit_code)
+        return
+    lines = [f"  {p}" for p in found.problems]
+    lines += [f"  runs, but not as estimated: {p}" for p in found.mismatches]
+    lines += [f"  {engine} cannot take: {x}" for engine, limits in found.export.items() for x in limits]
+    code = [f"  {c.line()}" for c in found.code] or ["  none"]
+    if lines:
+        raise PlannerError(f"{plan_file} is not executable as planned:\n" + "\n".join(lines)
+                           + "\ncode the plan names:\n" + "\n".join(code))
     typer.echo(f"{plan_file}: valid ({len(plan.calls)} calls on {plan.cluster.short()}, "
-               f"iteration {plan.estimate.iteration_s:.4g} s)")
+               f"iteration {plan.estimate.iteration_s:.4g} s)"
+               + ("; exports checked: " + ", ".join(found.export) if found.export else ""))
+    typer.echo("code the plan names:\n" + "\n".join(code))
 
 
 def compare(plan_files: Annotated[list[Path], typer.Argument(help="Plan JSON files.")],

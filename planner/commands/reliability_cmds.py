@@ -45,12 +45,13 @@ def replan_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON instead of tables.")] = False,
 ) -> None:
     from plans.cluster import parse_cluster
-    from plans.plan import check_writable, load_plan, save_plan
+    from plans.io import check_output
+    from plans.plan import load_plan, save_plan
     from planner.replan import replan
 
     old = load_plan(plan_file)
     new_cluster = parse_cluster(cluster)
-    check_writable(output)
+    check_output(output)
     calib = None
     if calibration is not None:
         from cost_models import load_calibration
