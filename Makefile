@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench timelines venv clean
+.PHONY: demo test check bench timelines venv clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Static checks (configured in pyproject.toml): ruff (pyflakes, import order, bugbear) and mypy
+# with the pydantic plugin over plans/ cost_models/ planner/ runtime/.
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 EXAMPLES := tiny_ppo ppo_llama7b grpo_qwen7b sft_llama3_70b
 

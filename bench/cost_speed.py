@@ -11,6 +11,7 @@ Run: ``python bench/cost_speed.py``.
 
 from __future__ import annotations
 
+import argparse
 import runpy
 import statistics
 import sys
@@ -41,6 +42,7 @@ def pairs(graph, cluster):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help; no options
     print(f"{'example':18s} {'cluster':14s} {'pairs':>6s} {'uncached ms/call':>17s} {'cached us/call':>15s}"
           f" {'realloc ms (first)':>19s}")
     worst = 0.0
@@ -61,7 +63,7 @@ def main() -> None:
         # Reallocations between the first few layouts of a model's calls on the full mesh.
         full = Mesh.block(0, cluster.world_size)
         by_model: dict[str, list] = {}
-        for call, decl, mesh, lay in work:
+        for call, _decl, mesh, lay in work:
             if mesh == full:
                 by_model.setdefault(call.model, []).append(lay)
         realloc = []

@@ -69,13 +69,13 @@ def minimum_numel(src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout]) -> int:
     return total
 
 
-def _worker(rank: int, port: int, repeats: int, out: str) -> None:
+def _worker(rank: int, port: int, repeats: int, cases: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     cpu = torch.device("cpu")
     rows = []
-    for name, src, dst in CASES:
+    for name, src, dst in CASES[:cases]:
         held = {}
         if rank in src[0].ranks:
             local = src[0].ranks.index(rank)
@@ -112,14 +112,15 @@ def _worker(rank: int, port: int, repeats: int, out: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="runs of each case; the median is reported (default 5)")
+    ap.add_argument("--cases", type=int, default=len(CASES), help=f"run the first N cases (default all {len(CASES)})")
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "rows.json"))
-        mp.spawn(_worker, args=(port, args.repeats, out), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(port, args.repeats, args.cases, out), nprocs=WORLD, join=True)
         rows = json.loads(Path(out).read_text())
     params = sum(p.numel for p in parameters(SPEC))
     print(f"model: {params / 1e6:.1f}M parameters, fp32 ({params * 4 / 1e6:.0f} MB); 4 gloo ranks on "

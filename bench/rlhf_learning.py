@@ -39,7 +39,6 @@ sys.path.insert(0, str(ROOT))
 
 import runpy  # noqa: E402
 
-
 from plans import Layout, Mesh, PlanCall, Reallocation, save_plan  # noqa: E402
 from plans.plan import Plan, load_plan  # noqa: E402
 from plans.sharding import transfer_volume  # noqa: E402

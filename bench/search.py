@@ -19,12 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from plans.cluster import parse_cluster  # noqa: E402
-from plans.errors import PlannerError  # noqa: E402
-from plans.graph import Graph  # noqa: E402
 from planner.algorithms import grpo, ppo, sft  # noqa: E402
 from planner.baselines import BASELINES  # noqa: E402
 from planner.compile import compile_graph  # noqa: E402
+from plans.cluster import parse_cluster  # noqa: E402
+from plans.errors import PlannerError  # noqa: E402
+from plans.graph import Graph  # noqa: E402
 
 PPO = dict(batch=512, prompt_len=1024, gen_len=1024, ppo_minibatches=4)
 

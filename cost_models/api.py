@@ -33,8 +33,8 @@ from cost_models.memory import (
     state_bytes,
 )
 from cost_models.ops import layer_params_per_rank
-from cost_models.transfer import rank_volumes
 from cost_models.training import StepTimes, Topology, forward_pass, microbatch_size, train_step
+from cost_models.transfer import rank_volumes
 from plans.cluster import ClusterSpec
 from plans.errors import PlannerError
 from plans.graph import Call, ModelDecl
@@ -157,11 +157,11 @@ class CostModel:
         spec, fw = decl.spec, self.framework
         b, m, tp, pp = microbatch_size(seqs, layout), layout.micro_batches, layout.tp, layout.pp
         s_loc = seq_len // layout.cp
-        kw = dict(b=b, s=s_loc, tp=tp, sp=layout.sequence_parallel)
-        per_layer = layer_activation_bytes(spec, fw, recompute=layout.recompute, **kw)
-        whole = layer_activation_bytes(spec, fw, recompute="none", **kw)
-        working = {"full": whole, "selective": whole - layer_activation_bytes(spec, fw, recompute="selective", **kw)}.get(
-            layout.recompute, 0.0)
+        def act(recompute: str) -> float:
+            return layer_activation_bytes(spec, fw, b=b, s=s_loc, tp=tp, sp=layout.sequence_parallel, recompute=recompute)
+
+        per_layer, whole = act(layout.recompute), act("none")
+        working = {"full": whole, "selective": whole - act("selective")}.get(layout.recompute, 0.0)
         layers = [len(x) for x in stage_layers(spec.num_hidden_layers, pp, layout.interleave)]
         params = self._stage_params(spec, decl.head, layout)
         act_bytes = 2.0 * b * s_loc * spec.hidden_size / tp

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from cost_models.api import CostModel
 from cost_models.calibration import Calibration, Coefficients
@@ -89,6 +90,12 @@ def _with(cal: Calibration, name: str, value: float) -> Calibration:
     return cal.model_copy(update={"coefficients": Coefficients.model_validate(co.model_dump())})
 
 
+def _objective_at(groups: Sequence[Sequence[MeasuredRun]], cal: Calibration, name: str, setup: Setup,
+                  value: float) -> float:
+    """The objective with coefficient `name` of `cal` set to `value`."""
+    return objective(groups, _with(cal, name, value), setup)
+
+
 def _line_search(f: Callable[[float], float], lo: float, hi: float, log: bool, x0: float, iters: int) -> tuple[float, float]:
     """Golden-section minimum of f on [lo, hi] (log-scaled if asked), never worse than x0."""
     tr = (math.log, math.exp) if log else ((lambda v: v), (lambda v: v))
@@ -121,7 +128,8 @@ def fit(groups: Sequence[Sequence[MeasuredRun]], start: Calibration, setup: Setu
         for name in names:
             lo, hi, log = SEARCH_RANGES[name]
             x0 = getattr(cal.coefficients, name)
-            x, fx = _line_search(lambda v: objective(groups, _with(cal, name, v), setup), lo, hi, log, x0, iters)
+            at = partial(_objective_at, groups, cal, name, setup)
+            x, fx = _line_search(at, lo, hi, log, x0, iters)
             if fx < best - 1e-9:
                 cal = _with(cal, name, round(x, 6))
                 best = objective(groups, cal, setup)

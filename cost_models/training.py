@@ -31,7 +31,6 @@ from plans.layout import Layout
 from plans.model import Head, ModelSpec
 from plans.sharding import stage_layers
 
-
 DDP_BUCKET_BYTES = 25 * 1024**2  # PyTorch DDP's default gradient bucket (bucket_cap_mb=25)
 
 

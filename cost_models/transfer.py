@@ -129,7 +129,7 @@ def _param_volumes(param: Param, spec: ModelSpec, src: tuple[Mesh, Layout], dst:
     source = _source(param.shape, param.tp_dim, param_stages(param, spec, slay), slay, smesh, gpn)
     needs = _needs(param.shape, param.tp_dim, param_stages(param, spec, dlay), dlay, dmesh)
     if source is None or needs is None:
-        return (*zeros, 0)
+        return zeros[0], zeros[1], zeros[2], zeros[3], 0
     recv_all, lo_all, hi_all = needs
     send_intra, send_inter, recv_intra, recv_inter = zeros
     kept = 0
@@ -197,4 +197,4 @@ def _rank_volumes(spec: ModelSpec, head: Head, src: tuple[Mesh, Layout], dst: tu
         for t, a in zip(totals, arrays):
             t += a * scale
         local += kept * scale
-    return RankVolumes(first, *totals, local)
+    return RankVolumes(first, totals[0], totals[1], totals[2], totals[3], local)

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.graph import Data, Graph, ModelHandle
 from plans.base import validated
 from plans.errors import PlannerError
 from plans.graph import AlgorithmConfig, Loss
 from plans.graph import Graph as GraphSpec
 from plans.model import ModelSpec
-from planner.graph import Data, Graph, ModelHandle
 
 Spec = str | ModelSpec
 

@@ -43,14 +43,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from planner.graph import Graph as GraphBuilder
+from planner.tracing import TracedData, TracedModel, Tracer, traceback_location
 from plans.cluster import ClusterSpec, resolve_cluster
 from plans.errors import PlannerError
 from plans.graph import AlgorithmConfig, Head, ModelDecl
 from plans.graph import Graph as GraphSpec
 from plans.model import ModelSpec, resolve_model
 from plans.plan import PLAN_VERSION, Plan, load_plan, parse_plan, plan_to_json, save_plan
-from planner.graph import Graph as GraphBuilder
-from planner.tracing import TracedData, TracedModel, Tracer, traceback_location
 
 ModelArg = str | ModelSpec | ModelDecl | dict[str, Any]
 
@@ -138,7 +138,10 @@ class AutoFunction:
         # in the order of the function's arguments (the graph's model order)
         order = [p for p in self.signature.parameters if p in models] + [m for m in models if m not in
                                                                             self.signature.parameters]
-        self.models = {k: models[k] if isinstance(models[k], ModelDecl) else model(models[k]) for k in order}
+        self.models: dict[str, ModelDecl] = {}
+        for k in order:
+            given = models[k]
+            self.models[k] = given if isinstance(given, ModelDecl) else model(given)
         self.data_params: list[str] = []
         self.defaults: dict[str, Any] = {}
         self._classify_parameters()

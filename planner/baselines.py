@@ -16,15 +16,16 @@ CP-SAT apply the same rule, so a baseline is searched exactly like a plan.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cost_models import CostModel
+from planner.candidates import SearchSpace, call_candidates
+from planner.problem import Problem
 from plans.errors import PlannerError
 from plans.graph import Call, Graph, ModelDecl
 from plans.layout import Layout
 from plans.sharding import layout_problems
-from planner.candidates import SearchSpace, call_candidates
-from planner.problem import Problem
 
 BASELINES = ("colocate", "split", "heuristic")
 POLICY_MODELS = ("actor", "ref")
@@ -63,7 +64,7 @@ class Restriction:
             return self.degrees(home.cands[h]) == key
         return any(self.degrees(hc) == key for hc in home.cands)
 
-    def __call__(self, p: Problem, i: int, k: int, choice: list[int | None]) -> bool:
+    def __call__(self, p: Problem, i: int, k: int, choice: Sequence[int | None]) -> bool:
         """Beam-search check against the choices made so far."""
         if not self.static(p, i, k):
             return False

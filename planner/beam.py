@@ -8,12 +8,12 @@ makespans survive, ties broken by the candidate indices so results are determini
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from planner.problem import Problem
 from planner.simulate import op_memory, simulate
 
-Allowed = Callable[[Problem, int, int, list[int | None]], bool]
+Allowed = Callable[[Problem, int, int, Sequence[int | None]], bool]
 
 
 def assignment_order(problem: Problem) -> list[int]:

@@ -14,19 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cost_models import CostModel
-from plans.cluster import ClusterSpec
-from plans.errors import PlannerError
-from plans.graph import Graph
-from plans.hardware import GIB
-from plans.plan import (
-    PLAN_VERSION,
-    DataTransfer,
-    Estimate,
-    Plan,
-    PlanCall,
-    Reallocation,
-    SearchInfo,
-)
 from planner.baselines import Restriction, baseline_spaces, restriction
 from planner.beam import beam_search, beam_width_for
 from planner.candidates import (
@@ -41,7 +28,19 @@ from planner.cpsat import solve_cpsat
 from planner.exhaustive import topological_orders
 from planner.problem import Problem, build_problem
 from planner.simulate import Schedule, simulate
-
+from plans.cluster import ClusterSpec
+from plans.errors import PlannerError
+from plans.graph import Graph
+from plans.hardware import GIB
+from plans.plan import (
+    PLAN_VERSION,
+    DataTransfer,
+    Estimate,
+    Plan,
+    PlanCall,
+    Reallocation,
+    SearchInfo,
+)
 
 
 @dataclass(frozen=True)

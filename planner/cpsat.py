@@ -29,7 +29,6 @@ from planner.beam import assignment_order, symmetric_cluster
 from planner.problem import Problem
 from planner.simulate import Op, Schedule, precedences, simulate
 
-
 CpsatProgress = Callable[[float | None, float], None]  # (incumbent iteration_s or None, bound on it)
 
 
@@ -82,7 +81,7 @@ class _Model:
         self.x = [[m.new_bool_var(f"x_{i}_{k}") for k in range(len(s.cands))] for i, s in enumerate(p.slots)]
         self.S = {(u, i): m.new_int_var(0, self.horizon, f"S_{u}_{i}") for u in range(p.unroll) for i in range(len(p.slots))}
         self.E = {(u, i): m.new_int_var(0, self.horizon, f"E_{u}_{i}") for u in range(p.unroll) for i in range(len(p.slots))}
-        self.delay = {}
+        self.delay: dict[int, tuple[cp_model.IntVar, list[list[int]]]] = {}
         self.src_lit: dict[tuple[int, int], cp_model.IntVar] = {}
         self.L = [m.new_int_var(0, self.horizon, f"L_{i}") for i in range(len(p.slots))]
 
@@ -149,6 +148,7 @@ class _Model:
                     continue
                 R = m.new_int_var(0, self.horizon, f"R_{u}_{i}")
                 m.add(R == self.S[u, i] + d)
+                assert s.home is not None  # a slot with a reallocation delay has a home elsewhere
                 for a, home_lit in self.cov[s.home].items():
                     key = (i, a)
                     if key not in self.src_lit:
@@ -175,8 +175,8 @@ class _Model:
                 if any(row):
                     m.add(t >= sum(r * self.x[j][kj] for kj, r in enumerate(row) if r)).only_enforce_if(self.x[i][ki])
             self.T[e] = t
-        for a, b, e in precedences(p):
-            lag = self.T.get(e, 0) if e is not None else 0
+        for a, b, edge in precedences(p):
+            lag = self.T.get(edge, 0) if edge is not None else 0
             m.add(self.S[b] >= self.E[a] + lag)
 
     def _memory(self) -> None:
@@ -230,7 +230,9 @@ class _Model:
             for k, var in enumerate(ks):
                 m.add_hint(var, int(choice[i] == k))
         for (i, k), y in self.y.items():
-            m.add_hint(y, int(choice[i] == k and p.shares_params(i, k, choice[p.slots[i].home])))
+            home = p.slots[i].home
+            assert home is not None  # y exists for slots with a home elsewhere
+            m.add_hint(y, int(choice[i] == k and p.shares_params(i, k, choice[home])))
         for op, t in sched.start.items():
             m.add_hint(self.S[op], min(self.horizon, self.ticks(t)))
         for i, lits in enumerate(self.cov):

@@ -18,9 +18,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cost_models import CallCost, CostModel
-from plans.graph import ModelDecl
-from plans.layout import Layout, Mesh
-from plans.plan import Plan
 from planner.candidates import (
     Candidate,
     SearchSpace,
@@ -34,6 +31,9 @@ from planner.lowering import augmented_graph
 from planner.problem import Problem, build_problem
 from planner.simulate import Op, Schedule, default_order, simulate
 from planner.timeline import gpu_groups
+from plans.graph import ModelDecl
+from plans.layout import Layout, Mesh
+from plans.plan import Plan
 
 STATE_PARTS = ("params", "grads", "optimizer")
 PER_SIZE = 2  # alternatives kept per mesh size (its fastest, and its fastest that fits) before the cut

@@ -23,9 +23,19 @@ from typing import Any
 from pydantic import ValidationError
 
 from plans.errors import PlannerError, format_validation_error
-from plans.graph import AlgorithmConfig, Call, CallKind, DataInput, Head, HostStep, Loss, Returns
+from plans.graph import (
+    AlgorithmConfig,
+    Call,
+    CallKind,
+    DataInput,
+    Head,
+    HostStep,
+    Loss,
+    ModelDecl,
+    Returns,
+    unique_name,
+)
 from plans.graph import Graph as GraphSpec
-from plans.graph import ModelDecl, unique_name
 from plans.model import ModelSpec, resolve_model
 
 

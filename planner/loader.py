@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from planner.auto import AutoFunction
+from planner.graph import Graph as GraphBuilder
 from plans.cluster import ClusterSpec
 from plans.errors import PlannerError, brief
 from plans.graph import Graph as GraphSpec
-from planner.auto import AutoFunction
-from planner.graph import Graph as GraphBuilder
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _guarded(path: Path, what: str) -> Iterator[None]:
     except BaseException as e:  # an Exception, or a class derived from BaseException: the file's failure
         raise _user_error(e, path, what) from None
     finally:
-        os._exit = real_exit  # type: ignore[assignment]
+        os._exit = real_exit
 
 
 def _run_file(path: Path) -> dict[str, Any]:

@@ -20,10 +20,10 @@ import math
 from dataclasses import dataclass, field
 
 from cost_models import CostModel
+from planner.candidates import Candidate, SearchSpace, graph_candidates, mesh_positions, placed
 from plans.errors import PlannerError
 from plans.graph import Call, Graph
 from plans.layout import Layout, Mesh
-from planner.candidates import Candidate, SearchSpace, graph_candidates, mesh_positions, placed
 
 TOKEN_BYTES = 4  # int32 token ids
 FLOAT_BYTES = 4  # fp32 per-token values, log-probs, scores

@@ -33,6 +33,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -42,8 +43,8 @@ import torch.multiprocessing as mp
 
 from cost_models.calibration import Calibration, Coefficients, HardwareOverrides, default_calibration
 from cost_models.comm import expected_max_normal, lag_std
-from plans.errors import PlannerError
 from planner.runtime_profile import attention_softmax, runtime_costs
+from plans.errors import PlannerError
 
 # torch.cuda device names -> our presets (substring match, first hit wins)
 GPU_NAMES = (("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-80gb"), ("A100 80GB", "a100-80gb"),
@@ -92,10 +93,10 @@ def _allreduce_worker(rank: int, world: int, port: int, backend: str, budget_s: 
         for nbytes in ALLREDUCE_BYTES:
             buf = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
             # Every rank must run the same number of collectives: agree on it from a probe.
-            probe_t = torch.tensor([_repeat(lambda: dist.all_reduce(buf), reps=3, sync=sync)])
+            probe_t = torch.tensor([_repeat(partial(dist.all_reduce, buf), reps=3, sync=sync)])
             dist.all_reduce(probe_t, op=dist.ReduceOp.MAX)
             reps = int(min(200, max(3, budget_s / len(ALLREDUCE_BYTES) / max(float(probe_t), 1e-6))))
-            t = torch.tensor([_repeat(lambda: dist.all_reduce(buf), reps=reps, sync=sync)])
+            t = torch.tensor([_repeat(partial(dist.all_reduce, buf), reps=reps, sync=sync)])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the collective's time
             rows.append((nbytes, float(t)))
         if rank == 0:
@@ -242,7 +243,7 @@ def _peak_and_bandwidth(dev: torch.device, *, dtype: torch.dtype, sync: Callable
     best = 0.0
     for n in sizes:
         a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
-        t = _timed(lambda: a @ b, budget_s=budget_s / 2 / len(sizes), sync=sync)
+        t = _timed(partial(torch.matmul, a, b), budget_s=budget_s / 2 / len(sizes), sync=sync)
         best = max(best, 2.0 * n**3 / t)
     n_bytes = (1 << 30) if cuda else (64 << 20)
     src = torch.empty(n_bytes // 4, device=dev, dtype=torch.float32)

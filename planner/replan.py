@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.baselines import BASELINES
+from planner.compile import Progress, compile_graph
 from plans.checkpoint import graph_fingerprint
 from plans.cluster import ClusterSpec
 from plans.errors import PlannerError
 from plans.plan import Plan
-from planner.baselines import BASELINES
-from planner.compile import Progress, compile_graph
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -69,10 +70,11 @@ def interleaved_s(fns: list[Callable[[], object]], *, budget_s: float, min_round
 def attention_softmax(*, peak_flops: float, budget_s: float) -> tuple[float, float]:
     """(seconds per (sequence, head), seconds per score) of causal fused attention on this core,
     beyond its matmul FLOPs at `peak_flops`: least squares over `ATTN_SHAPES`."""
-    fns, rows, flops_s = [], [], []
+    fns: list[Callable[[], object]] = []
+    rows, flops_s = [], []
     for pairs, s, d in ATTN_SHAPES:
         q = torch.randn(1, pairs, s, d)
-        fns.append(lambda q=q: F.scaled_dot_product_attention(q, q, q, is_causal=True))
+        fns.append(partial(F.scaled_dot_product_attention, q, q, q, is_causal=True))
         scores = pairs * s * (s + 1) / 2
         rows.append((pairs, scores))
         flops_s.append(4.0 * d * scores / peak_flops)
@@ -144,7 +146,8 @@ def _predict_s(cm: CostModel, spec: ModelSpec, call: Call) -> float:
 def runtime_costs(hardware: HardwareOverrides, coefficients: Coefficients, *, budget_s: float) -> RuntimeCosts:
     """Time the runtime at negligible width and on `PROBE`, and express what was measured as the
     cost model's coefficients (with `hardware` and the other `coefficients` as measured)."""
-    fns = {(layers, kind): fn for layers in (1, 3) for kind, fn in _negligible_fns(layers).items()}
+    fns: dict[tuple[int | str, str], Callable[[], object]] = {
+        (layers, kind): fn for layers in (1, 3) for kind, fn in _negligible_fns(layers).items()}
     fns[("probe", "forward")] = probe_forward()
     got = dict(zip(fns, interleaved_s(list(fns.values()), budget_s=budget_s)))
     specs = {layers: resolve_model(NEGLIGIBLE.format(layers=layers)) for layers in (1, 3)}
@@ -165,8 +168,8 @@ def runtime_costs(hardware: HardwareOverrides, coefficients: Coefficients, *, bu
     # Each overhead is what a 1-layer call takes beyond the model with the ones found before it.
     for key, kind, per in (("microbatch_overhead_ms", "forward", 1), ("step_overhead_ms", "train", 1),
                            ("decode_step_overhead_ms", "generate", NEG_GEN)):
-        predicted = _predict_s(_model(hardware, coefficients, **coef), specs[1], calls[kind])
-        coef[key] = max(got[(1, kind)] - predicted, 0.0) / per * 1e3
+        beyond = _predict_s(_model(hardware, coefficients, **coef), specs[1], calls[kind])
+        coef[key] = max(got[(1, kind)] - beyond, 0.0) / per * 1e3
     # The probe's memory-bound work: the efficiency at which the model's forward takes what was measured.
     spec = resolve_model(PROBE)
     call = _calls(PROBE_SEQS, PROBE_LEN, 1)["forward"]

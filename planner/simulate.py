@@ -13,6 +13,7 @@ iteration i+1 may overlap iteration i where dependencies allow.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planner.lowering import augmented_graph
@@ -54,7 +55,7 @@ class Schedule:
     mem_ok: bool
 
 
-def op_memory(problem: Problem, choice: list[int | None]) -> tuple[list[int], list[int]]:
+def op_memory(problem: Problem, choice: Sequence[int | None]) -> tuple[list[int], list[int]]:
     """(resident bytes per atom, peak bytes per atom) for a (possibly partial) assignment."""
     resident = [0] * problem.n_atoms
     for s in problem.slots:
@@ -89,7 +90,7 @@ def default_order(problem: Problem) -> list[Op]:
     return [(u, s.index) for u in range(problem.unroll) for s in problem.slots]
 
 
-def simulate(problem: Problem, choice: list[int | None], order: list[Op] | None = None, *,
+def simulate(problem: Problem, choice: Sequence[int | None], order: list[Op] | None = None, *,
              exact: bool = True) -> Schedule:
     """Schedule an assignment (candidate index per slot; None leaves a slot out).
 
@@ -118,8 +119,8 @@ def simulate(problem: Problem, choice: list[int | None], order: list[Op] | None 
                 ready = max(ready, end[p] + delay)
         atoms = set(problem.atoms(cand))
         r_bytes, r_time, src_atoms = 0, 0.0, set()
-        if slot.home is not None and choice[slot.home] is not None:
-            h = choice[slot.home]
+        h = choice[slot.home] if slot.home is not None else None
+        if slot.home is not None and h is not None:
             if exact:
                 r_bytes, r_time = problem.realloc(i, h, k)
             else:

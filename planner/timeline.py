@@ -238,7 +238,7 @@ def timeline_figure(plan: Plan, *, measured: dict[str, Any] | None = None, step:
         axes[0].text(x, -0.45, "next iteration starts ", fontsize=7.5, ha="right", va="top")
     axes[-1].set_xlim(0, end_s * scale * 1.01)
     axes[-1].set_xlabel(f"time ({unit})")
-    handles = [Patch(facecolor=colors[m], edgecolor="black", label=m) for m in plan.models]
+    handles = [Patch(facecolor=colors[m], edgecolor="black", label=m) for m in plan.models]  # type: ignore[arg-type]
     if plan.reallocations:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="////", label="parameter reallocation"))
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8.5, frameon=False)

@@ -33,11 +33,12 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
-from plans.errors import PlannerError
 from planner.graph import Data, ModelHandle
 from planner.graph import Graph as GraphBuilder
+from plans.errors import PlannerError
 
 _PLANNER_DIR = str(Path(__file__).resolve().parent)
 _TORCH_DIR = "/torch/"
@@ -50,7 +51,7 @@ NO_VALUE_HINT = ("the loop is traced once with placeholders, before any data exi
 
 def user_location() -> str:
     """``file:line (`source line`)`` of the innermost frame outside planner and torch."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         path = str(Path(frame.f_code.co_filename).resolve())
         if not path.startswith(_PLANNER_DIR) and _TORCH_DIR not in path:

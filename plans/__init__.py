@@ -8,9 +8,9 @@ from plans.cluster import ClusterSpec, parse_cluster, resolve_cluster
 from plans.errors import PlannerError
 from plans.graph import AlgorithmConfig, Call, DataInput, Graph, HostStep, ModelDecl, parse_graph
 from plans.hardware import GpuSpec, gpu_catalog, gpu_spec
+from plans.io import check_output, write_bytes_atomic, write_text_atomic
 from plans.layout import Coord, Layout, Mesh
 from plans.model import PRESETS, ModelSpec, resolve_model
-from plans.io import check_output, write_bytes_atomic, write_text_atomic
 from plans.plan import (
     PLAN_VERSION,
     DataTransfer,

@@ -26,7 +26,7 @@ import os
 import re
 import stat
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -37,7 +37,7 @@ from plans.layout import Layout, Mesh
 from plans.model import Head, ModelSpec
 from plans.sharding import Box, intersect, parameters, shard_box
 
-CHECKPOINT_FORMAT = "planner-checkpoint/1"
+CHECKPOINT_FORMAT: Final = "planner-checkpoint/1"
 MANIFEST_NAME = "manifest.json"
 STEP_DIR = re.compile(r"^step-(\d{9})$")
 StateKind = Literal["param", "exp_avg", "exp_avg_sq"]

@@ -19,8 +19,8 @@ from pydantic import Field, field_validator, model_validator
 from plans.base import Strict, loads_json, validated
 from plans.cluster import ClusterSpec
 from plans.errors import PlannerError, brief
-from plans.io import write_text_atomic
 from plans.graph import AlgorithmConfig, Call, DataInput, Graph, HostStep, ModelDecl
+from plans.io import write_text_atomic
 from plans.layout import Layout, Mesh
 from plans.sharding import layout_problems
 

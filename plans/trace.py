@@ -99,13 +99,14 @@ def _event_problems(i: int, e: Any) -> list[str]:
             out.append(f"{where}: {key} is missing")
     if ph == "X":
         dur = e.get("dur")
-        if not _is_number(dur) or dur < 0:
+        if not _is_number(dur) or float(dur) < 0:  # type: ignore[arg-type]
             out.append(f"{where}: a complete event needs dur >= 0 (microseconds), got {dur!r}")
     return out
 
 
 def trace_problems(doc: Any) -> list[str]:
     """Every rule of the Trace Event Format (JSON Array or Object Format) that `doc` breaks."""
+    events: Any
     if isinstance(doc, list):
         events = doc
     elif isinstance(doc, dict):

@@ -134,7 +134,7 @@ def prepared_batch(call: PlanCall, *, batch: object, source: str) -> TrainBatch:
     if missing:
         raise PlannerError(f"{where}, which lacks {', '.join(missing)}",
                            hint=f"the {call.loss} loss reads {', '.join(LOSS_ROWS[call.loss])}")
-    rows: Rows = dict(batch)  # type: ignore[arg-type]
+    rows: Rows = dict(batch)
     wrong = [f"{k} {tuple(v.shape)}" for k, v in rows.items() if v.dim() == 0 or v.shape[0] != call.seqs]
     if wrong or tuple(rows["tokens"].shape) != (call.seqs, call.seq_len):
         raise PlannerError(f"{where}; the call reads {call.seqs} sequences of {call.seq_len} tokens, but the batch "
@@ -187,6 +187,7 @@ class Glue:
             raise PlannerError(f"train call {call.name!r} reads host step output {hosted[0]!r} after {first!r}",
                                hint="a train call trains on the host step output it reads first")
         roles = self._inputs(call, store)
+        rows: Rows
         if kind in ("sft", "dpo"):
             data = roles["data"][0] if roles["data"] else roles["samples"][0]
             rows = {"tokens": data["tokens"], "mask": data["mask"]}
@@ -201,7 +202,7 @@ class Glue:
         scores = self._scores(samples, roles["scores"], 0)
         ref_lp = roles["logprobs"][0]["logprobs"] if roles["logprobs"] else old_lp
         stats = {"reward_mean": float(scores.mean()), "response_len": float(mask.sum(1).float().mean())}
-        rows: Rows = {"tokens": samples["tokens"], "mask": mask, "old_logprobs": old_lp, "ref_logprobs": ref_lp}
+        rows = {"tokens": samples["tokens"], "mask": mask, "old_logprobs": old_lp, "ref_logprobs": ref_lp}
         if kind in ("ppo_policy", "ppo_value"):
             values = roles["values"][0]["values"][:, :-1] * mask
             kl = (old_lp - ref_lp) * mask

@@ -54,6 +54,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -654,11 +655,10 @@ def resume(runner: PlanRunner, options: CheckpointOptions) -> Resumed | None:
         except Damaged as e:
             damage = f"rank {runner.rank}: {e.message}"
         found = _gather(runner, damage, what="checking the checkpoint to resume")
-        verdict = _rank0(runner, lambda found=found: next((d for d in found or [] if d is not None), None),
-                         what="checking the checkpoint to resume")
+        verdict = _rank0(runner, partial(_first, found or []), what="checking the checkpoint to resume")
         if verdict is not None:
             if options.resume != "auto":
-                raise PlannerError(f"cannot resume {path!r}: {verdict}",
+                raise SharedError(f"cannot resume {path!r}: {verdict}",
                                    hint="resume from an earlier checkpoint (--resume auto falls back to the newest "
                                    "intact one)")
             skipped.append(f"{Path(path).name} ({verdict})")
@@ -669,12 +669,16 @@ def resume(runner: PlanRunner, options: CheckpointOptions) -> Resumed | None:
         except PlannerError as e:  # a rank that cannot read its pieces tells the others instead of leaving them waiting
             error = (f"rank {runner.rank}: {e.message}", e.hint)
         errors = _gather(runner, error, what="resuming from a checkpoint")
-        _rank0(runner, lambda errors=errors: _raise_first(errors or []), what="resuming from a checkpoint")
+        _rank0(runner, partial(_raise_first, errors or []), what="resuming from a checkpoint")
         return Resumed(Path(path), manifest.step, manifest.world_size, skipped)
     if skipped and runner.rank == 0:
         print(f"warning: no intact checkpoint in {str(options.directory)!r}; skipped {'; '.join(skipped)}",
               file=sys.stderr, flush=True)
     return None
+
+
+def _first(found: list[str | None]) -> str | None:
+    return next((d for d in found if d is not None), None)
 
 
 def _raise_first(errors: list[tuple[str, str | None] | None]) -> None:

@@ -93,7 +93,7 @@ class Zero3Gather:
         offsets, longest = self._layout(names)
         ref = slices[0]
         mine = torch.zeros(longest, dtype=ref.dtype, device=ref.device)
-        for n, off, t in zip(names, offsets[self.dp.index], slices):
+        for _name, off, t in zip(names, offsets[self.dp.index], slices):
             mine[off:off + t.numel()] = t.reshape(-1)
         out = torch.empty(self.dp.size * longest, dtype=ref.dtype, device=ref.device)
         all_gather_into(out, mine, group=self.dp.group)

@@ -167,7 +167,7 @@ class StatsInbox:
         buf = torch.empty(STATS_BYTES, dtype=torch.uint8, device=device)
         self.pending.append((dist.irecv(buf, src, tag=STATS_TAG), buf))
 
-    def collect(self) -> list[dict[str, float]]:
+    def collect(self) -> list[dict[str, Any]]:
         out = []
         for work, buf in self.pending:
             work.wait()

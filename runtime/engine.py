@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -26,8 +27,8 @@ from torch import Tensor
 from plans.errors import PlannerError
 from plans.layout import Layout
 from plans.model import Head, ModelSpec
-from plans.sharding import Param, split_range
 from plans.runnable import layout_runtime_problems
+from plans.sharding import Param, split_range
 from runtime import generate as gen
 from runtime.data_parallel import AdamConfig, DataParallel, apply_data_parallel
 from runtime.groups import RankGroups
@@ -132,6 +133,10 @@ class ModelRunner:
     def _act_shape(self, b: int, s: int) -> tuple[int, ...]:
         return (b, self._padded_len(s) // self._sp_factor(), self.spec.hidden_size)
 
+    def _act_shape_of(self, micro: tuple[tuple[int, int], ...], s: int, i: int) -> tuple[int, ...]:
+        """The activation shape of micro-batch `i` of rows `micro`."""
+        return self._act_shape(micro[i][1] - micro[i][0], s)
+
     def split(self, rows: int, *, group: int = 1) -> Split:
         return split_rows(rows, dp=self.groups.dp.size, dp_index=self.groups.dp.index,
                           micro_batches=self.layout.micro_batches, group=group)
@@ -175,12 +180,14 @@ class ModelRunner:
             split = self.split(mb_hi - mb_lo, group=group)
             stats: dict[str, Tensor] = {}
 
-            def fwd(i: int, x: Tensor | None) -> Tensor:
+            # The closures run within this iteration (train_1f1b calls them); defaults bind its values.
+            def fwd(i: int, x: Tensor | None, split: Split = split, mb: Rows = mb) -> Tensor:
                 lo, hi = split.micro[i]
                 h = self._run_stage(mb["tokens"][lo:hi], x)
                 return self._outputs(h, mb["tokens"][lo:hi], what) if self.pipe.last else h
 
-            def loss_of(i: int, out: Tensor) -> Tensor:
+            def loss_of(i: int, out: Tensor, split: Split = split, mb: Rows = mb, denom: float = denom,
+                        stats: dict[str, Tensor] = stats) -> Tensor:
                 lo, hi = split.micro[i]
                 value, parts = loss(out, {n: t[lo:hi] for n, t in mb.items()}, denom)
                 for name, v in {"loss": value, **parts}.items():
@@ -189,7 +196,7 @@ class ModelRunner:
 
             self.dp.zero_grad()
             train_1f1b(self.pipe, len(split.micro), forward=fwd, loss=loss_of, device=self.device,
-                       act_shape=lambda i: self._act_shape(split.micro[i][1] - split.micro[i][0], s))
+                       act_shape=partial(self._act_shape_of, split.micro, s))
             self.dp.reduce_gradients()
             self.dp.step(lr=lr)
             if self.pipe.last:

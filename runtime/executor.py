@@ -56,9 +56,9 @@ from runtime.faults import FaultHooks, named
 from runtime.groups import Groups, RankGroups, solo_groups
 from runtime.losses import make_loss
 from runtime.model import init_tensor
-from runtime.trusted import reward_function
 from runtime.realloc import RankPlan, rank_plan, reallocate
 from runtime.tasks import make_inputs
+from runtime.trusted import reward_function
 
 SOLO_MESH = Mesh(ranks=(0,))
 DEFAULT_TIMEOUT_S = 600.0  # a hung collective fails after this long instead of blocking forever
@@ -130,7 +130,7 @@ class StepState:
     store: dict[str, Any]  # handle -> Rows, Incoming (receives in flight) or a driver's value
     mail: Mailbox
     inbox: StatsInbox
-    reports: list[dict[str, float]] = field(default_factory=list)
+    reports: list[dict[str, Any]] = field(default_factory=list)  # a call's statistics, and SHARES: its shares
     t0: float = field(default_factory=time.perf_counter)
 
     def get(self, handle: str) -> Any:
@@ -362,7 +362,7 @@ class PlanRunner:
             if src == self.rank:
                 # The leader reports the call; a train call's other replicas only their shares of
                 # its loss statistics, which rank 0 sums (`finish_step`).
-                report = stats if src == srcs[0] else {}
+                report: dict[str, Any] = stats if src == srcs[0] else {}
                 if call.kind == "train":
                     report = {**report, SHARES: shares}
                 if self.rank == 0:
@@ -382,7 +382,8 @@ class PlanRunner:
             reports = [*state.reports, *state.inbox.collect()]
         metrics: dict[str, float | int] = {"step": state.step}
         for stats in reports:  # in plan order, then leader first: the same sums on every run
-            for k, v in stats.pop(SHARES, {}).items():
+            shares_of: dict[str, float] = stats.pop(SHARES, {})
+            for k, v in shares_of.items():
                 metrics[k] = metrics.get(k, 0.0) + v
             metrics.update(stats)
         metrics["time_s"] = time.perf_counter() - state.t0

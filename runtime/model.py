@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -264,7 +264,7 @@ def last_logits(shard: Shard, h: Tensor) -> Tensor:
 def hf_config(spec: ModelSpec, *, head: Head) -> dict:
     """The ``config.json`` transformers reads for this model (llama family) or our gpt family."""
     arch = {"lm": "LlamaForCausalLM", "value": "LlamaForSequenceClassification"}[head]
-    cfg = {
+    cfg: dict[str, Any] = {
         "model_type": spec.model_type, "hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_hidden_layers,
         "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.kv_heads,
         "intermediate_size": spec.ffn_size, "vocab_size": spec.vocab_size,

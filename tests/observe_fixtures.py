@@ -11,12 +11,12 @@ from functools import cache
 
 from cost_models import CostModel
 from cost_models.calibration import Calibration
+from planner.algorithms import ppo, sft
+from planner.compile import compile_graph
 from plans.cluster import ClusterSpec, parse_cluster
 from plans.layout import Layout
 from plans.plan import Plan
 from plans.trace import TraceRecorder, trace_document
-from planner.algorithms import ppo, sft
-from planner.compile import compile_graph
 
 FIXED_CPU = Calibration.model_validate({
     "gpu": "cpu", "framework": "torch", "source": "planner profile on cpu (4 ranks), kept for these tests",

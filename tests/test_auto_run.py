@@ -193,7 +193,7 @@ def test_prompts_a_host_step_prepares_must_be_rows_with_tokens(tmp_path, monkeyp
         @planner.host
         def flip(prompts):
             tokens = prompts["tokens"].flip(0)
-            return {"tokens": tokens} if as_rows else tokens
+            return {"tokens": tokens} if as_rows else tokens  # noqa: B023 (traced and run in this iteration)
 
         @planner.auto(cluster="cpu:1x2", plan=tmp_path / "gen.json", batch=4, prompt_len=4, gen_len=3,
                       time_limit_s=0, verbose=False, models={"actor": "tiny-llama"})

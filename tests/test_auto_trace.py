@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import planner
+from planner.auto import plan_hash
 from plans.errors import PlannerError
-from plans.graph import Call, DataInput, Graph as GraphSpec, HostStep, ModelDecl
+from plans.graph import Call, DataInput, HostStep, ModelDecl
+from plans.graph import Graph as GraphSpec
 from plans.model import resolve_model
 from plans.plan import load_plan
-from planner.auto import plan_hash
 from tests.conftest import ROOT
 
 MODELS = {"actor": planner.model("tiny-llama", trainable=True),

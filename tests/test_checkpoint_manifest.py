@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from planner.algorithms import ppo
+from planner.compile import compile_graph
 from plans.checkpoint import (
     MANIFEST_NAME,
     CheckpointManifest,
@@ -33,8 +35,6 @@ from plans.errors import PlannerError
 from plans.layout import Layout
 from plans.model import PRESETS
 from plans.sharding import box_numel, parameters
-from planner.algorithms import ppo
-from planner.compile import compile_graph
 
 SPEC = PRESETS["tiny-llama"]
 SAVED = Layout(dp=2, tp=2, zero=3)

@@ -135,9 +135,9 @@ def test_graph_file_cluster_may_be_a_dict(cli, files):
 
 
 def test_compare_with_a_zero_iteration_time(cli, tmp_path):
-    from plans.cluster import parse_cluster
     from planner.algorithms import sft
     from planner.compile import compile_graph
+    from plans.cluster import parse_cluster
 
     plan = json.loads(plan_to_json(compile_graph(sft("tiny-llama", batch=4, seq_len=8), parse_cluster("cpu:1x2"),
                                                  time_limit_s=0)))

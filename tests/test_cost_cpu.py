@@ -13,8 +13,6 @@ import math
 
 import pytest
 
-from tests.machine import facts
-
 from cost_models import Calibration, CostModel
 from cost_models.calibration import Coefficients, HardwareOverrides, default_calibration
 from cost_models.comm import all_gather_s, reduce_scatter_s
@@ -22,6 +20,7 @@ from cost_models.compute import kernel_time_s
 from cost_models.framework import resolve_framework
 from cost_models.ops import FLASH_BWD_FLOPS_RATIO, layer_work
 from plans import Call, Layout, Mesh, ModelDecl, parse_cluster, resolve_model
+from tests.machine import facts
 
 TINY = resolve_model("tiny-llama")
 CPU4 = parse_cluster("cpu:1x4")

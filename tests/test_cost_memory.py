@@ -14,7 +14,7 @@ from cost_models.measured import read_measured
 from cost_models.memory import kv_cache_bytes, layer_activation_bytes, stage_params
 from cost_models.ops import layer_params_per_rank
 from plans import Call, Layout, Mesh, ModelDecl, parse_cluster, resolve_model
-from plans.sharding import parameters, shard_box, stage_layers, box_numel
+from plans.sharding import box_numel, parameters, shard_box, stage_layers
 
 MEGATRON = FRAMEWORKS["megatron"]
 GPT = resolve_model(dict(model_type="gpt", hidden_size=4096, num_hidden_layers=8, num_attention_heads=32,

@@ -17,13 +17,13 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
+from planner.algorithms import ppo, sft
+from planner.check import memory_problems
+from planner.compile import compile_graph
 from plans.cluster import parse_cluster
 from plans.errors import PlannerError
 from plans.graph import parse_graph
 from plans.plan import parse_plan, plan_to_json
-from planner.algorithms import ppo, sft
-from planner.check import memory_problems
-from planner.compile import compile_graph
 from tests.strategies import TINY_CLUSTERS, build_recipe, fuzz_settings, graph_recipes, mutated
 
 HANG_GUARD_S = 60  # far above what any case here takes; only a hang reaches it

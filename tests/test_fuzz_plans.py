@@ -16,13 +16,13 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from plans.cluster import parse_cluster
-from plans.errors import PlannerError
-from plans.plan import PLAN_VERSION, parse_plan, plan_to_json
 from planner.algorithms import ppo, sft
 from planner.check import memory_problems
 from planner.compile import compile_graph
 from planner.render import print_plan
+from plans.cluster import parse_cluster
+from plans.errors import PlannerError
+from plans.plan import PLAN_VERSION, parse_plan, plan_to_json
 from tests.strategies import fuzz_settings, mutated, replaced_placements
 
 

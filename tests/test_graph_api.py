@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from plans.errors import PlannerError
-from plans.graph import Call, Graph as GraphSpec, ModelDecl
-from plans.model import PRESETS
 from planner import Graph
 from planner.algorithms import dpo, grpo, ppo, remax, rloo, sft
+from plans.errors import PlannerError
+from plans.graph import Call, ModelDecl
+from plans.graph import Graph as GraphSpec
+from plans.model import PRESETS
 
 
 def test_shapes_flow_from_the_data():

@@ -14,9 +14,9 @@ import shlex
 
 import pytest
 
+from planner.exports import export_plan
 from plans.errors import PlannerError
 from plans.layout import Layout
-from planner.exports import export_plan
 from tests.observe_fixtures import ppo_7b, sft_70b, tiny_ppo, tiny_ppo_rm, with_layout, with_placement
 
 # NVIDIA/Megatron-LM megatron/training/arguments.py @ 000c4ac24f61159c138b0975def722c65245983c

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from plans.cluster import parse_cluster
-from plans.plan import plan_to_json
 from planner.algorithms import ppo
 from planner.compile import SearchProgress, compile_graph
+from plans.cluster import parse_cluster
+from plans.plan import plan_to_json
 
 
 def _plan_text(plan) -> str:  # noqa: ANN001 - the plan without its (unreproducible) wall time

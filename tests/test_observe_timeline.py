@@ -7,7 +7,6 @@ import json
 import pytest
 from matplotlib.patches import Rectangle
 
-from plans.trace import planner_trace_problems, spans, trace_problems
 from planner.timeline import (
     MIN_BAR_FRACTION,
     chrome_trace,
@@ -19,6 +18,7 @@ from planner.timeline import (
     predicted_trace,
     timeline_figure,
 )
+from plans.trace import planner_trace_problems, spans, trace_problems
 from tests.observe_fixtures import measured_trace, ppo_7b, tiny_ppo
 
 

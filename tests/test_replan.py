@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from plans.checkpoint import graph_fingerprint
-from plans.cluster import parse_cluster
-from plans.errors import PlannerError
-from plans.plan import load_plan, parse_plan, plan_to_json, save_plan
 from planner.algorithms import ppo
 from planner.check import memory_problems
 from planner.compile import compile_graph
 from planner.replan import baseline_of, replan
+from plans.checkpoint import graph_fingerprint
+from plans.cluster import parse_cluster
+from plans.errors import PlannerError
+from plans.plan import load_plan, parse_plan, plan_to_json, save_plan
 
 TIME_LIMIT_S = 0.5
 

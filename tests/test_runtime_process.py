@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from planner import algorithms
 from plans import Layout, Mesh
 from plans.errors import PlannerError
 from plans.plan import load_plan, save_plan
 from runtime.executor import PlanRunner
 from runtime.process import cpu_threads, reference_bytes, usable_cpus
 from tests.machine import facts
-from planner import algorithms
 from tests.test_runtime_cli import ROOT, _run, tiny_ppo_plan
 from tests.test_runtime_executor import REWARD, place
 

@@ -12,17 +12,17 @@ from dataclasses import dataclass
 import pytest
 
 from cost_models import CallCost, ReallocCost
-from plans.cluster import parse_cluster
-from plans.errors import PlannerError
-from plans.graph import Call, Graph, ModelDecl
-from plans.layout import Layout, Mesh
-from plans.model import PRESETS
 from planner.beam import beam_search
 from planner.candidates import Candidate
 from planner.compile import compile_graph, search
 from planner.exhaustive import exhaustive
 from planner.problem import Problem, Slot
 from planner.simulate import simulate
+from plans.cluster import parse_cluster
+from plans.errors import PlannerError
+from plans.graph import Call, Graph, ModelDecl
+from plans.layout import Layout, Mesh
+from plans.model import PRESETS
 
 GIB = 1024**3
 

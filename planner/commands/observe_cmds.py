@@ -53,9 +53,6 @@ def timeline(
     skip_steps: Annotated[int, typer.Option("--skip-steps", min=0, help="Warm-up steps left out of measured per-call times.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print what was written (and the comparison) as JSON.")] = False,
 ) -> None:
-    from plans.io import check_output, write_bytes_atomic
-    from plans.plan import load_plan
-    from plans.trace import load_trace, write_trace
     from planner.timeline import (
         chrome_trace,
         compare_calls,
@@ -65,6 +62,9 @@ def timeline(
         merged_trace,
         timeline_figure,
     )
+    from plans.io import check_output, write_bytes_atomic
+    from plans.plan import load_plan
+    from plans.trace import load_trace, write_trace
 
     plan = load_plan(plan_file)
     meas = load_trace(measured) if measured else None
@@ -78,7 +78,7 @@ def timeline(
         if path is not None:
             check_output(path)  # before drawing
     doc = merged_trace(plan, meas, step=step) if meas is not None else chrome_trace(plan)
-    written = []
+    written: list[str] = []
     if output.suffix == ".png":
         write_bytes_atomic(output, figure_png(timeline_figure(plan, measured=meas, step=step)))
         written.append(str(output))
@@ -97,8 +97,8 @@ def timeline(
     console = _out(False)
     if rows:
         console.print(_comparison_table(rows, mae))
-    for path in written:
-        console.print(f"wrote {path}", highlight=False)
+    for name in written:
+        console.print(f"wrote {name}", highlight=False)
 
 
 def _comparison_table(rows, mae: float | None) -> Table:  # noqa: ANN001
@@ -130,8 +130,8 @@ def explain(
     bound, and why each call's layout beat the next-best candidates (their times and memory, and
     the iteration time the plan would have with each)."""
     from cost_models import CostModel
-    from plans.plan import load_plan
     from planner.explain import explain_plan
+    from plans.plan import load_plan
 
     plan = load_plan(plan_file)
     cm = None
@@ -170,8 +170,8 @@ def _render_explanation(ex, console: Console) -> None:  # noqa: ANN001, C901 - o
     console.print(t)
     if ex.bottleneck is not None:
         b = ex.bottleneck
-        parts = next((c.breakdown_s for c in ex.calls if c.call == b.call), {})
-        split = ", ".join(f"{k} {fmt_s(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+        breakdown: dict[str, float] = next((c.breakdown_s for c in ex.calls if c.call == b.call), {})
+        split = ", ".join(f"{k} {fmt_s(v)}" for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1]))
         share = b.time_s / ex.iteration0_s * 100
         console.print(f"bottleneck: [bold]{b.call}[/] {fmt_s(b.time_s)}, {share:.0f}% of the iteration ({escape(split)})")
     for g in ex.memory:
@@ -208,9 +208,9 @@ def export(
 ) -> None:
     """Export a plan to another engine: Megatron-LM flags, a DeepSpeed config, verl PPO trainer
     overrides, or OpenRLHF train_ppo_ray flags, with what the engine cannot express of the plan."""
+    from planner.exports import export_plan
     from plans.io import check_output, write_text_atomic
     from plans.plan import load_plan
-    from planner.exports import export_plan
 
     if output is not None:
         check_output(output)

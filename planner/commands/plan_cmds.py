@@ -6,7 +6,7 @@ import json
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -45,9 +45,10 @@ A SPEC is a preset (llama-2-7b, qwen2.5-7b, ...), a config.json path, or inline 
 
 
 class Baseline(str, Enum):
-    colocate = "colocate"
-    split = "split"
-    heuristic = "heuristic"
+    # Upper-case names: a member named `split` would shadow str.split on every member.
+    COLOCATE = "colocate"
+    SPLIT = "split"
+    HEURISTIC = "heuristic"
 
 
 def _is_file(path: str) -> bool:
@@ -86,7 +87,7 @@ def _graph_from_target(target: str, *, actor: str | None, critic: str | None, re
             kw["samples_per_prompt"] = samples_per_prompt
         if ppo_minibatches:
             kw["ppo_minibatches"] = ppo_minibatches
-    return LoadedGraph(ALGORITHMS[target](actor, **kw), None)
+    return LoadedGraph(ALGORITHMS[target](actor, **kw), None)  # type: ignore[operator]
 
 
 def compile_cmd(
@@ -110,11 +111,11 @@ def compile_cmd(
     ppo_minibatches: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps per train call.")] = None,
     function: Annotated[Optional[str], typer.Option("--function", help="The @planner.auto loop to trace, when the file has several.")] = None,
 ) -> None:
+    from planner.compile import SearchProgress, compile_graph
+    from planner.render import print_plan
     from plans.cluster import resolve_cluster
     from plans.io import check_output
     from plans.plan import plan_to_json, save_plan
-    from planner.compile import SearchProgress, compile_graph
-    from planner.render import print_plan
 
     loaded = _graph_from_target(
         target, actor=actor, critic=critic, ref=ref, reward=reward, reward_fn=reward_fn, batch=batch,
@@ -123,13 +124,13 @@ def compile_cmd(
     graph = loaded.graph
     if cluster is None and loaded.cluster is None:
         raise PlannerError("no cluster given", hint="pass --cluster GPU:NODESxPER_NODE, e.g. --cluster a100-80gb:2x8")
-    cl = resolve_cluster(cluster if cluster is not None else loaded.cluster)  # type: ignore[arg-type]
+    cl = resolve_cluster(cluster if cluster is not None else loaded.cluster)
     default_path = loaded.auto.plan_path if loaded.auto is not None else Path("plans") / f"{graph.name}.json"
     if not as_json or output is not None:
         check_output(output or default_path)
     calib = None
     if calibration is not None:
-        from cost_models import load_calibration  # type: ignore[attr-defined]
+        from cost_models import load_calibration
 
         calib = load_calibration(calibration)
     err = Console(stderr=True)
@@ -173,8 +174,8 @@ def compile_cmd(
 def show(plan_file: Annotated[Path, typer.Argument(help="Plan JSON file.")],
          as_json: Annotated[bool, typer.Option("--json", help="Print the validated plan JSON.")] = False) -> None:
     """Render a plan: calls with mesh, layout, time and memory; reallocations; estimates."""
-    from plans.plan import load_plan, plan_to_json
     from planner.render import print_plan
+    from plans.plan import load_plan, plan_to_json
 
     plan = load_plan(plan_file)
     if as_json:
@@ -200,8 +201,8 @@ def validate(plan_file: Annotated[Path, typer.Argument(help="Plan JSON file.")],
     with --target what an engine's export cannot take. Lists the code the plan names (a reward
     function, host steps): the runtime runs it only when the launch names it too. Exit status 2
     when anything is found."""
-    from plans.plan import load_plan
     from planner.check import check_plan
+    from plans.plan import load_plan
 
     plan = load_plan(plan_file)
     found = check_plan(plan, targets=tuple(t.value for t in target or ()))
@@ -231,13 +232,13 @@ def compare(plan_files: Annotated[list[Path], typer.Argument(help="Plan JSON fil
     """Compare plans side by side: iteration time, throughput, MFU, memory, and speedup over the first."""
     from rich.table import Table
 
-    from plans.plan import load_plan
     from planner.render import fmt_gib, fmt_s
+    from plans.plan import load_plan
 
     plans = [load_plan(p) for p in plan_files]
     base = plans[0].estimate.iteration_s
     # A plan may state an iteration time of 0 (nothing to do); a speedup against it is undefined.
-    rows = [{"plan": str(f), "method": p.search.method, "iteration_s": p.estimate.iteration_s,
+    rows: list[dict[str, Any]] = [{"plan": str(f), "method": p.search.method, "iteration_s": p.estimate.iteration_s,
              "tokens_per_s": p.estimate.tokens_per_s, "mfu": p.estimate.mfu,
              "peak_mem_bytes": p.estimate.peak_mem_bytes,
              "speedup_vs_first": base / p.estimate.iteration_s if p.estimate.iteration_s and base else None}

@@ -28,11 +28,12 @@ Examples:
 
 
 class BaselineChoice(str, Enum):
-    same = "same"
-    none = "none"
-    colocate = "colocate"
-    split = "split"
-    heuristic = "heuristic"
+    # Upper-case names: a member named `split` would shadow str.split on every member.
+    SAME = "same"
+    NONE = "none"
+    COLOCATE = "colocate"
+    SPLIT = "split"
+    HEURISTIC = "heuristic"
 
 
 def replan_cmd(
@@ -40,14 +41,14 @@ def replan_cmd(
     cluster: Annotated[str, typer.Option("--cluster", "-c", help="The new cluster: GPU:NODESxPER_NODE or a .yaml/.json file.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Plan file to write for the new cluster.")],
     time_limit: Annotated[float, typer.Option("--time-limit", min=0, help="CP-SAT time limit in seconds; 0 keeps the beam-search plan.")] = 10.0,
-    baseline: Annotated[BaselineChoice, typer.Option("--baseline", help="Search rule: 'same' as the old plan, 'none' for the full search, or a baseline.")] = BaselineChoice.same,
+    baseline: Annotated[BaselineChoice, typer.Option("--baseline", help="Search rule: 'same' as the old plan, 'none' for the full search, or a baseline.")] = BaselineChoice.SAME,
     calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Cost-model calibration file.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON instead of tables.")] = False,
 ) -> None:
+    from planner.replan import replan
     from plans.cluster import parse_cluster
     from plans.io import check_output
     from plans.plan import load_plan, save_plan
-    from planner.replan import replan
 
     old = load_plan(plan_file)
     new_cluster = parse_cluster(cluster)
@@ -60,7 +61,7 @@ def replan_cmd(
     rule = {"same": "same", "none": None}.get(baseline.value, baseline.value)
     with Console(stderr=True).status("re-planning", spinner="dots") as status:
         result = replan(old, new_cluster, time_limit_s=time_limit, baseline=rule, calibration=calib,
-                        progress=lambda msg: status.update(msg))
+                        progress=lambda msg: status.update(str(msg)))
     save_plan(result.new, output)
     if as_json:
         typer.echo(json.dumps({**result.to_json(), "plan": str(plan_file), "output": str(output)}, indent=2))

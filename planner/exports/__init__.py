@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from plans.errors import PlannerError
-from plans.plan import Plan
 from planner.exports import deepspeed, megatron, openrlhf, verl
 from planner.exports.common import Export
+from plans.errors import PlannerError
+from plans.plan import Plan
 
 EXPORTERS: dict[str, Callable[..., Export]] = {
     "megatron": megatron.export,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner.exports.common import Export, common_limits, json_text, micro_batch_per_gpu, optimizer_batch
 from plans.errors import PlannerError
 from plans.plan import Plan, PlanCall
-from planner.exports.common import Export, common_limits, json_text, micro_batch_per_gpu, optimizer_batch
 
 SOURCE = "deepspeedai/DeepSpeed docs/_pages/config-json.md"
 

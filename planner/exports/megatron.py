@@ -11,9 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from plans.errors import PlannerError
-from plans.plan import Plan, PlanCall
-from plans.sharding import stage_layers
 from planner.exports.common import (
     Export,
     comment_block,
@@ -23,6 +20,9 @@ from planner.exports.common import (
     optimizer_batch,
     shell_command,
 )
+from plans.errors import PlannerError
+from plans.plan import Plan, PlanCall
+from plans.sharding import stage_layers
 
 SOURCE = "NVIDIA/Megatron-LM megatron/training/arguments.py"
 PROGRAM = "torchrun $DISTRIBUTED_ARGS pretrain_gpt.py"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from plans.plan import Plan, PlanCall
 from planner.exports.common import (
     Export,
     comment_block,
@@ -25,6 +24,7 @@ from planner.exports.common import (
     roles,
     shell_command,
 )
+from plans.plan import Plan, PlanCall
 
 SOURCE = "OpenRLHF/OpenRLHF openrlhf/cli/train_ppo_ray.py"
 PROGRAM = "python3 -m openrlhf.cli.train_ppo_ray"

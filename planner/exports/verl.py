@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from plans.layout import Layout, Mesh
-from plans.plan import Plan
 from planner.exports.common import (
     Export,
     Roles,
@@ -31,6 +29,8 @@ from planner.exports.common import (
     role_calls,
     roles,
 )
+from plans.layout import Layout, Mesh
+from plans.plan import Plan
 
 SOURCE = "volcengine/verl verl/trainer/config/ppo_trainer.yaml, ppo_megatron_trainer.yaml, verl/trainer/main_ppo.py"
 PROGRAM = "python3 -m verl.trainer.main_ppo"

@@ -1,0 +1,44 @@
+"""Every benchmark script runs to the end in a tiny mode, so a broken bench is a red test (the
+figures they print are for `make bench`; here only that they run and print what they promise)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+BENCH = ROOT / "bench"
+SMOKE = {
+    "cost_accuracy.py": ([], "MAPE"),
+    "cost_speed.py": ([], "uncached ms/call"),
+    "predict_vs_measure.py": (["--repeats", "1", "--steps", "2", "--calibration",
+                               str(ROOT / "cost_models" / "data" / "cpu.json")], "predicted"),
+    "realloc.py": (["--repeats", "1", "--cases", "1"], "moved/min"),
+    "rlhf_learning.py": (["--steps", "2", str(ROOT / "plans" / "tiny_ppo.json")], "tiny_ppo"),
+    "runtime.py": (["--steps", "1", "--batch", "2", "--seq", "16", "--gen-batch", "2", "--prompt", "4",
+                    "--gen-len", "4"], "generation"),
+    "search.py": (["--only", "grpo-qwen7b", "--time-limit", "1"], "grpo-qwen7b"),
+}
+
+
+def test_every_bench_script_has_a_smoke_run() -> None:
+    assert sorted(p.name for p in BENCH.glob("*.py")) == sorted(SMOKE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_bench_runs_to_the_end(script: str, tmp_path: Path) -> None:
+    args, expect = SMOKE[script]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert expect in out.stdout, out.stdout[-3000:]
+    help_ = subprocess.run([sys.executable, str(BENCH / script), "--help"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert help_.returncode == 0 and "usage" in help_.stdout.lower(), help_.stderr[-2000:]
