@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _interrupted(e: Interrupted, *, rank: str, interrupts: Interrupts) -> int:
-    """One line for the whole run (rank 0's; another rank stopped alone says so itself)."""
+    """One line for the whole run: rank 0's (when the launcher died, the first rank of each node's,
+    as no launcher is left to report anything)."""
     if rank == "0" or ("launcher" in e.reason and os.environ.get("LOCAL_RANK", "0") == "0"):  # one line per node
         where = f" in step {interrupts.step}" if interrupts.step else ""
         print(f"stopped (rank {rank}): {e.reason}{where}; no file was left half written", file=sys.stderr, flush=True)

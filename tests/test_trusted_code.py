@@ -90,3 +90,40 @@ def test_a_reward_fn_must_look_like_module_function(cli, tmp_path: Path) -> None
 def test_graph_files_are_code_says_compile_help(cli) -> None:
     r = cli("compile", "--help")
     assert "A graph file is Python code" in " ".join(r.out.split())
+
+
+def test_a_cached_plan_of_a_loop_cannot_name_code_the_loop_does_not(tmp_path: Path, monkeypatch) -> None:
+    import pytest
+    import torch
+
+    import planner
+    from plans.errors import PlannerError
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "evil.py").write_text(EVIL)
+    path = tmp_path / "sft.json"
+
+    def loop():  # noqa: ANN202
+        @planner.auto(cluster="cpu:1x2", plan=path, batch=4, seq_len=8, time_limit_s=0, verbose=False,
+                      models={"policy": planner.model("tiny-gpt", trainable=True)}, algorithm={"task": "pattern"})
+        def sft_step(policy, tokens):
+            return policy.train(tokens, loss="sft")
+        return sft_step
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        first = loop()
+        first()
+        first.close()
+        data = json.loads(path.read_text())  # the cache file edited: same source hash, a reward function named
+        data["algorithm"]["reward_fn"] = "evil:score"
+        path.write_text(json.dumps(data))
+        second = loop()
+        with pytest.raises(PlannerError, match="names reward function 'evil:score'"):
+            second()
+        second.close()
+    finally:
+        torch.set_num_threads(threads)
+    assert not (tmp_path / "IMPORTED").exists()
