@@ -45,6 +45,8 @@ def reflow(text: str) -> str:
 def _register_commands() -> None:
     from planner.commands import COMMAND_MODULES
 
+    if app.registered_commands:  # once per process: `main` may run many times (tests call it in-process)
+        return
     for module in COMMAND_MODULES:
         module.register(app)
     for command in app.registered_commands:  # typer falls back to the docstring when help is unset

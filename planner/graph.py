@@ -36,7 +36,7 @@ from plans.graph import (
     unique_name,
 )
 from plans.graph import Graph as GraphSpec
-from plans.model import ModelSpec, resolve_model
+from plans.model import ModelSpec, resolve_model, weights_directory
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,8 @@ class Graph:
 
     def model(self, name: str, spec: str | ModelSpec | dict[str, Any], *, trainable: bool = False,
               head: Head = "lm") -> ModelHandle:
-        """Declare a model; `spec` is a preset name, a config.json path, inline fields or a spec."""
+        """Declare a model; `spec` is a preset name, a config.json path, inline fields or a spec, or
+        an HF model directory, whose weights the model then starts from (`plans.model.weights_directory`)."""
         if not isinstance(name, str):
             raise PlannerError(f"graph {self.name!r}: a model name must be a string, got a {type(name).__name__}")
         if name in self._models:
@@ -106,7 +107,8 @@ class Graph:
             raise PlannerError(f"model {name!r}: head must be 'lm' or 'value', got {head!r}")
         if not isinstance(trainable, bool):
             raise PlannerError(f"model {name!r}: trainable must be True or False, got {trainable!r}")
-        self._models[name] = ModelDecl(spec=resolve_model(spec), trainable=trainable, head=head)
+        self._models[name] = ModelDecl(spec=resolve_model(spec), trainable=trainable, head=head,
+                                       weights=weights_directory(spec))
         return ModelHandle(self, name)
 
     def input(self, name: str, *, seqs: int | None = None, seq_len: int | None = None) -> Data:

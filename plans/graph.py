@@ -62,6 +62,9 @@ class ModelDecl(Strict):
     spec: ModelSpec
     trainable: bool = Field(False, description="Holds optimizer state and may be the target of a train call.")
     head: Head = Field("lm", description="'lm' (next-token logits) or 'value' (one scalar per token).")
+    weights: str | None = Field(None, max_length=4096, description="Absolute path of a local HF model directory "
+                                "whose safetensors hold the initial weights (a value head it lacks starts fresh); "
+                                "None: seeded random initialisation.")
 
 
 class Call(Strict):

@@ -60,6 +60,9 @@ class ModelSpec(Strict):
     rms_norm_eps: float = Field(1e-5, gt=0, description="llama RMSNorm epsilon.")
     layer_norm_epsilon: float = Field(1e-5, gt=0, description="gpt LayerNorm epsilon.")
     rope_theta: float = Field(10000.0, gt=0, description="llama rotary base.")
+    sliding_window: int | None = Field(
+        None, ge=1, le=MAX_POSITIONS, description="llama family (Mistral): each position attends to the last "
+        "sliding_window positions, itself included; None attends to all.")
 
     @model_validator(mode="before")
     @classmethod
@@ -100,6 +103,12 @@ class ModelSpec(Strict):
     def check_intermediate_given(self) -> ModelSpec:
         if self.intermediate_size is None:
             raise ValueError("intermediate_size is required for llama models")
+        return self
+
+    @model_validator(mode="after")
+    def check_window_family(self) -> ModelSpec:
+        if self.sliding_window is not None and self.model_type != "llama":
+            raise ValueError("sliding_window applies to llama-family models only (Mistral)")
         return self
 
     @model_validator(mode="after")
@@ -206,9 +215,76 @@ _HF_FAMILIES: dict[str, tuple[ModelType, dict[str, str], dict[str, Any]]] = {
     "gpt": ("gpt", {}, {}),
 }
 
+# Config fields that change a model's math, per HF family, with the values this planner computes
+# exactly. Any other value is refused with an error naming the field: nothing that changes the math
+# is silently ignored. (Dropout is not among them: the runtime never applies it, as RLHF trainers
+# (TRL, OpenRLHF, verl) disable it; training without dropout is stated in the README.)
+_LLAMA_EXACT: dict[str, tuple[Any, ...]] = {
+    "hidden_act": ("silu", "swish"), "mlp_bias": (False, None), "use_sliding_window": (False, None),
+}
+_EXACT: dict[str, dict[str, tuple[Any, ...]]] = {
+    "llama": _LLAMA_EXACT, "mistral": _LLAMA_EXACT, "qwen2": _LLAMA_EXACT,
+    "gpt2": {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True, None),
+             "scale_attn_by_inverse_layer_idx": (False, None), "add_cross_attention": (False, None)},
+    "gpt": {},
+}
+
+
+def _refuse(source: str, field: str, value: Any, why: str) -> PlannerError:
+    return PlannerError(f"{source}: config field {field} = {brief(value)} {why}; planner would compute another "
+                        "model", hint="planner computes llama/mistral/qwen2/gpt2 models as transformers does with "
+                        "their default values of this field; convert the model or change the field if it is wrong")
+
+
+def _rope_theta(config: dict[str, Any], *, source: str) -> float | None:
+    """The rotary base of a config written by transformers 4 (``rope_theta``, ``rope_scaling``) or
+    5 (``rope_parameters``); RoPE scaling (linear, dynamic, YaRN, llama3) is refused, naming it."""
+    params = config.get("rope_parameters")
+    scaling = config.get("rope_scaling")
+    theta = config.get("rope_theta")
+    if isinstance(params, dict):
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            raise _refuse(source, "rope_parameters.rope_type", kind, "(RoPE scaling) is not supported yet")
+        theta = params.get("rope_theta", theta)
+    elif params is not None:
+        raise _refuse(source, "rope_parameters", params, "is not a mapping")
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
+        if kind not in (None, "default"):
+            raise _refuse(source, "rope_scaling", scaling, "(RoPE scaling) is not supported yet")
+    return theta
+
+
+def _exact_fields(config: dict[str, Any], hf_type: str, *, source: str) -> dict[str, Any]:
+    """Check the math-changing fields of `config`; the spec fields they imply."""
+    for field, allowed in _EXACT[hf_type].items():
+        if field in config and config[field] not in allowed:
+            raise _refuse(source, field, config[field], f"is not supported (supported: {', '.join(map(repr, allowed))})")
+    out: dict[str, Any] = {}
+    if hf_type in _LLAMA_EXACT or hf_type in ("llama", "mistral", "qwen2"):
+        theta = _rope_theta(config, source=source)
+        if theta is not None:
+            out["rope_theta"] = theta
+        heads, width, head_dim = config.get("num_attention_heads"), config.get("hidden_size"), config.get("head_dim")
+        if head_dim is not None and isinstance(heads, int) and isinstance(width, int) and heads > 0 and \
+                head_dim * heads != width:
+            raise _refuse(source, "head_dim", head_dim, f"differs from hidden_size / num_attention_heads "
+                          f"({width} / {heads}); separate head dims are not supported yet")
+        types = config.get("layer_types")
+        if types is not None and (not isinstance(types, list) or any(t != "full_attention" for t in types)):
+            raise _refuse(source, "layer_types", types, "mixes attention kinds per layer, which is not supported yet")
+        window = config.get("sliding_window") if hf_type == "mistral" else None
+        if window is not None:
+            out["sliding_window"] = window
+    return out
+
 
 def spec_from_hf_config(config: dict[str, Any], *, source: str) -> ModelSpec:
-    """Build a spec from an HF ``config.json`` dict, keeping only the fields the planner models."""
+    """Build a spec from an HF ``config.json`` dict: the fields the planner models, each computed
+    exactly as transformers does, or a `PlannerError` naming a field whose value it cannot honour
+    (RoPE scaling, another activation, per-layer attention kinds, ...). Fields that do not change
+    the math (token ids, ``torch_dtype``, ``use_cache``, ...) are not needed."""
     hf_type = config.get("model_type")
     if not isinstance(hf_type, str) or hf_type not in _HF_FAMILIES:
         raise PlannerError(
@@ -216,12 +292,13 @@ def spec_from_hf_config(config: dict[str, Any], *, source: str) -> ModelSpec:
             hint=f"supported model_type values: {', '.join(sorted(_HF_FAMILIES))}",
         )
     family, renames, fixed = _HF_FAMILIES[hf_type]
-    fields = set(ModelSpec.model_fields) - {"name", "model_type"}
+    fields = set(ModelSpec.model_fields) - {"name", "model_type", "sliding_window"}
     data: dict[str, Any] = {"model_type": family, "name": source}
     for key, value in config.items():
         key = renames.get(key, key)
         if key in fields and value is not None:
             data[key] = value
+    data.update(_exact_fields(config, hf_type, source=source))
     data.update(fixed)
     return _validated(data, source=source)
 
@@ -239,6 +316,21 @@ def _parse_inline(text: str) -> ModelSpec:
         v = value.strip()
         data[key.strip()] = {"true": True, "false": False}.get(v.lower(), v)
     return _validated(data, source=f"model spec {text!r}")
+
+
+def weights_directory(spec: Any) -> str | None:
+    """The absolute path of `spec` when it names a local HF model directory holding weights
+    (``config.json`` and ``*.safetensors``): the model starts from those weights. None for a
+    preset, a config.json file, inline fields or a directory without weights (random init)."""
+    if not isinstance(spec, str) or "=" in spec or spec.strip() in PRESETS:
+        return None
+    try:
+        path = Path(spec.strip())
+        if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+            return str(path.resolve())
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def resolve_model(spec: str | ModelSpec | dict[str, Any]) -> ModelSpec:

@@ -28,7 +28,7 @@ from plans.errors import PlannerError
 from plans.layout import Layout
 from plans.model import Head, ModelSpec
 from plans.runnable import layout_runtime_problems
-from plans.sharding import Param, split_range
+from plans.sharding import Box, Param, split_range
 from runtime import generate as gen
 from runtime.data_parallel import AdamConfig, DataParallel, apply_data_parallel
 from runtime.groups import RankGroups
@@ -43,9 +43,11 @@ LossFn = Callable[[Tensor, Rows, float], tuple[Tensor, dict[str, Tensor]]]
 
 def parallelize(spec: ModelSpec, *, head: Head, trainable: bool, groups: RankGroups,
                 state: Callable[[Param], Tensor] | None = None, params: Mapping[str, Tensor] | None = None,
-                device: torch.device, adam: AdamConfig | None = None) -> tuple[Shard, Pipeline, DataParallel | None]:
+                piece: Callable[[Param, Box], Tensor] | None = None, device: torch.device,
+                adam: AdamConfig | None = None) -> tuple[Shard, Pipeline, DataParallel | None]:
     """Build this rank's shard of a model under `groups.layout`, in the documented order, from
-    whole tensors (`state`) or from this rank's slices, used as they are (`params`)."""
+    whole tensors (`state`), boxes read one by one (`piece`) or this rank's slices, used as they
+    are (`params`)."""
     layout, c = groups.layout, groups.coord
     problems = layout_runtime_problems(layout)
     if problems:
@@ -53,6 +55,7 @@ def parallelize(spec: ModelSpec, *, head: Head, trainable: bool, groups: RankGro
                            hint="compile the plan without these layout dimensions")
     layers, pipe = apply_pipeline_parallel(spec.num_hidden_layers, layout=layout, pp=groups.pp, stage=c.pp)
     shard = build_shard(spec, head=head, layout=layout, local=groups.local, layers=layers, state=state, given=params,
+                        piece=piece,
                         device=device)
     shard.tp = apply_tensor_parallel(group=groups.tp.group, size=groups.tp.size, rank=groups.tp.index,
                                      sequence_parallel=layout.sequence_parallel)
@@ -89,11 +92,13 @@ class ModelRunner:
 
     def __init__(self, spec: ModelSpec, *, head: Head, trainable: bool, groups: RankGroups,
                  state: Callable[[Param], Tensor] | None = None, params: Mapping[str, Tensor] | None = None,
-                 device: torch.device, dtype: torch.dtype = torch.float32, adam: AdamConfig | None = None) -> None:
+                 piece: Callable[[Param, Box], Tensor] | None = None, device: torch.device,
+                 dtype: torch.dtype = torch.float32, adam: AdamConfig | None = None) -> None:
         self.spec, self.head, self.groups, self.device, self.dtype = spec, head, groups, device, dtype
         self.layout: Layout = groups.layout
         self.shard, self.pipe, self.dp = parallelize(spec, head=head, trainable=trainable, groups=groups,
-                                                     state=state, params=params, device=device, adam=adam)
+                                                     state=state, params=params, piece=piece, device=device,
+                                                     adam=adam)
 
     # Helpers --------------------------------------------------------------------------------
 

@@ -35,18 +35,21 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from plans.errors import PlannerError
+from plans.graph import ModelDecl
 from plans.layout import Layout, Mesh
 from plans.plan import Plan, PlanCall
 from plans.runnable import runtime_problems
-from plans.sharding import slices_key
+from plans.sharding import Box, Param, slices_key
 from plans.trace import US_PER_S, TraceRecorder
 from runtime.algorithms import Glue, Rows, aligned, last_index
 from runtime.data_parallel import AdamConfig
@@ -59,6 +62,7 @@ from runtime.model import init_tensor
 from runtime.realloc import RankPlan, rank_plan, reallocate
 from runtime.tasks import make_inputs
 from runtime.trusted import reward_function
+from runtime.weights import open_weights
 
 SOLO_MESH = Mesh(ranks=(0,))
 DEFAULT_TIMEOUT_S = 600.0  # a hung collective fails after this long instead of blocking forever
@@ -103,6 +107,22 @@ def call_plans(plan: Plan) -> dict[str, CallPlan]:
             source = "shared"
         out[c.name] = CallPlan(where, home.name, source)
     return out
+
+
+def initial_weights(decl: ModelDecl, *, seed: int) -> Callable[[Param, Box], Tensor]:
+    """How a model's resident parameters start, box by box: read from its HF directory (a value
+    head the directory lacks starts fresh), or the seeded initialisation of `init_tensor`."""
+    def seeded(p: Param, box: Box) -> Tensor:
+        return init_tensor(p, seed=seed)[tuple(slice(lo, hi) for lo, hi in box)]
+
+    if decl.weights is None:
+        return seeded
+    weights = open_weights(decl.weights, spec=decl.spec, head=decl.head)
+
+    def read(p: Param, box: Box) -> Tensor:
+        return weights.read(p, box) if p.name != "score.weight" or weights.has(p) else seeded(p, box)
+
+    return read
 
 
 def check_runnable(plan: Plan, *, reference: bool) -> None:
@@ -189,7 +209,7 @@ class PlanRunner:
             mine = self.groups[c.name]
             if c.name == cp.home and mine is not None:
                 self.homes[c.model] = ModelRunner(decl.spec, head=decl.head, trainable=decl.trainable, groups=mine,
-                                                  state=lambda p: init_tensor(p, seed=seed), device=device, dtype=dtype,
+                                                  piece=initial_weights(decl, seed=seed), device=device, dtype=dtype,
                                                   adam=adam)
         for c in plan.calls:
             cp, decl = self.calls[c.name], plan.models[c.model]

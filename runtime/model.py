@@ -36,7 +36,7 @@ from torch import Tensor
 from plans.errors import PlannerError
 from plans.layout import Layout
 from plans.model import Head, ModelSpec, spec_from_hf_config
-from plans.sharding import Param, parameters, shard_box
+from plans.sharding import Box, Param, parameters, shard_box
 from runtime import tensor_parallel as tpx
 from runtime.recompute import Recompute, checkpointed
 from runtime.tensor_parallel import TensorParallel
@@ -92,12 +92,13 @@ def init_tensor(param: Param, *, seed: int) -> Tensor:
 
 def build_shard(spec: ModelSpec, *, head: Head, layout: Layout, local: int, layers: tuple[int, ...],
                 state: Callable[[Param], Tensor] | None = None, given: Mapping[str, Tensor] | None = None,
-                device: torch.device) -> Shard:
+                piece: Callable[[Param, Box], Tensor] | None = None, device: torch.device) -> Shard:
     """The slices rank `local` of a mesh holds under `layout`: copied from whole tensors
-    `state(param)`, or `given` as they are (this rank's slices, shared, not copied: a call that
+    `state(param)`, read box by box with `piece(param, box)` (pretrained weights,
+    `runtime.weights`), or `given` as they are (this rank's slices, shared, not copied: a call that
     runs on its model's resident parameters, or a reallocated copy)."""
-    if (state is None) == (given is None):
-        raise ValueError("build_shard takes whole tensors (state) or this rank's slices (given), one of them")
+    if sum(x is not None for x in (state, given, piece)) != 1:
+        raise ValueError("build_shard takes whole tensors (state), boxes (piece) or this rank's slices (given): one")
     c = layout.coord(local)
     params: dict[str, torch.nn.Parameter] = {}
     for p in parameters(spec, head=head):
@@ -110,13 +111,19 @@ def build_shard(spec: ModelSpec, *, head: Head, layout: Layout, local: int, laye
                 raise ValueError(f"parameter {p.name}: slice of shape {tuple(t.shape)} does not match its box {box}")
             params[p.name] = t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, requires_grad=False)
             continue
+        if piece is not None:
+            t = piece(p, box)
+            if tuple(t.shape) != tuple(hi - lo for lo, hi in box):
+                raise ValueError(f"parameter {p.name}: piece of shape {tuple(t.shape)} does not match its box {box}")
+            params[p.name] = torch.nn.Parameter(t.to(device=device, dtype=torch.float32, copy=True).contiguous())
+            continue
         assert state is not None
         whole = state(p)
         if tuple(whole.shape) != p.shape:
             raise PlannerError(f"parameter {p.name}: shape {tuple(whole.shape)} does not match the model's {p.shape}")
-        piece = whole[tuple(slice(lo, hi) for lo, hi in box)]
+        part = whole[tuple(slice(lo, hi) for lo, hi in box)]
         # copy: a view would keep the whole tensor alive on every rank
-        params[p.name] = torch.nn.Parameter(piece.to(device=device, dtype=torch.float32, copy=True).contiguous())
+        params[p.name] = torch.nn.Parameter(part.to(device=device, dtype=torch.float32, copy=True).contiguous())
     return Shard(spec=spec, head=head, layers=layers, first=c.pp == 0, last=c.pp == layout.pp - 1, params=params)
 
 
@@ -146,14 +153,26 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _attention_core(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
-    """softmax(q k^T / sqrt(d)) v with the key/value heads repeated over their query group."""
+def _attention_core(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None = None) -> Tensor:
+    """softmax(q k^T / sqrt(d)) v with the key/value heads repeated over their query group;
+    `mask` [sq, sk] (True: attend), when given, replaces the causal rule."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         b, kvh, s, d = k.shape
         k = k[:, :, None].expand(b, kvh, rep, s, d).reshape(b, kvh * rep, s, d)
         v = v[:, :, None].expand(b, kvh, rep, s, d).reshape(b, kvh * rep, s, d)
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _window_mask(window: int | None, q_pos: Tensor, k_len: int) -> Tensor | None:
+    """Sliding-window attention (Mistral, as transformers computes it): query position p sees key
+    positions j with p - window < j <= p. None when the window cuts nothing."""
+    if window is None or k_len <= window:
+        return None
+    k_pos = torch.arange(k_len, device=q_pos.device)
+    return (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)  # [sq, sk]
 
 
 def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor, cache: KVCache | None,
@@ -179,7 +198,8 @@ def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor,
             if s != 1:
                 raise ValueError("a KV cache extends by one position at a time after the prefill")
             causal = False  # one query attends to every cached position
-    core = checkpointed(_attention_core, q, k, v, causal, enabled=shard.recompute == "selective")
+    mask = _window_mask(spec.sliding_window, positions, k.shape[2])
+    core = checkpointed(_attention_core, q, k, v, causal, mask, enabled=shard.recompute == "selective")
     out = F.linear(core.transpose(1, 2).reshape(b, s, -1), w["o_proj.weight"])
     out = tpx.exit(out, shard.tp, sp=sp)
     return out + w["o_proj.bias"] if "o_proj.bias" in w else out

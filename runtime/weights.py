@@ -1,0 +1,161 @@
+"""Pretrained weights from a local Hugging Face model directory, read slice by slice.
+
+A model whose `plans.graph.ModelDecl.weights` names a directory (``config.json`` and one or more
+``*.safetensors`` files, sharded ones listed by ``model.safetensors.index.json``) starts from
+those weights. Each rank reads only the boxes its layout gives it (`plans.sharding.shard_box`)
+through safetensors' lazy slices, so no rank materialises the whole model; calls on other
+placements get their copies by reallocation, as for any model.
+
+Names: the llama family (llama, mistral, qwen2) stores the catalog's own names. GPT-2 stores
+``transformer.*`` names with `Conv1D` weights laid out [in, out] and q, k, v fused into one
+``c_attn``: each of our tensors is a transposed (and, for q/k/v, column-offset) view of one HF
+tensor, and a box of ours is read as the matching box of theirs.
+
+A value head (``score.weight``) absent from the directory is initialised fresh (seeded, as any
+parameter without weights): a critic starts from the actor's directory with a new value head, as
+verl and OpenRLHF do. Any other missing tensor, a shape that differs, or a directory whose config
+no longer describes the plan's model, is a `PlannerError` naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from plans.base import loads_json
+from plans.errors import PlannerError
+from plans.model import Head, ModelSpec, spec_from_hf_config
+from plans.sharding import Box, Param, box_numel
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one of our tensors lives in the directory: HF key, stored transposed ([in, out]) or
+    not, and the offset of our rows along the stored tensor's output dim (q/k/v of a fused c_attn)."""
+
+    key: str
+    transposed: bool = False
+    offset: int = 0
+    fused: bool = False  # one of several tensors stacked along the stored output dim (q, k, v of c_attn)
+
+
+def _gpt2_sources(spec: ModelSpec) -> dict[str, Source]:
+    h = spec.hidden_size
+    out = {"model.embed_tokens.weight": Source("transformer.wte.weight"),
+           "model.embed_positions.weight": Source("transformer.wpe.weight"),
+           "model.norm.weight": Source("transformer.ln_f.weight"), "model.norm.bias": Source("transformer.ln_f.bias"),
+           "score.weight": Source("score.weight")}
+    for i in range(spec.num_hidden_layers):
+        ours, theirs = f"model.layers.{i}.", f"transformer.h.{i}."
+        for n, key in (("input_layernorm", "ln_1"), ("post_attention_layernorm", "ln_2")):
+            out[f"{ours}{n}.weight"], out[f"{ours}{n}.bias"] = Source(f"{theirs}{key}.weight"), Source(f"{theirs}{key}.bias")
+        for j, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+            out[f"{ours}self_attn.{proj}.weight"] = Source(f"{theirs}attn.c_attn.weight", True, j * h, True)
+            out[f"{ours}self_attn.{proj}.bias"] = Source(f"{theirs}attn.c_attn.bias", False, j * h, True)
+        for n, key in (("self_attn.o_proj", "attn.c_proj"), ("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj")):
+            out[f"{ours}{n}.weight"] = Source(f"{theirs}{key}.weight", True)
+            out[f"{ours}{n}.bias"] = Source(f"{theirs}{key}.bias")
+    return out
+
+
+class HFWeights:
+    """The safetensors of one HF model directory, opened lazily, read by box."""
+
+    def __init__(self, directory: str | Path, *, spec: ModelSpec, head: Head, hf_type: str) -> None:
+        from safetensors import safe_open  # the runtime's own dependency; imported where used
+
+        self.directory, self.spec, self.head = Path(directory), spec, head
+        self.sources = _gpt2_sources(spec) if hf_type == "gpt2" else {}
+        self._open = safe_open
+        self.files: dict[str, Any] = {}
+        self.where = self._index()
+        self.read_numel = 0  # elements read so far (what the tests measure against the shard's size)
+
+    def _index(self) -> dict[str, str]:
+        """HF key -> file name, from the index of a sharded checkpoint or each file's header."""
+        index = self.directory / INDEX_NAME
+        if index.is_file():
+            data = loads_json(index.read_text(encoding="utf-8"), source=f"safetensors index {str(index)!r}")
+            mapping = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(mapping, dict):
+                raise PlannerError(f"safetensors index {str(index)!r} has no weight_map")
+            return {str(k): str(v) for k, v in mapping.items()}
+        files = sorted(p.name for p in self.directory.glob("*.safetensors"))
+        if not files:
+            raise PlannerError(f"model directory {str(self.directory)!r} has no *.safetensors weights",
+                               hint="save the model with save_pretrained(..., safe_serialization=True)")
+        out: dict[str, str] = {}
+        for name in files:
+            for key in self._file(name).keys():
+                out[key] = name
+        return out
+
+    def _file(self, name: str) -> Any:
+        if name not in self.files:
+            path = self.directory / name
+            try:
+                self.files[name] = self._open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own error type for a malformed file
+                raise PlannerError(f"cannot read weights file {str(path)!r}: {e}") from None
+        return self.files[name]
+
+    def source(self, param: Param) -> Source | None:
+        """Where `param` is stored (None when the directory does not hold it)."""
+        src = self.sources.get(param.name, Source(param.name))
+        if src.key in self.where:
+            return src
+        if self.spec.model_type == "gpt" and src.key.startswith("transformer.") and src.key[12:] in self.where:
+            return Source(src.key[12:], src.transposed, src.offset, src.fused)  # saved from GPT2Model: no prefix
+        return None
+
+    def has(self, param: Param) -> bool:
+        return self.source(param) is not None
+
+    def read(self, param: Param, box: Box) -> Tensor:
+        """The `box` of `param` (our layout), fp32, reading only that slice from its file."""
+        src = self.source(param)
+        if src is None:
+            raise PlannerError(f"model directory {str(self.directory)!r} has no tensor for {param.name}"
+                               + (f" ({self.sources[param.name].key})" if param.name in self.sources else ""),
+                               hint="is it a checkpoint of this architecture and head?")
+        part = self._file(self.where[src.key]).get_slice(src.key)
+        stored = tuple(part.get_shape())
+        want = tuple(reversed(param.shape)) if src.transposed else param.shape
+        out_dim = len(want) - 1 if src.transposed else 0  # where our rows (and the offset) lie in theirs
+        ok = len(stored) == len(want) and all(stored[d] == want[d] for d in range(len(want)) if d != out_dim) and \
+            (stored[out_dim] >= src.offset + want[out_dim] if src.fused else stored[out_dim] == want[out_dim])
+        if not ok:
+            raise PlannerError(f"weights file {self.where[src.key]!r}: tensor {src.key!r} has shape {stored}, the "
+                               f"model's {param.name} needs {param.shape}"
+                               + (" (within a fused tensor)" if src.fused else ""),
+                               hint="the directory's weights do not match its config.json")
+        ours = [(lo + src.offset, hi + src.offset) if d == 0 else (lo, hi) for d, (lo, hi) in enumerate(box)]
+        theirs = list(reversed(ours)) if src.transposed else ours
+        piece = part[tuple(slice(lo, hi) for lo, hi in theirs)]
+        self.read_numel += box_numel(box)
+        return (piece.t() if src.transposed else piece).to(torch.float32).contiguous()
+
+
+def open_weights(directory: str, *, spec: ModelSpec, head: Head) -> HFWeights:
+    """The weights of `directory` for a model of `spec`: its config.json must still describe
+    `spec` (a directory changed since the plan was compiled is refused)."""
+    path = Path(directory)
+    cfg = path / "config.json"
+    try:
+        config = loads_json(cfg.read_text(encoding="utf-8"), source=f"model config {str(cfg)!r}")
+    except OSError as e:
+        raise PlannerError(f"cannot read the weights of model directory {directory!r}: {e.strerror or e}",
+                           hint="the plan names it (models.*.weights); run where it is, or recompile") from None
+    if not isinstance(config, dict):
+        raise PlannerError(f"model config {str(cfg)!r} must hold a JSON object")
+    now = spec_from_hf_config(config, source=str(cfg))
+    if now.model_dump(exclude={"name"}) != spec.model_dump(exclude={"name"}):
+        raise PlannerError(f"model directory {directory!r} no longer holds the model the plan was compiled for "
+                           "(its config.json differs)", hint="recompile the plan")
+    return HFWeights(path, spec=spec, head=head, hf_type=str(config.get("model_type")))
