@@ -44,6 +44,7 @@ from runtime.faults import FaultHooks, SharedError
 from runtime.groups import init_default_group
 from runtime.observe import gather_events, progress_line, write_measured_trace
 from runtime.process import Interrupted, Interrupts, cpu_threads, device_problem, memory_problem, watch_parent
+from runtime.save_hf import DEFAULT_SHARD_MB, check_save_dir, save_hf
 
 LEAVE_TIMEOUT_S = 30.0  # how long a rank that reported a shared problem waits for the others to report it too
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -55,6 +56,7 @@ EXAMPLES = """examples:
       --checkpoint-dir ckpt --checkpoint-every 10 --resume auto
   planner replan plans/tiny_ppo.json --cluster cpu:1x2 -o tiny_ppo_2.json
   torchrun --nproc-per-node 2 -m runtime tiny_ppo_2.json --steps 100 --checkpoint-dir ckpt --resume auto
+  torchrun --nproc-per-node 4 -m runtime plans/tiny_ppo.json --steps 20 --save-hf out/   # out/actor, out/critic
 
 A checkpoint is DIR/step-NNNNNNNNN, complete or absent; --steps counts from the run's start, so a
 restarted command runs the remaining steps. Errors are one message on every rank, exit status 2."""
@@ -78,6 +80,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--resume", metavar="auto|PATH",
                     help="continue from the newest complete checkpoint in --checkpoint-dir (auto; a fresh start "
                     "when there is none) or from checkpoint directory PATH")
+    ap.add_argument("--save-hf", type=Path, metavar="DIR",
+                    help="at the end, write each trained model as an HF directory DIR/MODEL (config.json, fp32 "
+                    "safetensors, the tokenizer files of the directory it started from), loadable by transformers")
+    ap.add_argument("--save-hf-at-checkpoints", action="store_true",
+                    help="also write DIR/step-NNNNNNNNN/MODEL at every checkpoint")
+    ap.add_argument("--save-hf-shard-mb", type=float, default=DEFAULT_SHARD_MB, metavar="MB",
+                    help=f"split a model's weights into files of at most this size (default {DEFAULT_SHARD_MB:g})")
     ap.add_argument("--reward-fn", metavar="MODULE:FUNCTION",
                     help="run the reward function the plan names (algorithm.reward_fn): a plan's code runs only when "
                     "the launch names the same function; imported from PYTHONPATH or installed packages, never "
@@ -89,6 +98,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--steps must be at least 1")
     if args.collective_timeout <= 0:
         ap.error("--collective-timeout must be positive")
+    if args.save_hf_shard_mb <= 0:
+        ap.error("--save-hf-shard-mb must be positive")
+    if args.save_hf_at_checkpoints and (args.save_hf is None or args.checkpoint_dir is None):
+        ap.error("--save-hf-at-checkpoints needs --save-hf DIR and --checkpoint-dir")
     return args
 
 
@@ -146,6 +159,8 @@ def run(args: argparse.Namespace, interrupts: Interrupts) -> None:
     for path in (args.metrics_out, args.trace_out):
         if path is not None and rank == 0:
             check_output(path)  # before any step, not after the run
+    if args.save_hf is not None and rank == 0:
+        check_save_dir(args.save_hf)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
@@ -187,6 +202,12 @@ def run(args: argparse.Namespace, interrupts: Interrupts) -> None:
             if ckpt.due(step, last=step == args.steps):
                 saved = save_checkpoint(runner, ckpt.directory, step=step, keep=ckpt.keep, hooks=hooks)  # type: ignore[arg-type]
                 say(f"saved checkpoint {saved}", flush=True)
+                if args.save_hf_at_checkpoints:
+                    for d in save_hf(runner, args.save_hf / saved.name, shard_mb=args.save_hf_shard_mb):
+                        say(f"saved HF model {d}", flush=True)
+        if args.save_hf is not None:
+            for d in save_hf(runner, args.save_hf, shard_mb=args.save_hf_shard_mb):
+                say(f"saved HF model {d}", flush=True)
         if args.trace_out:
             events = gather_events(runner.recorder.events, distributed=distributed, rank=rank, world_size=world)
             if events is not None:

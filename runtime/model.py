@@ -27,7 +27,7 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -279,33 +279,16 @@ def last_logits(shard: Shard, h: Tensor) -> Tensor:
 
 
 # HF-format checkpoints -------------------------------------------------------------------
-
-
-def hf_config(spec: ModelSpec, *, head: Head) -> dict:
-    """The ``config.json`` transformers reads for this model (llama family) or our gpt family."""
-    arch = {"lm": "LlamaForCausalLM", "value": "LlamaForSequenceClassification"}[head]
-    cfg: dict[str, Any] = {
-        "model_type": spec.model_type, "hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_hidden_layers,
-        "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.kv_heads,
-        "intermediate_size": spec.ffn_size, "vocab_size": spec.vocab_size,
-        "max_position_embeddings": spec.max_position_embeddings, "tie_word_embeddings": spec.tied,
-        "torch_dtype": "float32",
-    }
-    if spec.model_type == "llama":
-        cfg.update(architectures=[arch], attention_bias=spec.attention_bias, rms_norm_eps=spec.rms_norm_eps,
-                   rope_theta=spec.rope_theta, hidden_act="silu", mlp_bias=False)
-    else:
-        cfg.update(layer_norm_epsilon=spec.layer_norm_epsilon, activation_function="gelu_new")
-    if head == "value":
-        cfg.update(num_labels=1)
-    return cfg
+# The HF formats themselves (names, GPT-2's fused Conv1D layout, config.json) are `runtime.weights`.
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Tensor], *, spec: ModelSpec, head: Head) -> None:
-    """Write whole tensors as an HF checkpoint directory (``model.safetensors`` + ``config.json``)."""
+    """Write whole tensors as an HF model directory transformers loads (``model.safetensors`` +
+    ``config.json``: llama, mistral with a sliding window, or gpt2)."""
     from safetensors.torch import save
 
     from plans.io import check_output, write_bytes_atomic, write_text_atomic
+    from runtime.weights import hf_config, hf_tensors, hf_type_of
 
     expected = {p.name: p.shape for p in parameters(spec, head=head)}
     missing = sorted(set(expected) - set(state))
@@ -314,32 +297,22 @@ def save_checkpoint(path: str | Path, state: dict[str, Tensor], *, spec: ModelSp
     path = Path(path)
     for name in ("model.safetensors", "config.json"):
         check_output(path / name)  # both refused before either is written
-    data = save({n: state[n].detach().float().contiguous().cpu() for n in expected}, metadata={"format": "pt"})
+    whole = {n: state[n].detach().float().contiguous().cpu() for n in expected}
+    data = save(hf_tensors(spec, whole, hf_type=hf_type_of(spec, None)), metadata={"format": "pt"})
     write_bytes_atomic(path / "model.safetensors", data)
     write_text_atomic(path / "config.json", json.dumps(hf_config(spec, head=head), indent=2, sort_keys=True) + "\n")
 
 
 def load_checkpoint(path: str | Path, *, head: Head) -> tuple[ModelSpec, dict[str, Tensor]]:
-    """Read an HF checkpoint directory (one or several ``*.safetensors`` files) into whole tensors."""
-    from safetensors.torch import load_file
-
+    """Read an HF model directory (one or several ``*.safetensors`` files) into whole tensors."""
     from plans.base import loads_json
+    from runtime.weights import HFWeights
 
     path = Path(path)
     cfg_path = path / "config.json"
-    files = sorted(path.glob("*.safetensors"))
-    if not cfg_path.is_file() or not files:
+    if not cfg_path.is_file() or not any(path.glob("*.safetensors")):
         raise PlannerError(f"{str(path)!r} is not an HF checkpoint directory (needs config.json and *.safetensors)")
-    spec = spec_from_hf_config(loads_json(cfg_path.read_text(encoding="utf-8"), source=f"model config {str(cfg_path)!r}"),
-                               source=str(cfg_path))
-    state: dict[str, Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    if spec.tied:
-        state.pop("lm_head.weight", None)  # HF may store the tied copy; the catalog has one tensor
-    missing = [p.name for p in parameters(spec, head=head) if p.name not in state]
-    if missing:
-        raise PlannerError(f"checkpoint {str(path)!r} lacks {len(missing)} parameters, e.g. {missing[0]}",
-                           hint=f"is it a model with a {head!r} head?")
-    return spec, state
-
+    config = loads_json(cfg_path.read_text(encoding="utf-8"), source=f"model config {str(cfg_path)!r}")
+    spec = spec_from_hf_config(config, source=str(cfg_path))
+    weights = HFWeights(path, spec=spec, head=head, hf_type=str(config.get("model_type")))
+    return spec, {p.name: weights.read(p, tuple((0, n) for n in p.shape)) for p in parameters(spec, head=head)}

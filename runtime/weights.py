@@ -159,3 +159,75 @@ def open_weights(directory: str, *, spec: ModelSpec, head: Head) -> HFWeights:
         raise PlannerError(f"model directory {directory!r} no longer holds the model the plan was compiled for "
                            "(its config.json differs)", hint="recompile the plan")
     return HFWeights(path, spec=spec, head=head, hf_type=str(config.get("model_type")))
+
+
+# Writing: our whole tensors as an HF directory ------------------------------------------------
+
+ARCHITECTURES = {  # (HF model_type, head) -> transformers class written into config.json
+    ("llama", "lm"): "LlamaForCausalLM", ("llama", "value"): "LlamaForSequenceClassification",
+    ("mistral", "lm"): "MistralForCausalLM", ("mistral", "value"): "MistralForSequenceClassification",
+    ("qwen2", "lm"): "Qwen2ForCausalLM", ("qwen2", "value"): "Qwen2ForSequenceClassification",
+    ("gpt2", "lm"): "GPT2LMHeadModel", ("gpt2", "value"): "GPT2ForSequenceClassification",
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+
+
+def hf_type_of(spec: ModelSpec, base: dict[str, Any] | None) -> str:
+    """The HF ``model_type`` a model is written as: its directory's, else llama (mistral with a
+    sliding window) or gpt2."""
+    if base is not None and isinstance(base.get("model_type"), str):
+        return str(base["model_type"])
+    if spec.model_type == "gpt":
+        return "gpt2"
+    return "mistral" if spec.sliding_window is not None else "llama"
+
+
+def hf_config(spec: ModelSpec, *, head: Head, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``config.json`` of a model written in fp32: its own directory's (the same model), or one
+    built from the spec with every field that changes the math set explicitly."""
+    hf_type = hf_type_of(spec, base)
+    if base is not None:
+        cfg = dict(base)
+    elif hf_type == "gpt2":
+        cfg = {"model_type": "gpt2", "n_embd": spec.hidden_size, "n_layer": spec.num_hidden_layers,
+               "n_head": spec.num_attention_heads, "n_inner": spec.ffn_size, "n_positions": spec.max_position_embeddings,
+               "vocab_size": spec.vocab_size, "layer_norm_epsilon": spec.layer_norm_epsilon,
+               "activation_function": "gelu_new", "tie_word_embeddings": spec.tied, "resid_pdrop": 0.0,
+               "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True}
+    else:
+        cfg = {"model_type": hf_type, "hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_hidden_layers,
+               "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.kv_heads,
+               "intermediate_size": spec.ffn_size, "vocab_size": spec.vocab_size,
+               "max_position_embeddings": spec.max_position_embeddings, "tie_word_embeddings": spec.tied,
+               "rms_norm_eps": spec.rms_norm_eps, "rope_theta": spec.rope_theta, "hidden_act": "silu"}
+        if hf_type == "llama":
+            cfg.update(attention_bias=spec.attention_bias, mlp_bias=False)
+        if hf_type == "mistral":
+            cfg["sliding_window"] = spec.sliding_window
+    cfg["architectures"] = [ARCHITECTURES[(hf_type, head)]]
+    cfg.update(torch_dtype="float32", dtype="float32")
+    if head == "value":
+        cfg["num_labels"] = 1
+        cfg.pop("id2label", None)
+        cfg.pop("label2id", None)
+    return cfg
+
+
+def hf_tensors(spec: ModelSpec, state: dict[str, Tensor], *, hf_type: str) -> dict[str, Tensor]:
+    """Our whole tensors (catalog names) under the names and layouts an HF directory stores."""
+    if hf_type != "gpt2":
+        return {n: t.contiguous() for n, t in state.items()}
+    sources = _gpt2_sources(spec)
+    out: dict[str, Tensor] = {}
+    fused: dict[str, list[tuple[int, Tensor]]] = {}
+    for name, t in state.items():
+        src = sources[name]
+        stored = t.t() if src.transposed else t
+        if src.fused:
+            fused.setdefault(src.key, []).append((src.offset, stored))
+        else:
+            out[src.key] = stored.contiguous()
+    for key, parts in fused.items():  # q, k, v side by side along the stored output dim
+        out[key] = torch.cat([p for _, p in sorted(parts, key=lambda x: x[0])], dim=parts[0][1].dim() - 1).contiguous()
+    return out
