@@ -12,7 +12,9 @@ rloo       like grpo, with the leave-one-out baseline
 =========  =========================================================================================
 
 Rewards come from a reward model (value head, scored at the last token) or, with ``reward_fn``,
-from a Python function of the generated tokens (no reward-model call).
+from a Python function of the generated tokens (no reward-model call), or of their text when the
+prompts come from a dataset (``data={"data": "train.jsonl", "key": "prompt", ...}``: the keyword
+arguments of `planner.graph.Graph.input`).
 """
 
 from __future__ import annotations
@@ -35,21 +37,21 @@ def _algo(name: str, reward_fn: str | None, overrides: dict[str, Any]) -> Algori
 
 
 def sft(model: Spec, *, batch: int, seq_len: int, minibatches: int = 1, name: str = "sft",
-        **algo: Any) -> GraphSpec:
+        data: dict[str, Any] | None = None, **algo: Any) -> GraphSpec:
     """Supervised fine-tuning (or pretraining): one train call on `batch` sequences."""
     g = Graph(name, batch=batch, seq_len=seq_len, algorithm=_algo("sft", None, algo))
     m = g.model("model", model, trainable=True)
-    m.train(g.input("tokens"), loss="sft", minibatches=minibatches, name="model_train")
+    m.train(g.input("tokens", **(data or {})), loss="sft", minibatches=minibatches, name="model_train")
     return g.build()
 
 
 def dpo(actor: Spec, *, ref: Spec | None = None, batch: int, seq_len: int, minibatches: int = 1,
-        name: str = "dpo", **algo: Any) -> GraphSpec:
+        name: str = "dpo", data: dict[str, Any] | None = None, **algo: Any) -> GraphSpec:
     """Direct preference optimisation: `batch` pairs, the reference scoring both sides."""
     g = Graph(name, batch=batch, seq_len=seq_len, algorithm=_algo("dpo", None, algo))
     a = g.model("actor", actor, trainable=True)
     r = g.model("ref", ref or actor)
-    pairs = g.input("pairs", seqs=2 * batch)
+    pairs = g.input("pairs", seqs=2 * batch, **(data or {}))
     ref_lp = r.inference(pairs, name="ref_inference")
     a.train(pairs, ref_lp, loss="dpo", minibatches=minibatches, name="actor_train")
     return g.build()
@@ -66,13 +68,13 @@ def _reward(g: Graph, reward: Spec | None, reward_fn: str | None, samples: Data,
 
 def ppo(actor: Spec, *, critic: Spec | None = None, ref: Spec | None = None, reward: Spec | None = None,
         reward_fn: str | None = None, batch: int, prompt_len: int, gen_len: int, ppo_minibatches: int = 4,
-        name: str = "ppo", **algo: Any) -> GraphSpec:
+        name: str = "ppo", data: dict[str, Any] | None = None, **algo: Any) -> GraphSpec:
     """PPO with a critic (InstructGPT/ReaLHF's six calls). `critic` and `reward` default to `actor`'s spec."""
     g = Graph(name, batch=batch, prompt_len=prompt_len, gen_len=gen_len, algorithm=_algo("ppo", reward_fn, algo))
     a = g.model("actor", actor, trainable=True)
     c = g.model("critic", critic or actor, trainable=True, head="value")
     r = g.model("ref", ref or actor)
-    samples = a.generate(g.input("prompts"), name="actor_generate")
+    samples = a.generate(g.input("prompts", **(data or {})), name="actor_generate")
     rewards = _reward(g, reward or critic or actor, reward_fn, samples)
     ref_lp = r.inference(samples, name="ref_inference")
     values = c.inference(samples, name="critic_inference")
@@ -83,13 +85,14 @@ def ppo(actor: Spec, *, critic: Spec | None = None, ref: Spec | None = None, rew
 
 def _group(kind: Loss, actor: Spec, *, ref: Spec | None, reward: Spec | None, reward_fn: str | None, batch: int,
            prompt_len: int, gen_len: int, samples_per_prompt: int, ppo_minibatches: int, name: str,
-           algo: dict[str, Any]) -> GraphSpec:
+           data: dict[str, Any] | None, algo: dict[str, Any]) -> GraphSpec:
     if samples_per_prompt < 2:
         raise PlannerError(f"{kind} needs --samples-per-prompt of at least 2 (the baseline is the group), got {samples_per_prompt}")
     g = Graph(name, batch=batch, prompt_len=prompt_len, gen_len=gen_len, algorithm=_algo(kind, reward_fn, algo))
     a = g.model("actor", actor, trainable=True)
     r = g.model("ref", ref or actor)
-    samples = a.generate(g.input("prompts"), samples_per_prompt=samples_per_prompt, name="actor_generate")
+    samples = a.generate(g.input("prompts", **(data or {})), samples_per_prompt=samples_per_prompt,
+                         name="actor_generate")
     rewards = _reward(g, reward or actor, reward_fn, samples)
     ref_lp = r.inference(samples, name="ref_inference")
     a.train(samples, *rewards, ref_lp, loss=kind, minibatches=ppo_minibatches, name="actor_train")
@@ -98,30 +101,30 @@ def _group(kind: Loss, actor: Spec, *, ref: Spec | None, reward: Spec | None, re
 
 def grpo(actor: Spec, *, ref: Spec | None = None, reward: Spec | None = None, reward_fn: str | None = None,
          batch: int, prompt_len: int, gen_len: int, samples_per_prompt: int = 8, ppo_minibatches: int = 1,
-         name: str = "grpo", **algo: Any) -> GraphSpec:
+         name: str = "grpo", data: dict[str, Any] | None = None, **algo: Any) -> GraphSpec:
     """GRPO: group-normalised advantages over `samples_per_prompt` samples, no critic."""
     return _group("grpo", actor, ref=ref, reward=reward, reward_fn=reward_fn, batch=batch, prompt_len=prompt_len,
                   gen_len=gen_len, samples_per_prompt=samples_per_prompt, ppo_minibatches=ppo_minibatches,
-                  name=name, algo=algo)
+                  name=name, data=data, algo=algo)
 
 
 def rloo(actor: Spec, *, ref: Spec | None = None, reward: Spec | None = None, reward_fn: str | None = None,
          batch: int, prompt_len: int, gen_len: int, samples_per_prompt: int = 4, ppo_minibatches: int = 1,
-         name: str = "rloo", **algo: Any) -> GraphSpec:
+         name: str = "rloo", data: dict[str, Any] | None = None, **algo: Any) -> GraphSpec:
     """REINFORCE leave-one-out: each sample's baseline is the mean reward of its siblings."""
     return _group("rloo", actor, ref=ref, reward=reward, reward_fn=reward_fn, batch=batch, prompt_len=prompt_len,
                   gen_len=gen_len, samples_per_prompt=samples_per_prompt, ppo_minibatches=ppo_minibatches,
-                  name=name, algo=algo)
+                  name=name, data=data, algo=algo)
 
 
 def remax(actor: Spec, *, ref: Spec | None = None, reward: Spec | None = None, reward_fn: str | None = None,
           batch: int, prompt_len: int, gen_len: int, ppo_minibatches: int = 1, name: str = "remax",
-          **algo: Any) -> GraphSpec:
+          data: dict[str, Any] | None = None, **algo: Any) -> GraphSpec:
     """ReMax: REINFORCE with the reward of a greedy generation as the baseline."""
     g = Graph(name, batch=batch, prompt_len=prompt_len, gen_len=gen_len, algorithm=_algo("remax", reward_fn, algo))
     a = g.model("actor", actor, trainable=True)
     r = g.model("ref", ref or actor)
-    prompts = g.input("prompts")
+    prompts = g.input("prompts", **(data or {}))
     samples = a.generate(prompts, name="actor_generate")
     greedy = a.generate(prompts, temperature=0.0, name="actor_generate_greedy")
     rewards = _reward(g, reward or actor, reward_fn, samples)

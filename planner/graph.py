@@ -18,16 +18,19 @@ that names the call, model or handle at fault.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from plans.datafile import count_rows, data_format
 from plans.errors import PlannerError, format_validation_error
 from plans.graph import (
     AlgorithmConfig,
     Call,
     CallKind,
     DataInput,
+    DataSource,
     Head,
     HostStep,
     Loss,
@@ -111,9 +114,19 @@ class Graph:
                                        weights=weights_directory(spec))
         return ModelHandle(self, name)
 
-    def input(self, name: str, *, seqs: int | None = None, seq_len: int | None = None) -> Data:
+    def input(self, name: str, *, seqs: int | None = None, seq_len: int | None = None, data: str | None = None,
+              key: str = "prompt", response_key: str | None = None, chosen_key: str | None = None,
+              rejected_key: str | None = None, extra_keys: list[str] | tuple[str, ...] = (),
+              tokenizer: str | None = None, chat_template: bool = True, shuffle: bool = True,
+              truncation: str = "error") -> Data:
         """A handle the data loader provides: `seqs` sequences (default: batch) of `seq_len` tokens
-        (default: prompt_len, else seq_len)."""
+        (default: prompt_len, else seq_len).
+
+        With `data` (a .jsonl or .parquet file) the rows come from that dataset (`plans.graph.
+        DataSource`): `key` names the prompt column, `response_key` (SFT), `chosen_key` and
+        `rejected_key` (DPO) the others, `extra_keys` the columns the reward function gets;
+        `tokenizer` is an HF model directory (default: the first model declared from a directory
+        with a tokenizer.json)."""
         for what, value in (("seqs", seqs), ("seq_len", seq_len)):
             if value is not None:
                 _check_count(f"input {name!r}: {what}", value)
@@ -122,13 +135,39 @@ class Graph:
             raise PlannerError(f"input {name!r}: give seq_len= (the graph has neither prompt_len nor seq_len)")
         if name in self._inputs or name in self._handles:
             raise PlannerError(f"graph {self.name!r}: data handle {name!r} is defined twice")
+        source = None if data is None else self._data_source(
+            name, data, key=key, response_key=response_key, chosen_key=chosen_key, rejected_key=rejected_key,
+            extra_keys=list(extra_keys), tokenizer=tokenizer, chat_template=chat_template, shuffle=shuffle,
+            truncation=truncation)
         try:
-            self._inputs[name] = DataInput(name=name, seqs=seqs or self.batch, seq_len=length)
+            self._inputs[name] = DataInput(name=name, seqs=seqs or self.batch, seq_len=length, data=source)
         except ValidationError as e:
             raise PlannerError(format_validation_error(e, source=f"input {name!r}")) from None
-        data = Data(name, seqs or self.batch, length)
-        self._handles[name] = data
-        return data
+        handle = Data(name, seqs or self.batch, length)
+        self._handles[name] = handle
+        return handle
+
+    def _data_source(self, name: str, path: str, *, tokenizer: str | None, **fields: Any) -> DataSource:
+        """The dataset of input `name`, with its file's absolute path, format and row count."""
+        where = f"input {name!r}"
+        if not isinstance(path, str):
+            raise PlannerError(f"{where}: data must be a file path, got a {type(path).__name__}")
+        if tokenizer is None:
+            tokenizer = next((d.weights for d in self._models.values()
+                              if d.weights is not None and (Path(d.weights) / "tokenizer.json").is_file()), None)
+        if tokenizer is None:
+            raise PlannerError(f"{where} reads dataset {path!r}, but no model of the graph comes from a directory with "
+                               "a tokenizer.json", hint="declare the models from their HF directories, or give "
+                               "tokenizer=DIR")
+        tok_dir = Path(tokenizer)
+        if not (tok_dir / "tokenizer.json").is_file():
+            raise PlannerError(f"{where}: tokenizer directory {tokenizer!r} has no tokenizer.json")
+        absolute = str(Path(path).resolve())
+        try:
+            return DataSource(path=absolute, format=data_format(path), tokenizer=str(tok_dir.resolve()),
+                              rows=count_rows(absolute), prompt_key=fields.pop("key"), **fields)
+        except ValidationError as e:
+            raise PlannerError(format_validation_error(e, source=f"{where}'s dataset")) from None
 
     def handle(self, name: str) -> Data:
         if name not in self._handles:

@@ -161,6 +161,9 @@ def graph_fingerprint(graph: Graph) -> str:
         for obj, key in ((decl, "weights"), (decl["spec"], "sliding_window")):
             if obj.get(key) is None:
                 obj.pop(key, None)
+    for inp in data.get("inputs", []):
+        if inp.get("data") is None:
+            inp.pop("data", None)
     return _sha256(data)
 
 

@@ -169,12 +169,55 @@ class AlgorithmConfig(Strict):
     task: str | None = Field(None, description="Runtime data source, e.g. a toy task name; None is random prompts.")
 
 
+DATA_KINDS = ("prompts", "tokens", "pairs")  # what an input of each name holds (see DataSource)
+
+
+class DataSource(Strict):
+    """A dataset file an input is drawn from, and how its rows become tokens.
+
+    What a row becomes depends on the input's name: ``prompts`` (RL: the `prompt_key` text, chat
+    template applied, left-padded to the input's length), ``tokens`` (SFT: prompt then
+    `response_key`, right-padded, the response tokens and EOS masked in), ``pairs`` (DPO: the prompt
+    then `chosen_key`, and then `rejected_key`, as two consecutive sequences). Rows are drawn in a
+    seeded random order per epoch, a pure function of (seed, step), so every rank, the reference
+    and a resumed run draw the same rows."""
+
+    path: str = Field(max_length=4096, description="Absolute path of a .jsonl or .parquet file.")
+    format: Literal["jsonl", "parquet"]
+    tokenizer: str = Field(max_length=4096, description="HF model directory whose tokenizer.json tokenizes the rows.")
+    prompt_key: str = Field("prompt", min_length=1, max_length=200)
+    response_key: str | None = Field(None, max_length=200, description="SFT: the response column.")
+    chosen_key: str | None = Field(None, max_length=200, description="DPO: the preferred response column.")
+    rejected_key: str | None = Field(None, max_length=200, description="DPO: the other response column.")
+    extra_keys: list[str] = Field(default_factory=list, max_length=64,
+                                  description="Columns passed to the reward function (e.g. ground_truth).")
+    chat_template: bool = Field(True, description="Apply the tokenizer's chat template to prompts when it has one.")
+    shuffle: bool = Field(True, description="A new seeded order every epoch (else the file's order).")
+    truncation: Literal["error", "left"] = Field(
+        "error", description="A row longer than the input: an error naming it, or keep its last tokens.")
+    rows: int = Field(ge=1, description="Rows in the file when the plan was compiled (checked at run time).")
+
+
 class DataInput(Strict):
     """A handle the data loader provides each iteration."""
 
     name: str
     seqs: int = Field(ge=1, le=MAX_SEQS, description="Sequences per iteration.")
     seq_len: int = Field(ge=1, le=MAX_POSITIONS, description="Tokens per sequence.")
+    data: DataSource | None = Field(None, description="The dataset it is drawn from (None: the algorithm's task).")
+
+    @model_validator(mode="after")
+    def check_data_kind(self) -> DataInput:
+        if self.data is None:
+            return self
+        if self.name not in DATA_KINDS:
+            raise ValueError(f"input {self.name!r}: a dataset feeds an input named {', '.join(DATA_KINDS)} "
+                             "(prompts for RL, tokens for SFT, pairs for DPO)")
+        needs = {"tokens": ("response_key",), "pairs": ("chosen_key", "rejected_key")}.get(self.name, ())
+        missing = [k for k in needs if getattr(self.data, k) is None]
+        if missing:
+            raise ValueError(f"input {self.name!r}: its dataset needs {', '.join(missing)}")
+        return self
 
 
 class Graph(Strict):

@@ -23,8 +23,9 @@ on that batch as the loop's own Python computed it (`prepared_batch`): the rows 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -32,6 +33,7 @@ from torch import Tensor
 from plans.errors import PlannerError
 from plans.plan import Plan, PlanCall
 from plans.sharding import split_range
+from runtime.data import RowInfo, Tokenizer
 
 Rows = dict[str, Tensor]
 RewardFn = Callable[[Tensor, Tensor], Tensor]
@@ -149,8 +151,12 @@ def prepared_batch(call: PlanCall, *, batch: object, source: str) -> TrainBatch:
 class Glue:
     """Builds each train call's batch from the step's data handles."""
 
-    def __init__(self, plan: Plan, *, reward_fn: RewardFn | None) -> None:
+    def __init__(self, plan: Plan, *, reward_fn: RewardFn | None, tokenizer: Tokenizer | None = None) -> None:
+        """`tokenizer`: of the plan's datasets, when it has some: responses then end at its EOS and
+        the reward function scores their text (`text_scores`)."""
         self.plan, self.algo, self.reward_fn = plan, plan.algorithm, reward_fn
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_id if tokenizer is not None else None
         self.producer = {h: c for c in plan.calls for h in c.outputs}
         self.host_producer = {h: s.name for s in plan.host_steps for h in s.outputs}
 
@@ -167,17 +173,30 @@ class Glue:
                 roles[str(src.returns)].append(store[h])
         return roles
 
-    def _scores(self, samples: Rows, given: list[Rows], index: int) -> Tensor:
+    def _scores(self, samples: Rows, given: list[Rows], index: int, rows: list[RowInfo] | None = None) -> Tensor:
         if index < len(given):
             return given[index]["scores"]
         if self.reward_fn is None:
             raise PlannerError("the plan has no reward model call and no algorithm.reward_fn",
                                hint="give the graph a reward model or reward_fn='module:function'")
         tokens, gen_len = samples["tokens"], samples["mask"].shape[1]
+        if rows is not None and self.tokenizer is not None:
+            responses = [self.tokenizer.decode(t[m].tolist()) for t, m in zip(tokens[:, -gen_len:], samples["mask"])]
+            return text_scores(self.reward_fn, rows, responses, name=str(self.algo.reward_fn))
         return self.reward_fn(tokens[:, :-gen_len], tokens[:, -gen_len:]).float()
 
-    def train_batch(self, call: PlanCall, store: dict[str, Rows]) -> TrainBatch:
-        """The rows, minibatch normalisers and statistics of train call `call`."""
+    def _sample_rows(self, call: PlanCall, rows: dict[str, list[RowInfo]], handle: str) -> list[RowInfo] | None:
+        """What the dataset says of each sample of generate output `handle` (None without a dataset)."""
+        gen = self.producer.get(handle)
+        if gen is None or gen.kind != "generate" or gen.inputs[0] not in rows:
+            return None
+        return [r for r in rows[gen.inputs[0]] for _ in range(gen.samples_per_prompt)]
+
+    def train_batch(self, call: PlanCall, store: dict[str, Rows],
+                    dataset_rows: dict[str, list[RowInfo]] | None = None) -> TrainBatch:
+        """The rows, minibatch normalisers and statistics of train call `call`; `dataset_rows`: what
+        the step's dataset rows say (prompt text, extra columns) for a reward function on text."""
+        infos = dataset_rows or {}
         kind, algo = call.loss, self.algo
         first = call.inputs[0] if call.inputs else None
         if first in self.host_producer:
@@ -199,10 +218,13 @@ class Glue:
         samples = roles["samples"][0]
         mask = aligned(samples, "mask")
         old_lp = aligned(samples, "logprobs")
-        scores = self._scores(samples, roles["scores"], 0)
+        sample_rows = self._sample_rows(call, infos, call.inputs[0])
+        scores = self._scores(samples, roles["scores"], 0, sample_rows)
         ref_lp = roles["logprobs"][0]["logprobs"] if roles["logprobs"] else old_lp
         stats = {"reward_mean": float(scores.mean()), "response_len": float(mask.sum(1).float().mean())}
         rows = {"tokens": samples["tokens"], "mask": mask, "old_logprobs": old_lp, "ref_logprobs": ref_lp}
+        if "pad" in samples:
+            rows["pad"] = samples["pad"]
         if kind in ("ppo_policy", "ppo_value"):
             values = roles["values"][0]["values"][:, :-1] * mask
             kl = (old_lp - ref_lp) * mask
@@ -213,7 +235,41 @@ class Glue:
             stats["kl_mean"] = float(kl.sum() / mask.sum().clamp(min=1))
         else:
             gen_call = self.producer[call.inputs[0]]
-            baseline = self._scores(roles["samples"][1], roles["scores"], 1) if kind == "remax" else None
+            second = call.inputs[1] if len(call.inputs) > 1 else call.inputs[0]
+            baseline = self._scores(roles["samples"][1], roles["scores"], 1, self._sample_rows(call, infos, second)) \
+                if kind == "remax" else None
             adv = group_advantages(scores, kind=str(kind), group=gen_call.samples_per_prompt, baseline=baseline)
             rows["advantages"] = adv[:, None] * mask
         return TrainBatch(rows, _denoms(mask.sum(1), call.minibatches, 1), 1, stats)
+
+
+def text_scores(fn: Callable[..., Any], rows: list[RowInfo], responses: list[str], *, name: str) -> Tensor:
+    """The reward of each response [B]: ``fn(prompt=..., response=..., **extra columns)`` per sample
+    (verl's compute_score shape), or one call on lists when ``fn.batched`` is true. An exception or
+    a value that is not a finite number is a `PlannerError` naming the dataset row."""
+    def failed(i: int, why: str) -> PlannerError:
+        return PlannerError(f"reward function {name!r} {why} for dataset row {rows[i].index} "
+                            f"(prompt {rows[i].prompt[:60]!r})", hint="fix the function; it must return a number")
+
+    if getattr(fn, "batched", False):
+        extras = {k: [r.extras[k] for r in rows] for k in (rows[0].extras if rows else {})}
+        try:
+            values = list(fn(prompts=[r.prompt for r in rows], responses=responses, **extras))
+        except Exception as e:
+            raise PlannerError(f"reward function {name!r} raised {type(e).__name__}: {e} on a batch of "
+                               f"{len(rows)} responses") from None
+        if len(values) != len(rows):
+            raise PlannerError(f"reward function {name!r} returned {len(values)} rewards for {len(rows)} responses")
+    else:
+        values = []
+        for i, (r, response) in enumerate(zip(rows, responses)):
+            try:
+                values.append(fn(prompt=r.prompt, response=response, **r.extras))
+            except Exception as e:
+                raise failed(i, f"raised {type(e).__name__}: {e}") from None
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+            raise failed(i, f"returned {v!r}, not a finite number")
+        out.append(float(v))
+    return torch.tensor(out, dtype=torch.float32)

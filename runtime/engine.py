@@ -115,14 +115,14 @@ class ModelRunner:
             return s
         return -(-s // tp.size) * tp.size
 
-    def _run_stage(self, tokens: Tensor, x: Tensor | None) -> Tensor:
+    def _run_stage(self, tokens: Tensor, x: Tensor | None, pad: Tensor | None = None) -> Tensor:
         s = self._padded_len(tokens.shape[1])
         positions = torch.arange(s, device=self.device).clamp(max=self.spec.max_position_embeddings - 1)
         if self.pipe.first:
             x = torch.nn.functional.pad(tokens, (0, s - tokens.shape[1]))
         assert x is not None
         with self._autocast():
-            return stage_forward(self.shard, x, positions=positions)
+            return stage_forward(self.shard, x, positions=positions, pad=pad)
 
     def _outputs(self, h: Tensor, tokens: Tensor, what: str) -> Tensor:
         s = tokens.shape[1]
@@ -148,15 +148,16 @@ class ModelRunner:
 
     # Calls ----------------------------------------------------------------------------------
 
-    def forward(self, tokens: Tensor, *, what: str) -> Tensor | None:
+    def forward(self, tokens: Tensor, *, what: str, pad: Tensor | None = None) -> Tensor | None:
         """Per-token log-probs [b, s-1] (``what="logprobs"``) or values [b, s] of this replica's
-        rows of `tokens` [B, s]; None except on the last stage."""
+        rows of `tokens` [B, s] (left-padded by `pad` [B] tokens, when given); None except on the
+        last stage."""
         split = self.split(tokens.shape[0])
         s = tokens.shape[1]
 
         def fwd(i: int, x: Tensor | None) -> Tensor:
             lo, hi = split.micro[i]
-            h = self._run_stage(tokens[lo:hi], x)
+            h = self._run_stage(tokens[lo:hi], x, None if pad is None else pad[lo:hi].to(self.device))
             return self._outputs(h, tokens[lo:hi], what) if self.pipe.last else h
 
         with torch.no_grad():
@@ -188,7 +189,7 @@ class ModelRunner:
             # The closures run within this iteration (train_1f1b calls them); defaults bind its values.
             def fwd(i: int, x: Tensor | None, split: Split = split, mb: Rows = mb) -> Tensor:
                 lo, hi = split.micro[i]
-                h = self._run_stage(mb["tokens"][lo:hi], x)
+                h = self._run_stage(mb["tokens"][lo:hi], x, mb["pad"][lo:hi] if "pad" in mb else None)
                 return self._outputs(h, mb["tokens"][lo:hi], what) if self.pipe.last else h
 
             def loss_of(i: int, out: Tensor, split: Split = split, mb: Rows = mb, denom: float = denom,
@@ -210,15 +211,17 @@ class ModelRunner:
         return {n: float(v) for n, v in sorted(totals.items())}
 
     def generate(self, prompts: Tensor, *, gen_len: int, temperature: float, seed: int,
-                 stop_token: int | None = None) -> dict[str, Tensor] | None:
-        """Continue this replica's rows of `prompts` [B, p] by `gen_len` tokens (see
-        `runtime.generate`); the result (tokens, log-probs, mask) is on the last stage."""
+                 stop_token: int | None = None, pad: Tensor | None = None) -> dict[str, Tensor] | None:
+        """Continue this replica's rows of `prompts` [B, p] (left-padded by `pad` [B] tokens,
+        when given) by `gen_len` tokens (see `runtime.generate`); the result (tokens, log-probs,
+        mask) is on the last stage."""
         split = self.split(prompts.shape[0])
         rows = torch.arange(split.start, split.stop, device=self.device)
+        mine = None if pad is None else pad[split.start:split.stop].to(self.device)
         with torch.no_grad(), self._autocast():
             return gen.generate(self.shard, self.pipe, prompts[split.start:split.stop].to(self.device),
                                 seq_ids=rows, gen_len=gen_len, temperature=temperature, seed=seed,
-                                stop_token=stop_token, device=self.device)
+                                stop_token=stop_token, device=self.device, pad=mine)
 
     def local_parameters(self) -> dict[str, Tensor]:
         """This rank's parameter slices (detached), by HF name."""

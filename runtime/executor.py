@@ -52,6 +52,7 @@ from plans.runnable import runtime_problems
 from plans.sharding import Box, Param, slices_key
 from plans.trace import US_PER_S, TraceRecorder
 from runtime.algorithms import Glue, Rows, aligned, last_index
+from runtime.data import RowInfo, Tokenizer, open_dataset
 from runtime.data_parallel import AdamConfig
 from runtime.dataflow import SHARES, Incoming, Mailbox, Shapes, StatsInbox, reporters
 from runtime.engine import ModelRunner
@@ -152,6 +153,7 @@ class StepState:
     inbox: StatsInbox
     reports: list[dict[str, Any]] = field(default_factory=list)  # a call's statistics, and SHARES: its shares
     t0: float = field(default_factory=time.perf_counter)
+    rows: dict[str, list[RowInfo]] = field(default_factory=dict)  # dataset input -> what its rows say
 
     def get(self, handle: str) -> Any:
         """The value of `handle` on this rank, waiting for its receives (None when this rank does
@@ -184,8 +186,16 @@ class PlanRunner:
             solo = Placement(SOLO_MESH, Layout())
             self.calls = {n: CallPlan(solo, cp.home, "home") for n, cp in self.calls.items()}
         self.distributed = not reference and world_size > 1
+        self.vocab = min(plan.models[m].spec.vocab_size for m in plan.models)
+        tokenizers: dict[str, Tokenizer] = {}
+        self.datasets = {i.name: open_dataset(i, vocab_size=self.vocab, tokenizers=tokenizers)
+                         for i in plan.inputs if i.data is not None}
+        # Handles that carry left-padded rows ("pad"): dataset prompts and what is generated from them.
+        self.padded = {n for n, d in self.datasets.items() if n == "prompts"}
+        self.padded |= {c.outputs[0] for c in plan.calls if c.kind == "generate" and c.inputs[0] in self.padded}
         self.glue = Glue(plan, reward_fn=reward_function(plan.algorithm.reward_fn, named_at_launch=reward_fn,
-                                                         flag=reward_flag))
+                                                         flag=reward_flag),
+                         tokenizer=next(iter(tokenizers.values()), None))
         # handle -> the ranks that read it: those of the meshes of the calls taking it as input,
         # and every rank for a handle a host step reads (host steps run on every rank)
         host_read = {h for s in plan.host_steps for h in s.inputs}
@@ -222,7 +232,6 @@ class PlanRunner:
                 self.moves[c.name] = rank_plan(decl.spec, head=decl.head, src=(home.mesh, home.layout),
                                                dst=(cp.where.mesh, cp.where.layout), rank=rank,
                                                gpus_per_node=plan.cluster.gpus_per_node)
-        self.vocab = min(plan.models[m].spec.vocab_size for m in plan.models)
         if self.distributed:  # the default group's first collective involves every rank (NCCL p2p needs it)
             with named("setting up the plan's process groups", rank=rank, timeout_s=self.timeout_s):
                 dist.barrier()
@@ -274,12 +283,21 @@ class PlanRunner:
         g = call.gen_len
         shapes: Shapes = {"tokens": ((call.seq_len,), torch.int64), "logprobs": ((g,), torch.float32),
                           "mask": ((g,), torch.bool)}
+        padded = call.inputs[0] in self.padded
+        if padded:
+            shapes["pad"] = ((), torch.int64)
         if runner is None:  # not in the call's mesh: reads nothing
             return None, shapes
-        prompts = self._get(store, call.inputs[0])["tokens"].repeat_interleave(call.samples_per_prompt, dim=0)
+        given = self._get(store, call.inputs[0])
+        prompts = given["tokens"].repeat_interleave(call.samples_per_prompt, dim=0)
         _check_shape(call, prompts, (call.seqs, call.prompt_len))
-        return runner.generate(prompts, gen_len=g, temperature=call.temperature,
-                               seed=call_seed(self.seed, step, call.name)), shapes
+        pad = given["pad"].repeat_interleave(call.samples_per_prompt, dim=0) if padded else None
+        out = runner.generate(prompts, gen_len=g, temperature=call.temperature, pad=pad,
+                              seed=call_seed(self.seed, step, call.name), stop_token=self.glue.eos_id)
+        if out is not None and pad is not None:
+            split = runner.split(prompts.shape[0])
+            out["pad"] = pad[split.start:split.stop].to(out["tokens"].device)
+        return out, shapes
 
     def _inference(self, call: PlanCall, runner: ModelRunner | None, store: dict) -> tuple[Rows | None, Shapes]:
         """Per-token log-probs [seqs, seq_len-1] or values [seqs, seq_len], or one score per sequence."""
@@ -292,7 +310,8 @@ class PlanRunner:
         data = self._get(store, call.inputs[0])
         tokens = data["tokens"]
         _check_shape(call, tokens, (call.seqs, s))
-        out = runner.forward(tokens.to(self.device), what=what)
+        pad = data["pad"].to(self.device) if "pad" in data else None
+        out = runner.forward(tokens.to(self.device), what=what, pad=pad)
         if out is None:  # not the last stage
             return None, shapes
         if call.returns == "scores":  # the value head at the last real token of each sequence
@@ -303,15 +322,15 @@ class PlanRunner:
             return {"scores": out.cpu().gather(1, last[:, None])[:, 0]}, shapes
         return {what: out}, shapes
 
-    def _train(self, call: PlanCall, runner: ModelRunner | None,
-               store: dict) -> tuple[dict[str, float], dict[str, float]]:
+    def _train(self, call: PlanCall, runner: ModelRunner | None, store: dict,
+               rows: dict[str, list[RowInfo]]) -> tuple[dict[str, float], dict[str, float]]:
         """(statistics of the batch, this replica's shares of the loss statistics)."""
         if runner is None:
             return {}, {}
-        batch = self.glue.train_batch(call, {h: self._get(store, h) for h in call.inputs})
+        batch = self.glue.train_batch(call, {h: self._get(store, h) for h in call.inputs}, dataset_rows=rows)
         assert call.loss is not None
-        rows = {k: v.to(self.device) for k, v in batch.rows.items()}
-        stats = runner.train(rows, loss=make_loss(call.loss, self.plan.algorithm), denoms=batch.denoms,
+        on_device = {k: v.to(self.device) for k, v in batch.rows.items()}
+        stats = runner.train(on_device, loss=make_loss(call.loss, self.plan.algorithm), denoms=batch.denoms,
                              lr=call.lr or self.plan.algorithm.lr, group=batch.group)
         return dict(batch.stats), stats
 
@@ -333,10 +352,14 @@ class PlanRunner:
         if not self.keep_trace:
             self.recorder.events.clear()
         t0 = time.perf_counter()
-        store: dict[str, Any] = dict(make_inputs(self.plan.algorithm.task, self.plan.inputs, vocab_size=self.vocab,
-                                                 seed=self.seed, step=step))
+        toy = [i for i in self.plan.inputs if i.name not in self.datasets]
+        store: dict[str, Any] = dict(make_inputs(self.plan.algorithm.task, toy, vocab_size=self.vocab, seed=self.seed,
+                                                 step=step))
+        rows: dict[str, list[RowInfo]] = {}
+        for name, dataset in self.datasets.items():
+            store[name], rows[name] = dataset.batch(step=step, seed=self.seed)
         store.update(inputs or {})
-        return StepState(step=step, store=store, mail=Mailbox(self.rank), inbox=StatsInbox(), t0=t0)
+        return StepState(step=step, store=store, mail=Mailbox(self.rank), inbox=StatsInbox(), t0=t0, rows=rows)
 
     def run_call(self, call: PlanCall, *, state: StepState) -> None:
         """Run one call of the step on this rank (its reallocation first), post its output's
@@ -366,7 +389,7 @@ class PlanRunner:
                 local, shapes = self._inference(call, runner, store)
             else:
                 local, shapes = None, {}
-                batch_stats, shares = self._train(call, runner, store)
+                batch_stats, shares = self._train(call, runner, store, state.rows)
                 stats = {(k if k in ("reward_mean", "response_len", "kl_mean") else f"{call.name}.{k}"): v
                          for k, v in batch_stats.items()}  # the same on every rank: the leader's go to rank 0
                 shares = {f"{call.name}.{k}": v for k, v in shares.items()}

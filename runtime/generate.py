@@ -37,19 +37,21 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seed: int, seq_ids: Tensor, position: int, vocab: tuple[int, int]) -> Tensor:
-    """Gumbel(0, 1) noise [b, hi - lo] for vocabulary ids [lo, hi), a pure function of its arguments."""
+def gumbel_noise(seed: int, seq_ids: Tensor, position: int | Tensor, vocab: tuple[int, int]) -> Tensor:
+    """Gumbel(0, 1) noise [b, hi - lo] for vocabulary ids [lo, hi), a pure function of its
+    arguments (`position`: one for all rows, or each row's [b])."""
     device = seq_ids.device
     x = _mix32(torch.tensor(seed & _M32, dtype=torch.int64, device=device))
     x = _mix32(x ^ (seq_ids.long() & _M32))[:, None]
-    x = _mix32(x ^ (position & _M32))
+    pos = position[:, None].long() if isinstance(position, Tensor) else position
+    x = _mix32(x ^ (pos & _M32))
     x = _mix32(x ^ torch.arange(*vocab, dtype=torch.int64, device=device)[None, :])
     u = (x.double() + 0.5) / 2.0**32
     return -torch.log(-torch.log(u))
 
 
 def _choose(shard: Shard, logits: Tensor, *, temperature: float, seed: int, seq_ids: Tensor,
-            position: int) -> tuple[Tensor, Tensor]:
+            position: int | Tensor) -> tuple[Tensor, Tensor]:
     """Next token [b] and its log-prob [b] from vocabulary-sharded logits [b, V/tp]."""
     tp, vocab = shard.tp, shard.spec.vocab_size
     if temperature == 0:
@@ -81,9 +83,12 @@ def _whole(shard: Shard) -> Shard:
 
 
 def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, gen_len: int, temperature: float,
-             seed: int, stop_token: int | None, device: torch.device) -> dict[str, Tensor] | None:
-    """Generate `gen_len` tokens after `prompts` [b, p]; on the last stage returns ``tokens``
-    [b, p + gen_len], ``logprobs`` [b, gen_len] (fp32) and ``mask`` [b, gen_len] (bool)."""
+             seed: int, stop_token: int | None, device: torch.device,
+             pad: Tensor | None = None) -> dict[str, Tensor] | None:
+    """Generate `gen_len` tokens after `prompts` [b, p] (left-padded by `pad` [b] tokens, when
+    given: each row then generates what it generates alone); on the last stage returns ``tokens``
+    [b, p + gen_len], ``logprobs`` [b, gen_len] (fp32) and ``mask`` [b, gen_len] (bool). The
+    sampling noise of a token depends on its position counted from the row's first real token."""
     shard = _whole(shard)
     b, p = prompts.shape
     h_size = shard.spec.hidden_size
@@ -97,13 +102,13 @@ def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, 
         s = step_in.shape[1] if pipe.first else (p if k == 0 else 1)
         positions = torch.arange(cache.length, cache.length + s, device=device)
         x = step_in if pipe.first else pipe.recv((b, s, h_size), pipe.prev, device=device)
-        h = stage_forward(shard, x, positions=positions, cache=cache)
+        h = stage_forward(shard, x, positions=positions, cache=cache, pad=pad)
         cache.length += s
         if not pipe.last:
             pipe.send(h.float(), pipe.next)
         else:
             token, logprob = _choose(shard, last_logits(shard, h), temperature=temperature, seed=seed,
-                                     seq_ids=seq_ids, position=p + k)
+                                     seq_ids=seq_ids, position=p + k if pad is None else p + k - pad)
             if stop_token is not None:
                 token = token.masked_fill(done, stop_token)
             mask.append(~done)

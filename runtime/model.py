@@ -141,11 +141,23 @@ def _norm(spec: ModelSpec, w: dict[str, Tensor], name: str, x: Tensor) -> Tensor
 
 
 def _rope(spec: ModelSpec, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [s, d] for positions [s], or [b, 1, s, d] for per-row positions [b, s]."""
     d = spec.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [s, d/2]
+    freqs = positions.float()[..., None] * inv_freq  # [..., s, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)
+    if emb.dim() == 3:
+        emb = emb[:, None]  # broadcast over heads
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def row_positions(slots: Tensor, pad: Tensor | None) -> Tensor:
+    """Positions of the tokens in `slots` [s] (indices into the padded sequence): [s] when no row
+    is padded, else [b, s] counted from each row's first real token (left padding of `pad` [b]
+    tokens; a pad slot gets position 0), as transformers derives them from the attention mask."""
+    if pad is None:
+        return slots
+    return (slots[None, :] - pad[:, None]).clamp(min=0)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -166,17 +178,29 @@ def _attention_core(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor 
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def _window_mask(window: int | None, q_pos: Tensor, k_len: int) -> Tensor | None:
-    """Sliding-window attention (Mistral, as transformers computes it): query position p sees key
-    positions j with p - window < j <= p. None when the window cuts nothing."""
-    if window is None or k_len <= window:
+def _attention_mask(q_slots: Tensor, k_len: int, *, window: int | None, pad: Tensor | None) -> Tensor | None:
+    """Which keys each query attends to, or None when plain causal attention says it all.
+
+    Causal (key slot <= query slot); within a sliding window (Mistral, as transformers: query p
+    sees p - window < j <= p); and never a left-padding slot of its row (`pad` [b]): [sq, sk], or
+    [b, 1, sq, sk] with padding. A padding slot's own query sees only itself, so its (unused)
+    output stays finite."""
+    windowed = window is not None and k_len > window
+    if not windowed and pad is None:
         return None
-    k_pos = torch.arange(k_len, device=q_pos.device)
-    return (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)  # [sq, sk]
+    k = torch.arange(k_len, device=q_slots.device)[None, :]
+    q = q_slots[:, None]
+    mask = k <= q
+    if window is not None and windowed:
+        mask = mask & (k > q - window)
+    if pad is None:
+        return mask
+    real = k[None] >= pad[:, None, None]  # [b, 1, sk]
+    return ((mask[None] & real) | (k == q)[None])[:, None]  # [b, 1, sq, sk]
 
 
 def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor, cache: KVCache | None,
-               layer: int, sp: bool) -> Tensor:
+               layer: int, sp: bool, pad: Tensor | None = None) -> Tensor:
     spec, d = shard.spec, shard.spec.head_dim
     x = tpx.enter(x, shard.tp, sp=sp)  # [b, s, h]
     b, s, _ = x.shape
@@ -184,7 +208,7 @@ def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor,
     k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias")).view(b, s, -1, d).transpose(1, 2)  # [b, KV/tp, s, d]
     v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(b, s, -1, d).transpose(1, 2)
     if spec.model_type == "llama":
-        cos, sin = _rope(spec, positions, q.dtype)
+        cos, sin = _rope(spec, row_positions(positions, pad), q.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
     causal = True
@@ -198,7 +222,7 @@ def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor,
             if s != 1:
                 raise ValueError("a KV cache extends by one position at a time after the prefill")
             causal = False  # one query attends to every cached position
-    mask = _window_mask(spec.sliding_window, positions, k.shape[2])
+    mask = _attention_mask(positions, k.shape[2], window=spec.sliding_window, pad=pad)
     core = checkpointed(_attention_core, q, k, v, causal, mask, enabled=shard.recompute == "selective")
     out = F.linear(core.transpose(1, 2).reshape(b, s, -1), w["o_proj.weight"])
     out = tpx.exit(out, shard.tp, sp=sp)
@@ -215,24 +239,29 @@ def _mlp(shard: Shard, w: dict[str, Tensor], x: Tensor, sp: bool) -> Tensor:
     return tpx.exit(F.linear(hidden, w["down_proj.weight"]), shard.tp, sp=sp)
 
 
-def _layer(shard: Shard, i: int, x: Tensor, positions: Tensor, cache: KVCache | None, sp: bool) -> Tensor:
+def _layer(shard: Shard, i: int, x: Tensor, positions: Tensor, cache: KVCache | None, sp: bool,
+           pad: Tensor | None = None) -> Tensor:
     w = shard.fetch(f"model.layers.{i}.")
     attn_w = {k[len("self_attn."):]: t for k, t in w.items() if k.startswith("self_attn.")}
     mlp_w = {k[len("mlp."):]: t for k, t in w.items() if k.startswith("mlp.")}
-    x = x + _attention(shard, attn_w, _norm(shard.spec, w, "input_layernorm.", x), positions, cache, i, sp)
+    x = x + _attention(shard, attn_w, _norm(shard.spec, w, "input_layernorm.", x), positions, cache, i, sp, pad)
     return x + _mlp(shard, mlp_w, _norm(shard.spec, w, "post_attention_layernorm.", x), sp)
 
 
 def _local_positions(positions: Tensor, tp: TensorParallel, sp: bool) -> Tensor:
+    """This rank's chunk of positions [s] or [b, s] along the sequence under sequence parallel."""
     if not sp or tp.size == 1:
         return positions
-    chunk = positions.shape[0] // tp.size
-    return positions[tp.rank * chunk:(tp.rank + 1) * chunk]
+    chunk = positions.shape[-1] // tp.size
+    return positions[..., tp.rank * chunk:(tp.rank + 1) * chunk]
 
 
-def stage_forward(shard: Shard, x: Tensor, *, positions: Tensor, cache: KVCache | None = None) -> Tensor:
+def stage_forward(shard: Shard, x: Tensor, *, positions: Tensor, cache: KVCache | None = None,
+                  pad: Tensor | None = None) -> Tensor:
     """Run this pipeline stage: tokens [b, s] (first stage) or hidden states [b, s', h] in,
-    hidden states [b, s', h] out (s' = s / tp under sequence parallel, else s)."""
+    hidden states [b, s', h] out (s' = s / tp under sequence parallel, else s). `positions` [s]
+    are the slots of the padded sequence; `pad` [b], when given, counts each row's left padding
+    (its real tokens then compute exactly what they compute unpadded)."""
     sp = shard.tp.sequence_parallel and cache is None  # decoding one position cannot split it
     if sp and positions.shape[0] % shard.tp.size:
         raise ValueError(f"sequence parallel needs a length divisible by tp={shard.tp.size}")
@@ -240,9 +269,9 @@ def stage_forward(shard: Shard, x: Tensor, *, positions: Tensor, cache: KVCache 
         w = shard.fetch("model.embed_")
         x = tpx.vocab_embedding(x, w["tokens.weight"], shard.tp, vocab_size=shard.spec.vocab_size, sp=sp)
         if "positions.weight" in w:
-            x = x + F.embedding(_local_positions(positions, shard.tp, sp), w["positions.weight"])
+            x = x + F.embedding(_local_positions(row_positions(positions, pad), shard.tp, sp), w["positions.weight"])
     for i in shard.layers:
-        x = checkpointed(_layer, shard, i, x, positions, cache, sp, enabled=shard.recompute == "full")
+        x = checkpointed(_layer, shard, i, x, positions, cache, sp, pad, enabled=shard.recompute == "full")
     return x
 
 
