@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(PY) bench/realloc.py
 	$(PY) bench/rlhf_learning.py
 	$(PY) bench/predict_vs_measure.py
+	$(PY) bench/real_job.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

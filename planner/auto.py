@@ -49,7 +49,7 @@ from plans.cluster import ClusterSpec, resolve_cluster
 from plans.errors import PlannerError
 from plans.graph import AlgorithmConfig, Head, ModelDecl
 from plans.graph import Graph as GraphSpec
-from plans.model import ModelSpec, resolve_model
+from plans.model import ModelSpec, resolve_model, weights_directory
 from plans.plan import PLAN_VERSION, Plan, load_plan, parse_plan, plan_to_json, save_plan
 
 ModelArg = str | ModelSpec | ModelDecl | dict[str, Any]
@@ -59,7 +59,7 @@ def model(spec: str | ModelSpec | dict[str, Any], *, trainable: bool = False, he
     """A model of a traced loop: `spec` as in `Graph.model`, whether it trains, its head."""
     if head not in ("lm", "value"):
         raise PlannerError(f"model head must be 'lm' or 'value', got {head!r}")
-    return ModelDecl(spec=resolve_model(spec), trainable=trainable, head=head)
+    return ModelDecl(spec=resolve_model(spec), trainable=trainable, head=head, weights=weights_directory(spec))
 
 
 def plan_hash(graph: GraphSpec, *, cluster: ClusterSpec, baseline: str | None = None,
@@ -121,7 +121,7 @@ class AutoFunction:
     def __init__(self, fn: Callable, *, cluster: str | ClusterSpec | dict[str, Any], models: dict[str, ModelArg],
                  plan: str | Path | None = None, name: str | None = None, batch: int, prompt_len: int | None = None,
                  gen_len: int | None = None, seq_len: int | None = None,
-                 inputs: dict[str, tuple[int, int]] | None = None,
+                 inputs: dict[str, tuple[int, int]] | None = None, data: dict[str, dict[str, Any]] | None = None,
                  algorithm: AlgorithmConfig | dict[str, Any] | None = None, seed: int = 0,
                  time_limit_s: float = 10.0, baseline: str | None = None, calibration: str | Path | None = None,
                  verbose: bool = True) -> None:
@@ -131,6 +131,7 @@ class AutoFunction:
         self.plan_path = Path(plan) if plan is not None else Path("plans") / f"{self.name}.json"
         self.shape = {"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len, "seq_len": seq_len}
         self.input_shapes = dict(inputs or {})
+        self.data = dict(data or {})  # data argument -> the dataset it is drawn from (`Graph.input` keywords)
         self.algorithm = algorithm
         self.seed, self.time_limit_s, self.baseline, self.verbose = seed, time_limit_s, baseline, verbose
         self.calibration = Path(calibration) if calibration is not None else None
@@ -168,9 +169,10 @@ class AutoFunction:
                                hint=f"its arguments: {', '.join(self.signature.parameters)}")
         if not self.models:
             raise PlannerError(f"{where}: no model arguments", hint="name the models in models={'actor': ...}")
-        bad = sorted(set(self.input_shapes) - set(self.data_params))
+        bad = sorted((set(self.input_shapes) | set(self.data)) - set(self.data_params))
         if bad:
-            raise PlannerError(f"{where}: inputs= names {', '.join(map(repr, bad))}, which are not data arguments",
+            raise PlannerError(f"{where}: inputs= or data= names {', '.join(map(repr, bad))}, which are not data "
+                               "arguments",
                                hint=f"data arguments: {', '.join(self.data_params) or 'none'}")
 
     # Tracing ----------------------------------------------------------------------------------
@@ -196,10 +198,12 @@ class AutoFunction:
         tracer = Tracer(g)
         values: dict[str, Any] = dict(constants)
         for param, decl in self.models.items():
-            values[param] = TracedModel(tracer, g.model(param, decl.spec, trainable=decl.trainable, head=decl.head))
+            values[param] = TracedModel(tracer, g.model(param, decl.spec, trainable=decl.trainable, head=decl.head,
+                                                        weights=decl.weights))
         for param in self.data_params:
             seqs, seq_len = self.input_shapes.get(param, (None, None))
-            values[param] = TracedData(tracer, g.input(param, seqs=seqs, seq_len=seq_len), producer_kind=None)
+            values[param] = TracedData(tracer, g.input(param, seqs=seqs, seq_len=seq_len, **self.data.get(param, {})),
+                                       producer_kind=None)
         filename = self.fn.__code__.co_filename
         try:
             self._invoke(values)
@@ -319,12 +323,14 @@ def auto(*, cluster: str | ClusterSpec | dict[str, Any], models: dict[str, Model
     Args:
         cluster: where it runs (``"a100-80gb:2x8"``, a cluster file, or a spec).
         models: argument name -> model: a spec (a frozen LM) or `planner.model(spec, trainable=...,
-            head=...)`.
+            head=...)`; a spec that is an HF model directory starts from its weights.
         plan: the plan file, reused while the loop is unchanged [default: plans/<name>.json,
             relative to the working directory].
         batch: prompts (or sequences) per iteration; with `prompt_len`, `gen_len` or `seq_len` as
-            in `planner.Graph`, and `inputs={"name": (seqs, seq_len)}` for other data shapes.
-        options: `name`, `prompt_len`, `gen_len`, `seq_len`, `inputs`, `algorithm` (the runtime's
+            in `planner.Graph`, and `inputs={"name": (seqs, seq_len)}` for other data shapes;
+            `data={"prompts": {"data": "train.jsonl", "key": "prompt", ...}}` draws a data argument
+            from a dataset (the keywords of `planner.Graph.input`).
+        options: `name`, `prompt_len`, `gen_len`, `seq_len`, `inputs`, `data`, `algorithm` (the runtime's
             hyperparameters and data `task`, as `AlgorithmConfig`), `seed` (weights, data and
             sampling; default 0), `time_limit_s` (search budget; default 10), `baseline`,
             `calibration`, `verbose` (say on stderr whether the plan was reused or compiled).

@@ -99,7 +99,7 @@ class Graph:
     # Declarations -------------------------------------------------------------------------
 
     def model(self, name: str, spec: str | ModelSpec | dict[str, Any], *, trainable: bool = False,
-              head: Head = "lm") -> ModelHandle:
+              head: Head = "lm", weights: str | None = None) -> ModelHandle:
         """Declare a model; `spec` is a preset name, a config.json path, inline fields or a spec, or
         an HF model directory, whose weights the model then starts from (`plans.model.weights_directory`)."""
         if not isinstance(name, str):
@@ -111,7 +111,7 @@ class Graph:
         if not isinstance(trainable, bool):
             raise PlannerError(f"model {name!r}: trainable must be True or False, got {trainable!r}")
         self._models[name] = ModelDecl(spec=resolve_model(spec), trainable=trainable, head=head,
-                                       weights=weights_directory(spec))
+                                       weights=weights or weights_directory(spec))
         return ModelHandle(self, name)
 
     def input(self, name: str, *, seqs: int | None = None, seq_len: int | None = None, data: str | None = None,

@@ -164,6 +164,8 @@ def graph_fingerprint(graph: Graph) -> str:
     for inp in data.get("inputs", []):
         if inp.get("data") is None:
             inp.pop("data", None)
+    if not data.get("algorithm", {}).get("stop"):
+        data.get("algorithm", {}).pop("stop", None)
     return _sha256(data)
 
 

@@ -167,6 +167,9 @@ class AlgorithmConfig(Strict):
                                   description="'module:function' scoring generated tokens instead of a reward model; "
                                   "the runtime runs it only when the launch names it too (--reward-fn).")
     task: str | None = Field(None, description="Runtime data source, e.g. a toy task name; None is random prompts.")
+    stop: list[str] = Field(default_factory=list, max_length=16,
+                            description="generate, on a dataset's prompts: a response also ends at the first of "
+                            "these strings (kept in it), as it does at EOS.")
 
 
 DATA_KINDS = ("prompts", "tokens", "pairs")  # what an input of each name holds (see DataSource)

@@ -71,7 +71,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--metrics-out", help="write one JSON object per step to this .jsonl file (rank 0)")
     ap.add_argument("--seed", type=int, default=0, help="seed of weights, data and sampling (default 0)")
     ap.add_argument("--reference", action="store_true", help="run every call in this one process, unsharded")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="compute dtype (default: bfloat16 on CUDA GPUs, float32 on the CPU; parameters and optimizer "
+                    "state stay float32)")
     ap.add_argument("--trace-out", help="write the measured timeline of every rank to this trace JSON (rank 0)")
     ap.add_argument("--quiet", action="store_true", help="print no progress lines")
     ap.add_argument("--checkpoint-dir", type=Path, help="save checkpoints in this directory (seen by every rank)")
@@ -177,7 +179,7 @@ def run(args: argparse.Namespace, interrupts: Interrupts) -> None:
         hooks = FaultHooks.from_env(rank)
         seed_process(args.seed, rank)
         runner = PlanRunner(plan, rank=rank, world_size=world, reference=args.reference, seed=args.seed,
-                            dtype=DTYPES[args.dtype], device=device, trace=args.trace_out is not None,
+                            dtype=DTYPES[args.dtype or ("bfloat16" if cuda else "float32")], device=device, trace=args.trace_out is not None,
                             collective_timeout_s=args.collective_timeout, hooks=hooks, reward_fn=args.reward_fn)
         lock = claim_directory(runner, ckpt)
         resumed = resume(runner, ckpt)

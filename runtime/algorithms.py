@@ -185,7 +185,8 @@ class Glue:
             return text_scores(self.reward_fn, rows, responses, name=str(self.algo.reward_fn))
         return self.reward_fn(tokens[:, :-gen_len], tokens[:, -gen_len:]).float()
 
-    def _sample_rows(self, call: PlanCall, rows: dict[str, list[RowInfo]], handle: str) -> list[RowInfo] | None:
+    def _sample_rows(self, call: PlanCall | None, rows: dict[str, list[RowInfo]],
+                     handle: str) -> list[RowInfo] | None:
         """What the dataset says of each sample of generate output `handle` (None without a dataset)."""
         gen = self.producer.get(handle)
         if gen is None or gen.kind != "generate" or gen.inputs[0] not in rows:

@@ -285,7 +285,8 @@ def _finish(runner: PlanRunner, reports: list[dict], *, step: int, tmp: Path, fi
         step=step, plan_name=plan.name, graph_fingerprint=graph_fingerprint(plan.graph()),
         plan_fingerprint=plan_fingerprint(plan), world_size=runner.world, seed=runner.seed, models=models,
         tensors=[p for r in reports for p in r["pieces"]], rng={r["rank"]: r["file"]["path"] for r in reports},
-        data=DataPosition(iterations=step, samples=step * sum(i.seqs for i in plan.inputs)),
+        data=DataPosition(iterations=step, samples=step * sum(i.seqs for i in plan.inputs),
+                          epoch=max((d.epoch(samples=step * d.per_step) for d in runner.datasets.values()), default=0)),
         files=[r["file"] for r in reports])
     problems = checkpoint_problems(manifest)
     if problems:  # the ranks' pieces do not tile the models: never leave such a checkpoint behind

@@ -191,7 +191,13 @@ class Dataset:
             out.append(int(orders[epoch][i % n]))
         return out
 
+    @property
+    def per_step(self) -> int:
+        """Dataset rows one step draws (a DPO pair is one row)."""
+        return self.inp.seqs // 2 if self.inp.name == "pairs" else self.inp.seqs
+
     def epoch(self, *, samples: int) -> int:
+        """The epoch in progress after `samples` rows were drawn."""
         return samples // len(self.rows)
 
     def _prompt_ids(self, row: dict[str, Any], n: int) -> list[int]:
@@ -213,8 +219,7 @@ class Dataset:
     def batch(self, *, step: int, seed: int) -> tuple[dict[str, Tensor], list[RowInfo]]:
         """The rows of step `step` and what the reward function gets of each."""
         kind, length = self.inp.name, self.inp.seq_len
-        count = self.inp.seqs // 2 if kind == "pairs" else self.inp.seqs
-        picked = self.indices(step=step, count=count, seed=seed)
+        picked = self.indices(step=step, count=self.per_step, seed=seed)
         info = [RowInfo(n, self.rows[n][self.src.prompt_key], {k: self.rows[n][k] for k in self.src.extra_keys})
                 for n in picked]
         if kind == "prompts":

@@ -211,7 +211,8 @@ class ModelRunner:
         return {n: float(v) for n, v in sorted(totals.items())}
 
     def generate(self, prompts: Tensor, *, gen_len: int, temperature: float, seed: int,
-                 stop_token: int | None = None, pad: Tensor | None = None) -> dict[str, Tensor] | None:
+                 stop_token: int | None = None, pad: Tensor | None = None,
+                 stopped: Callable[[Tensor, Tensor], Tensor] | None = None) -> dict[str, Tensor] | None:
         """Continue this replica's rows of `prompts` [B, p] (left-padded by `pad` [B] tokens,
         when given) by `gen_len` tokens (see `runtime.generate`); the result (tokens, log-probs,
         mask) is on the last stage."""
@@ -221,7 +222,7 @@ class ModelRunner:
         with torch.no_grad(), self._autocast():
             return gen.generate(self.shard, self.pipe, prompts[split.start:split.stop].to(self.device),
                                 seq_ids=rows, gen_len=gen_len, temperature=temperature, seed=seed,
-                                stop_token=stop_token, device=self.device, pad=mine)
+                                stop_token=stop_token, device=self.device, pad=mine, stopped=stopped)
 
     def local_parameters(self) -> dict[str, Tensor]:
         """This rank's parameter slices (detached), by HF name."""

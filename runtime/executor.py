@@ -272,6 +272,24 @@ class PlanRunner:
         homes = {c.model: self.calls[c.name].home for c in self.plan.calls}
         return [(m, self.calls[homes[m]].where, self.homes.get(m)) for m in self.plan.models if m in homes]
 
+    def readable(self, handle: str, value: Any, state: StepState) -> Any:
+        """`value` of `handle` as a host step gets it: for a dataset's prompts and what is generated
+        from them, the rows plus their text (``prompt_text``, ``extras`` of the dataset row and, for
+        samples, ``response_text``: the tokens up to EOS, decoded); other values as they are."""
+        tok = self.glue.tokenizer
+        if tok is None or not isinstance(value, dict):
+            return value
+        if handle in state.rows:
+            infos = state.rows[handle]
+            return {**value, "prompt_text": [r.prompt for r in infos], "extras": [r.extras for r in infos]}
+        samples = self.glue._sample_rows(None, state.rows, handle)
+        if samples is None or "mask" not in value:
+            return value
+        gen_len = value["mask"].shape[1]
+        texts = [tok.decode(t[m].tolist()) for t, m in zip(value["tokens"][:, -gen_len:], value["mask"])]
+        return {**value, "prompt_text": [r.prompt for r in samples], "extras": [r.extras for r in samples],
+                "response_text": texts}
+
     # Calls -----------------------------------------------------------------------------------
 
     def _get(self, store: dict[str, Rows | Incoming], handle: str) -> Rows:
@@ -293,11 +311,27 @@ class PlanRunner:
         _check_shape(call, prompts, (call.seqs, call.prompt_len))
         pad = given["pad"].repeat_interleave(call.samples_per_prompt, dim=0) if padded else None
         out = runner.generate(prompts, gen_len=g, temperature=call.temperature, pad=pad,
-                              seed=call_seed(self.seed, step, call.name), stop_token=self.glue.eos_id)
+                              seed=call_seed(self.seed, step, call.name), stop_token=self.glue.eos_id,
+                              stopped=self._stop_strings() if padded else None)
         if out is not None and pad is not None:
             split = runner.split(prompts.shape[0])
             out["pad"] = pad[split.start:split.stop].to(out["tokens"].device)
         return out, shapes
+
+    def _stop_strings(self) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """Ends a row whose generated text contains one of ``algorithm.stop`` (None without any)."""
+        tok, stops = self.glue.tokenizer, self.plan.algorithm.stop
+        if tok is None or not stops:
+            return None
+
+        def stopped(generated: Tensor, done: Tensor) -> Tensor:
+            out = done.clone()
+            for r in (~done).nonzero()[:, 0].tolist():
+                text = tok.decode(generated[r].tolist())
+                out[r] = any(s in text for s in stops)
+            return out
+
+        return stopped
 
     def _inference(self, call: PlanCall, runner: ModelRunner | None, store: dict) -> tuple[Rows | None, Shapes]:
         """Per-token log-probs [seqs, seq_len-1] or values [seqs, seq_len], or one score per sequence."""

@@ -11,11 +11,14 @@ vocabulary-parallel argmax needs no gathered logits. Temperature 0 is greedy.
 
 The returned log-probs are those of the chosen tokens under the model's own distribution
 (temperature 1), the quantity PPO's ratio compares against. After a sequence emits
-`stop_token`, its later positions hold `stop_token` and are masked out; decoding runs the full
-`gen_len` steps (no early exit yet).
+`stop_token`, its later positions hold `stop_token` and are masked out; once every sequence of
+the batch has stopped, decoding ends (the last stage tells the other stages with the token it
+sends back), and the remaining positions are that padding.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -83,12 +86,14 @@ def _whole(shard: Shard) -> Shard:
 
 
 def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, gen_len: int, temperature: float,
-             seed: int, stop_token: int | None, device: torch.device,
-             pad: Tensor | None = None) -> dict[str, Tensor] | None:
+             seed: int, stop_token: int | None, device: torch.device, pad: Tensor | None = None,
+             stopped: Callable[[Tensor, Tensor], Tensor] | None = None) -> dict[str, Tensor] | None:
     """Generate `gen_len` tokens after `prompts` [b, p] (left-padded by `pad` [b] tokens, when
     given: each row then generates what it generates alone); on the last stage returns ``tokens``
     [b, p + gen_len], ``logprobs`` [b, gen_len] (fp32) and ``mask`` [b, gen_len] (bool). The
-    sampling noise of a token depends on its position counted from the row's first real token."""
+    sampling noise of a token depends on its position counted from the row's first real token.
+    `stopped(generated [b, k], done [b]) -> done [b]`, when given (with `stop_token`), also ends
+    rows on the last stage (a stop string: the token that completes it is the row's last)."""
     shard = _whole(shard)
     b, p = prompts.shape
     h_size = shard.spec.hidden_size
@@ -98,7 +103,11 @@ def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, 
     done = torch.zeros(b, dtype=torch.bool, device=device)
     mask = []
     step_in: Tensor = prompts
+    middle = not pipe.first and not pipe.last
     for k in range(gen_len):
+        if k > 0 and middle and stop_token is not None:  # the last stage says whether every row has stopped
+            if pipe.recv((1,), pipe.ranks[-1], dtype=torch.int64, device=device).item():
+                break
         s = step_in.shape[1] if pipe.first else (p if k == 0 else 1)
         positions = torch.arange(cache.length, cache.length + s, device=device)
         x = step_in if pipe.first else pipe.recv((b, s, h_size), pipe.prev, device=device)
@@ -116,13 +125,30 @@ def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, 
             logprobs.append(logprob.masked_fill(done, 0.0))
             if stop_token is not None:
                 done = done | (token == stop_token)
-            if pipe.stages > 1 and k + 1 < gen_len:
-                pipe.send(token, pipe.ranks[0])
+                if stopped is not None:
+                    done = stopped(torch.stack(tokens, dim=1), done)
+            finished = stop_token is not None and bool(done.all())
+            if pipe.stages > 1 and k + 1 < gen_len:  # the next token (and whether to go on) to the first stage
+                pipe.send(torch.cat([token, torch.tensor([int(finished)], device=device)]), pipe.ranks[0])
+                if stop_token is not None:
+                    for r in pipe.ranks[1:-1]:
+                        pipe.send(torch.tensor([int(finished)], device=device), r)
+            if finished:
+                break
         if pipe.first and k + 1 < gen_len:
-            step_in = tokens[-1][:, None] if pipe.last else pipe.recv((b,), pipe.ranks[-1], dtype=torch.int64,
-                                                                      device=device)[:, None]
+            if pipe.last:
+                step_in = tokens[-1][:, None]
+            else:
+                got = pipe.recv((b + 1,), pipe.ranks[-1], dtype=torch.int64, device=device)
+                if got[-1].item():
+                    break
+                step_in = got[:b, None]
     pipe.flush()
     if not pipe.last:
         return None
+    for _ in range(gen_len - len(tokens)):  # every row stopped early: the rest is padding, masked out
+        tokens.append(torch.full((b,), int(stop_token or 0), dtype=torch.int64, device=device))
+        logprobs.append(torch.zeros(b, device=device))
+        mask.append(torch.zeros(b, dtype=torch.bool, device=device))
     return {"tokens": torch.cat([prompts, torch.stack(tokens, dim=1)], dim=1),
             "logprobs": torch.stack(logprobs, dim=1).float(), "mask": torch.stack(mask, dim=1)}

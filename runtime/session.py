@@ -219,7 +219,9 @@ class _Iteration:
             raise self._differs(f"passes {', '.join(found)} to host step {name!r}; when traced it passed "
                                 f"{', '.join(spec.inputs)}")
         self.made.append(name)
-        real = _tree_map(lambda x: self.state.get(x.name) if isinstance(x, LiveData) else x, (args, kwargs))
+        runner = self.session.runner
+        real = _tree_map(lambda x: runner.readable(x.name, self.state.get(x.name), self.state)
+                         if isinstance(x, LiveData) else x, (args, kwargs))
         t0 = time.perf_counter()
         result = step.fn(*real[0], **real[1])
         elapsed_s = time.perf_counter() - t0

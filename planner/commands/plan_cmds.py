@@ -33,6 +33,8 @@ Examples:
 
   planner compile sft --actor llama-3-70b --cluster h100-sxm:8x8 --batch 512 --seq-len 4096
 
+  planner compile grpo --actor ./models/actor --data data/train.jsonl --extra-keys ground_truth --reward-fn mypkg.rewards:score --cluster cpu:1x4
+
 A graph file is Python code: compiling it runs it, as `python FILE` would, so compile only files
 you trust (its print() output goes to stderr). A plan, in contrast, is data: the runtime never
 runs code a plan names (algorithm.reward_fn) unless the launch names the same code too
@@ -61,11 +63,15 @@ def _is_file(path: str) -> bool:
 def _graph_from_target(target: str, *, actor: str | None, critic: str | None, ref: str | None, reward: str | None,
                        reward_fn: str | None, batch: int | None, prompt_len: int | None, gen_len: int | None,
                        seq_len: int | None, samples_per_prompt: int | None, ppo_minibatches: int | None,
-                       function: str | None = None):  # noqa: ANN202
+                       function: str | None = None, data: dict | None = None,
+                       lr: float | None = None, stop: list[str] | None = None):  # noqa: ANN202
     from planner.algorithms import ALGORITHMS
     from planner.loader import LoadedGraph, load_target
 
     if target.endswith(".py") or _is_file(target):
+        if data is not None or lr is not None or stop:
+            raise PlannerError("--data, --lr and --stop configure a built-in algorithm; a graph file declares its own",
+                               hint="in the graph file: g.input('prompts', data='train.jsonl', key='prompt')")
         return load_target(target, function=function)
     if function is not None:
         raise PlannerError(f"--function picks a @planner.auto loop of a graph file; {target!r} is not a file")
@@ -74,7 +80,7 @@ def _graph_from_target(target: str, *, actor: str | None, critic: str | None, re
                            hint=f"algorithms: {', '.join(ALGORITHMS)}; graph files end in .py")
     if actor is None:
         raise PlannerError(f"algorithm {target} needs --actor SPEC")
-    kw: dict = {"batch": batch or 512}
+    kw: dict = {"batch": batch or 512, "data": data, **({"lr": lr} if lr else {}), **({"stop": stop} if stop else {})}
     if target in ("sft", "dpo"):
         kw["seq_len"] = seq_len or 2048
         if target == "dpo" and ref:
@@ -110,6 +116,15 @@ def compile_cmd(
     samples_per_prompt: Annotated[Optional[int], typer.Option(min=1, help="grpo/rloo: samples per prompt.")] = None,
     ppo_minibatches: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps per train call.")] = None,
     function: Annotated[Optional[str], typer.Option("--function", help="The @planner.auto loop to trace, when the file has several.")] = None,
+    data: Annotated[Optional[str], typer.Option("--data", help="Algorithms: a .jsonl or .parquet dataset of prompts (RL), prompt+response (sft) or prompt+chosen+rejected (dpo), tokenized with the actor directory's tokenizer.")] = None,
+    prompt_key: Annotated[str, typer.Option("--prompt-key", help="Dataset column of the prompt.")] = "prompt",
+    response_key: Annotated[Optional[str], typer.Option("--response-key", help="sft: dataset column of the response [default: response].")] = None,
+    chosen_key: Annotated[Optional[str], typer.Option("--chosen-key", help="dpo: column of the preferred response [default: chosen].")] = None,
+    rejected_key: Annotated[Optional[str], typer.Option("--rejected-key", help="dpo: column of the other response [default: rejected].")] = None,
+    extra_keys: Annotated[Optional[str], typer.Option("--extra-keys", help="Comma-separated columns passed to the reward function (e.g. ground_truth).")] = None,
+    chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Apply the tokenizer's chat template to prompts.")] = True,
+    lr: Annotated[Optional[float], typer.Option("--lr", min=0, help="Algorithms: learning rate of the train calls [default: 1e-5].")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="A string that also ends a response (repeat for several; with --data).")] = None,
 ) -> None:
     from planner.compile import SearchProgress, compile_graph
     from planner.render import print_plan
@@ -117,10 +132,21 @@ def compile_cmd(
     from plans.io import check_output
     from plans.plan import plan_to_json, save_plan
 
+    source = None
+    if data is not None:
+        source = {"data": data, "key": prompt_key, "chat_template": chat_template,
+                  "extra_keys": [k.strip() for k in (extra_keys or "").split(",") if k.strip()]}
+        if target == "sft":
+            source["response_key"] = response_key or "response"
+        if target == "dpo":
+            source.update(chosen_key=chosen_key or "chosen", rejected_key=rejected_key or "rejected")
+    elif any(v is not None for v in (response_key, chosen_key, rejected_key, extra_keys)):
+        raise PlannerError("--response-key, --chosen-key, --rejected-key and --extra-keys describe a --data file",
+                           hint="add --data FILE.jsonl")
     loaded = _graph_from_target(
         target, actor=actor, critic=critic, ref=ref, reward=reward, reward_fn=reward_fn, batch=batch,
         prompt_len=prompt_len, gen_len=gen_len, seq_len=seq_len, samples_per_prompt=samples_per_prompt,
-        ppo_minibatches=ppo_minibatches, function=function)
+        ppo_minibatches=ppo_minibatches, function=function, data=source, lr=lr, stop=stop)
     graph = loaded.graph
     if cluster is None and loaded.cluster is None:
         raise PlannerError("no cluster given", hint="pass --cluster GPU:NODESxPER_NODE, e.g. --cluster a100-80gb:2x8")
