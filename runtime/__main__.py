@@ -250,6 +250,27 @@ def _leave_together(*, timeout_s: float) -> None:
         pass
 
 
+def _reported_before_joining(*, timeout_s: float = LEAVE_TIMEOUT_S / 3) -> None:
+    """Under torchrun, wait (up to `timeout_s`) until every rank has reported a problem found before
+    the process group exists: torchrun stops all ranks at the first exit, which would silence a
+    rank still starting up. Counted in the launcher's key-value store; best effort."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "MASTER_ADDR" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import time
+
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                              is_master=False, timeout=timedelta(seconds=timeout_s))
+        key = f"planner/launch-errors/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(key, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except (RuntimeError, OSError, ValueError):  # no store to count in: leave now
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     rank = os.environ.get("RANK", "0")
@@ -265,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.code
     except PlannerError as e:  # found before the run started (options, plan, launch)
         _report(e, rank=rank)
+        _reported_before_joining()
         return e.exit_code
     return 0
 

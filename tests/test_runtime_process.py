@@ -117,10 +117,10 @@ def test_a_gpu_plan_on_a_machine_without_gpus_is_refused_before_anything_is_allo
     save_plan(plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"gpu": "h100-sxm"})}), gpu)
     out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m", "runtime", str(gpu)])
     assert out.returncode != 0
-    # Every rank refuses it on its own, before joining the others; torchrun stops the group at the first
-    # exit, so a rank slower to start may be stopped before it says so.
+    # Every rank refuses it on its own, before joining the others, and waits for the others to say so
+    # too (torchrun stops the group at the first exit, which would silence a rank slower to start).
     errors = [line for line in out.stderr.splitlines() if line.startswith("error (rank")]
-    assert errors and all("but this machine has no CUDA GPU" in e for e in errors), out.stderr[-2000:]
+    assert len(errors) == 4 and all("but this machine has no CUDA GPU" in e for e in errors), out.stderr[-2000:]
     assert "planner replan" in out.stderr
 
 
