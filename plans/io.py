@@ -178,3 +178,21 @@ def open_regular(path: str | Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def replace_directory(tmp: Path, final: Path) -> None:
+    """Move the finished directory `tmp` to `final` (its sibling): an existing `final` is replaced
+    (renamed aside, then deleted, so no reader sees a mix), a symbolic link is refused, and the
+    parent is fsynced. Raises `OSError` for the caller to report, `PlannerError` for a link."""
+    import shutil
+
+    fsync_dir(tmp)
+    if final.is_symlink():
+        raise PlannerError(f"{brief(str(final))} is a symbolic link; planner never replaces one", hint="remove the link")
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        shutil.rmtree(old)
+    tmp.rename(final)
+    fsync_dir(final.parent)

@@ -88,7 +88,7 @@ from plans.checkpoint import (
     symbolic_links,
 )
 from plans.errors import PlannerError
-from plans.io import fsync_dir, write_new_file
+from plans.io import replace_directory, write_new_file
 from plans.sharding import Box, box_numel, parameters, shard_box
 from runtime.executor import PlanRunner
 from runtime.faults import FaultHooks, SharedError, named
@@ -294,16 +294,7 @@ def _finish(runner: PlanRunner, reports: list[dict], *, step: int, tmp: Path, fi
         raise PlannerError(f"checkpoint of step {step} would be incomplete: {problems[0]}")
     try:
         write_new_file(tmp / MANIFEST_NAME, manifest.model_dump_json(indent=1).encode(), device=device)
-        fsync_dir(tmp)
-        if final.is_symlink():
-            raise PlannerError(f"checkpoint directory {str(final)!r} is a symbolic link; planner never replaces one",
-                               hint="remove the link")
-        if final.exists():  # an incomplete checkpoint of this step from an earlier attempt
-            old = final.with_name(final.name + ".old")
-            final.rename(old)
-            shutil.rmtree(old)
-        tmp.rename(final)
-        fsync_dir(final.parent)
+        replace_directory(tmp, final)  # over an incomplete checkpoint of this step from an earlier attempt
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise PlannerError(f"could not write checkpoint {str(final)!r}: {e.strerror or e} (writing its manifest)",

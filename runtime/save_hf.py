@@ -26,7 +26,7 @@ from torch import Tensor
 from plans.base import loads_json
 from plans.checkpoint import shard_writers
 from plans.errors import PlannerError
-from plans.io import check_output, fsync_dir, write_bytes_atomic, write_text_atomic
+from plans.io import check_output, replace_directory, write_bytes_atomic, write_text_atomic
 from plans.sharding import parameters, shard_box
 from runtime.executor import PlanRunner
 from runtime.faults import SharedError, named
@@ -126,16 +126,7 @@ def _save_model(runner: PlanRunner, model: str, target: Path, *, shard_bytes: in
                 src = Path(decl.weights) / name
                 if src.is_file() and not src.is_symlink():
                     write_bytes_atomic(tmp / name, src.read_bytes())
-        fsync_dir(tmp)
-        if target.is_symlink():
-            raise PlannerError(f"{str(target)!r} is a symbolic link; planner never replaces one")
-        if target.exists():
-            old = target.with_name(target.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            target.rename(old)
-            shutil.rmtree(old)
-        tmp.rename(target)
-        fsync_dir(target.parent)
+        replace_directory(tmp, target)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise PlannerError(f"cannot write the HF directory {str(target)!r}: {e.strerror or e}") from None
