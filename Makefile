@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check bench timelines venv clean
+.PHONY: demo test check test-engines bench timelines venv clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,26 @@ check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
+# Exports checked by the engines themselves (DeepSpeed 0.19.8, verl 0.9.1, OpenRLHF 0.11.2,
+# megatron-core 0.16.1) in their own environment, .venv-engines (no GPU builds: DS_BUILD_OPS=0,
+# engines without their dependency trees, then what their parsers import). Set MEGATRON_LM_SRC
+# to a Megatron-LM tree at core_v0.19.0 to run its parse_args/validate_args too (needs triton).
+ENGINES := .venv-engines
+ENGINES_STAMP := $(ENGINES)/.installed
+ENGINE_MATRIX := out/engines
+
+$(ENGINES_STAMP): tests/engines/requirements.txt tests/engines/requirements-parsers.txt
+	@test -x $(ENGINES)/bin/python || $(PYTHON) -m venv $(ENGINES)
+	@$(ENGINES)/bin/python -c "import torch" 2>/dev/null || $(ENGINES)/bin/python -m pip install -q torch==2.13.0
+	DS_BUILD_OPS=0 $(ENGINES)/bin/python -m pip install -q --no-deps -r tests/engines/requirements.txt
+	$(ENGINES)/bin/python -m pip install -q -r tests/engines/requirements-parsers.txt
+	@touch $(ENGINES_STAMP)
+
+test-engines: $(STAMP) $(ENGINES_STAMP)
+	$(PY) -m tests.engines.matrix $(ENGINE_MATRIX)
+	ENGINE_MATRIX=$(ENGINE_MATRIX) $(ENGINES)/bin/python -m pytest -q -c tests/engines/pytest.ini \
+		--rootdir tests/engines tests/engines
+
 EXAMPLES := tiny_ppo ppo_llama7b grpo_qwen7b sft_llama3_70b
 
 timelines: $(STAMP)
@@ -50,4 +70,4 @@ bench: $(STAMP)
 	$(PY) bench/real_job.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(ENGINES) .pytest_cache build *.egg-info

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The engine tests run in their own environment (make test-engines), not in this suite.
+collect_ignore = ["engines"]
 
 
 @dataclass

@@ -26,15 +26,18 @@ class Export:
     cannot_express: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     source: str = ""
+    version: str = ""  # the release of the target the names and defaults come from
+    env: dict[str, str] = field(default_factory=dict)  # environment variables the launch needs
 
     def to_json(self) -> dict[str, Any]:
-        return {"target": self.target, "settings": self.data, "cannot_express": self.cannot_express,
-                "notes": self.notes, "source": self.source}
+        return {"target": self.target, "version": self.version, "settings": self.data,
+                "cannot_express": self.cannot_express, "notes": self.notes, "source": self.source, "env": self.env}
 
 
 def comment_block(exp: Export, *, prefix: str = "# ") -> str:
     """The caveats of an export as comment lines (for shell and YAML outputs)."""
-    lines = [f"{prefix}exported by `planner export --to {exp.target}`; flag names from {exp.source}"]
+    lines = [f"{prefix}exported by `planner export --to {exp.target}` for {exp.version}; names and defaults from "
+             f"{exp.source}"]
     if exp.cannot_express:
         lines.append(f"{prefix}{exp.target} cannot express these choices of the plan:")
         lines += [f"{prefix}  - {x}" for x in exp.cannot_express]
@@ -167,3 +170,57 @@ def common_limits(plan: Plan, target: str) -> list[str]:
         return [f"the plan overlaps iterations (the next starts {early_s:.3g} s before this one ends; steady "
                 f"state {plan.estimate.iteration_s:.3g} s): {target} runs iterations one after another"]
     return []
+
+
+# ---- what every target needs from the plan beyond layouts -------------------------------------
+
+def model_path(plan: Plan, model: str) -> str:
+    """The checkpoint a role loads: the model's HF directory, else its preset name (a hub id or
+    a local path the user substitutes; the notes say so)."""
+    decl = plan.models[model]
+    return decl.weights or decl.spec.name or model
+
+
+def placeholder_paths(plan: Plan, models: list[str | None]) -> list[str]:
+    """Notes for the models whose path in the export is a name, not a directory."""
+    out = []
+    for m in dict.fromkeys(x for x in models if x is not None):
+        if plan.models[m].weights is None:
+            out.append(f"{m}: the export names it {model_path(plan, m)!r}; set the path of your checkpoint")
+    return out
+
+
+def own_peak_bytes(plan: Plan, call: PlanCall) -> int:
+    """Per-GPU bytes the call itself needs at its peak (its weights, KV cache or activations),
+    without what other models keep resident on the same GPUs: what an engine that runs this call
+    in its own memory pool (vLLM) must be allowed to take."""
+    from cost_models import CostModel  # the cost model is heavy to import; exports of training-only plans skip it
+
+    decl = plan.models[call.model]
+    view = decl if call.kind == "train" else decl.model_copy(update={"trainable": False})
+    cost = CostModel(plan.cluster).call_cost(call, view, call.mesh, call.layout, decode_layout=call.decode_layout)
+    return int(cost.peak_mem_bytes)
+
+
+def memory_fraction(plan: Plan, call: PlanCall) -> float:
+    """vLLM's `gpu_memory_utilization` for a generate call: the share of a GPU's memory the plan
+    gave it (weights, KV cache and activations as costed), rounded up to the next 0.01 so the
+    engine's KV budget is at least the plan's."""
+    share = own_peak_bytes(plan, call) / plan.cluster.mem_bytes
+    return min(0.99, max(0.01, -(-round(share * 1e6) // 10_000) / 100))
+
+
+def engine_micro_batch(rows: int, engine_dp: int, plan_micro: int) -> int:
+    """Sequences per GPU per micro-batch for an engine whose data-parallel size is `engine_dp`:
+    the plan's micro-batch when it divides the rows each engine rank gets, else the largest
+    divisor of those rows below it (never more activation memory than the plan costed)."""
+    per_rank = max(1, rows // engine_dp)
+    for m in range(min(plan_micro, per_rank), 0, -1):
+        if per_rank % m == 0:
+            return m
+    return 1
+
+
+def refuse(target: str, plan: Plan, why: str, hint: str | None = None) -> PlannerError:
+    """The error for a plan the target cannot run at all (nothing is emitted)."""
+    return PlannerError(f"{target} cannot run plan {plan.name!r}: {why}", hint=hint)

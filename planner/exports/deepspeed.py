@@ -1,30 +1,50 @@
 """A DeepSpeed config (the JSON passed to ``deepspeed.initialize``) for a train call of a plan.
 
-Key names are those of DeepSpeed's configuration reference, ``docs/_pages/config-json.md``
-(deepspeedai/DeepSpeed, read at commit 00376da49967bc6a15d70a550200ac67277b1fb4): the batch size
-keys, ``optimizer``, ``bf16``, ``zero_optimization.stage`` and ``tensor_parallel.autotp_size``
-(AutoTP training). Pipeline parallelism, sequence parallelism and activation checkpointing are
-chosen in model code in DeepSpeed, not in this file, so the export lists them as what the config
-cannot express.
+Target: DeepSpeed 0.19.x (key names, defaults and checks of ``deepspeed/runtime/config.py`` in the
+0.19.8 wheel from PyPI): the batch keys, ``optimizer``, ``bf16``, ``zero_optimization.stage``,
+``tensor_parallel.autotp_size`` (AutoTP training) and ``sequence_parallel_size`` (Ulysses).
+
+DeepSpeed checks ``train_batch_size == micro * gradient_accumulation_steps * world``, and its
+``world`` depends on how the job sets up model parallelism, so the batch keys are written for the
+job the export describes: with a ``PipelineModule`` (pp > 1) the world is the pipeline grid's
+data-parallel size; with AutoTP (no mpu) every process counts, tensor-parallel ranks included, so
+``train_batch_size`` is the plan's batch times tp (the tp ranks of a replica see the same
+sequences); with Ulysses, the processes over ``sequence_parallel_size``. Pipeline stages and
+activation checkpointing are chosen in model code, which the notes say. ``make test-engines``
+runs DeepSpeed's ``DeepSpeedConfig`` on every export with the world of that job.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from planner.exports.common import Export, common_limits, json_text, micro_batch_per_gpu, optimizer_batch
+from planner.exports.common import Export, common_limits, json_text, micro_batch_per_gpu, optimizer_batch, refuse
 from plans.errors import PlannerError
 from plans.plan import Plan, PlanCall
 
-SOURCE = "deepspeedai/DeepSpeed docs/_pages/config-json.md"
+VERSION = "DeepSpeed 0.19.x"
+SOURCE = "DeepSpeed 0.19.8 deepspeed/runtime/config.py, docs/_pages/config-json.md"
 
 
 def config(plan: Plan, call: PlanCall, limits: list[str], notes: list[str]) -> dict[str, Any]:
     """The DeepSpeed config of one train call; what it cannot say goes to `limits`."""
     lay = call.layout
+    micro = micro_batch_per_gpu(call)
+    if optimizer_batch(call) != micro * lay.micro_batches * lay.dp:
+        raise refuse("DeepSpeed", plan, f"{call.name}: {optimizer_batch(call)} sequences per optimizer step do not "
+                     f"split into {lay.dp} data-parallel ranks x {lay.micro_batches} micro-batches of whole sequences")
+    if lay.pp > 1 and (lay.tp > 1 or lay.cp > 1):
+        raise refuse("DeepSpeed", plan, f"{call.name}: pipeline parallel with tp={lay.tp}, cp={lay.cp}; DeepSpeed's "
+                     "PipelineModule takes neither AutoTP nor Ulysses from the config",
+                     hint="export it with --to megatron")
+    if lay.tp > 1 and lay.cp > 1:
+        raise refuse("DeepSpeed", plan, f"{call.name}: AutoTP (tp={lay.tp}) with Ulysses (cp={lay.cp}); DeepSpeed "
+                     "builds one model-parallel group from the config", hint="export it with --to megatron")
+    # DeepSpeed's world for the batch check (see the module docstring).
+    batch = optimizer_batch(call) * (lay.tp if lay.pp == 1 else 1)
     cfg: dict[str, Any] = {
-        "train_batch_size": optimizer_batch(call),
-        "train_micro_batch_size_per_gpu": micro_batch_per_gpu(call),
+        "train_batch_size": batch,
+        "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": lay.micro_batches,
         "optimizer": {"type": "AdamW", "params": {"lr": call.lr or plan.algorithm.lr}},
         "bf16": {"enabled": True},
@@ -32,14 +52,18 @@ def config(plan: Plan, call: PlanCall, limits: list[str], notes: list[str]) -> d
     }
     if lay.tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": lay.tp}
-        notes.append(f"{call.name}: tensor_parallel.autotp_size needs a DeepSpeed release with AutoTP training")
-    if lay.pp > 1:
-        limits.append(f"{call.name}: pipeline parallel pp={lay.pp}" + (f" interleaved x{lay.interleave}" if
-                      lay.interleave > 1 else "") + ": DeepSpeed sets it in code (PipelineModule(num_stages=...)), "
-                      "not in the config")
+        notes.append(f"{call.name}: AutoTP training; train_batch_size counts every process (tp={lay.tp} ranks of a "
+                     f"replica read the same {micro * lay.micro_batches * lay.dp} sequences per step)")
     if lay.cp > 1:
-        limits.append(f"{call.name}: context parallel cp={lay.cp}: DeepSpeed-Ulysses sequence parallelism is set up in "
-                      "model code, not in the config")
+        cfg["sequence_parallel_size"] = lay.cp
+        notes.append(f"{call.name}: Ulysses sequence parallelism over {lay.cp} ranks: build the model with DeepSpeed's "
+                     "DistributedAttention")
+    if lay.pp > 1:
+        notes.append(f"{call.name}: build the model as a PipelineModule(num_stages={lay.pp}); DeepSpeed takes the "
+                     "data-parallel size from its grid")
+        if lay.interleave > 1:
+            limits.append(f"{call.name}: interleaved pipeline stages (x{lay.interleave}); DeepSpeed's pipeline "
+                          "schedule is not interleaved")
     if lay.sequence_parallel:
         limits.append(f"{call.name}: Megatron-style sequence parallelism of norm/dropout activations over tp")
     if lay.recompute != "none":
@@ -72,4 +96,4 @@ def export(plan: Plan, *, call: str | None = None) -> Export:
     if c.minibatches > 1:
         notes.append(f"{c.name}: {c.minibatches} optimizer steps per iteration of train_batch_size sequences each")
     cfg = config(plan, c, limits, notes)
-    return Export("deepspeed", json_text(cfg), cfg, limits, notes, SOURCE)
+    return Export("deepspeed", json_text(cfg), cfg, limits, notes, SOURCE, VERSION)

@@ -1,10 +1,14 @@
 """Megatron-LM command lines for the train calls of a plan.
 
-Flag names are those of ``megatron/training/arguments.py`` (NVIDIA/Megatron-LM, read at commit
-000c4ac24f61159c138b0975def722c65245983c): ``_add_network_size_args``, ``_add_training_args``,
-``_add_distributed_args``, ``_add_mixed_precision_args``, ``_add_learning_rate_args``,
-``_add_data_args`` and ``_add_tokenizer_args``. Megatron-LM trains one model with one layout per
-job, so each train call of the plan becomes one ``pretrain_gpt.py`` command.
+Target: Megatron-LM core_v0.19.0 (commit 5be9626709af2722333bf54797c954c09edeada3): flag names,
+defaults and checks of ``megatron/training/arguments.py`` (``parse_args``, ``validate_args``,
+``core_transformer_config_from_args``) at that tag, and the ``TransformerConfig`` /
+``ModelParallelConfig`` checks of the megatron-core package. Megatron-LM trains one model with
+one layout per job with the language-modelling loss, so each SFT train call of the plan becomes
+one ``pretrain_gpt.py`` command; plans with other losses are refused (verl runs RLHF on Megatron
+workers: ``--to verl``). ``make test-engines`` runs megatron-core's config checks on every export,
+and Megatron-LM's own ``parse_args`` + ``validate_args`` when ``MEGATRON_LM_SRC`` names a source
+tree at that tag.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 from planner.exports.common import (
     Export,
     comment_block,
+    refuse,
     common_limits,
     flags_dict,
     micro_batch_per_gpu,
@@ -24,7 +29,8 @@ from plans.errors import PlannerError
 from plans.plan import Plan, PlanCall
 from plans.sharding import stage_layers
 
-SOURCE = "NVIDIA/Megatron-LM megatron/training/arguments.py"
+VERSION = "Megatron-LM core_v0.19.0"
+SOURCE = "NVIDIA/Megatron-LM megatron/training/arguments.py at core_v0.19.0 (5be9626709af2722333bf54797c954c09edeada3)"
 PROGRAM = "torchrun $DISTRIBUTED_ARGS pretrain_gpt.py"
 
 
@@ -53,6 +59,9 @@ def model_flags(plan: Plan, call: PlanCall) -> list[tuple[str, Any]]:
                   ("--position-embedding-type", "learned_absolute")]
     if not spec.tied:
         flags.append(("--untie-embeddings-and-output-weights", None))
+    # The planner's models train without dropout (as TRL, verl and OpenRLHF fine-tune); Megatron's
+    # default is 0.1 for both.
+    flags += [("--attention-dropout", 0.0), ("--hidden-dropout", 0.0)]
     return flags
 
 
@@ -69,19 +78,22 @@ def parallel_flags(plan: Plan, call: PlanCall, limits: list[str], notes: list[st
         flags.append(("--sequence-parallel", None))
     layers = spec.num_hidden_layers
     if lay.interleave > 1:
-        if layers % (lay.pp * lay.interleave) == 0:
-            flags.append(("--num-layers-per-virtual-pipeline-stage", layers // (lay.pp * lay.interleave)))
-        else:
-            flags.append(("--num-virtual-stages-per-pipeline-rank", lay.interleave))
-            limits.append(f"{call.name}: {layers} layers do not split evenly into {lay.pp * lay.interleave} virtual "
-                          "stages; the plan gives chunks after the first one extra layer, Megatron-LM splits evenly")
+        if layers % (lay.pp * lay.interleave):
+            raise refuse("Megatron-LM", plan, f"{call.name}: {layers} layers do not split evenly into "
+                         f"{lay.pp} x {lay.interleave} virtual pipeline stages, which Megatron-LM requires",
+                         hint="pick a layout whose virtual stages divide the layers")
+        flags.append(("--num-layers-per-virtual-pipeline-stage", layers // (lay.pp * lay.interleave)))
     elif layers % lay.pp:
         sizes = [len(s) for s in stage_layers(layers, lay.pp)]
-        if len(set(sizes[1:])) == 1:  # only the first stage differs: Megatron's uneven-first option
+        if len(set(sizes[1:])) == 1:  # only the first stage differs
             flags.append(("--decoder-first-pipeline-num-layers", sizes[0]))
+        elif len(sizes) > 2 and len(set(sizes[1:-1])) == 1:  # the first and the last differ
+            flags += [("--decoder-first-pipeline-num-layers", sizes[0]),
+                      ("--decoder-last-pipeline-num-layers", sizes[-1])]
         else:
-            limits.append(f"{call.name}: pipeline stages of {sizes} layers; Megatron-LM sets only the first and last "
-                          "stage apart from an even split")
+            raise refuse("Megatron-LM", plan, f"{call.name}: pipeline stages of {sizes} layers; Megatron-LM sets "
+                         "only the first and the last stage apart from an even split",
+                         hint="pick a pipeline size that divides the layers, or one where only the end stages differ")
     flags += [("--micro-batch-size", micro_batch_per_gpu(call)), ("--global-batch-size", optimizer_batch(call))]
     if lay.zero in (1, 2):
         flags.append(("--use-distributed-optimizer", None))
@@ -89,15 +101,24 @@ def parallel_flags(plan: Plan, call: PlanCall, limits: list[str], notes: list[st
             notes.append(f"{call.name}: ZeRO-2 maps to the distributed optimizer, which shards optimizer states and "
                          "reduce-scatters gradients but keeps a full gradient buffer per rank (ZeRO-1 memory)")
     elif lay.zero == 3:
-        flags += [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads_params")]
-        notes.append(f"{call.name}: ZeRO-3 maps to Megatron FSDP; check that your Megatron-LM version supports it "
-                     f"with tp={lay.tp} and pp={lay.pp}")
+        # Megatron FSDP checkpoints only in its own format (validate_args).
+        flags += [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads_params"),
+                  ("--ckpt-format", "fsdp_dtensor")]
     if lay.recompute == "full":
         flags += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
     elif lay.recompute == "selective":
         flags.append(("--recompute-granularity", "selective"))
-    flags += [("--bf16", None), ("--lr", call.lr or plan.algorithm.lr)]
+    # The runtime keeps the learning rate constant; Megatron's default decay is linear.
+    flags += [("--bf16", None), ("--lr", call.lr or plan.algorithm.lr), ("--lr-decay-style", "constant")]
     return flags
+
+
+def launch_env(lay) -> dict[str, str]:  # noqa: ANN001 - a Layout
+    """Environment the job needs: Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor or
+    context parallelism on GPUs before Blackwell, and that it is not 1 under Megatron FSDP."""
+    if (lay.tp > 1 or lay.cp > 1) and lay.zero != 3:
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}
 
 
 def export(plan: Plan, *, call: str | None = None) -> Export:
@@ -107,6 +128,13 @@ def export(plan: Plan, *, call: str | None = None) -> Export:
         names = ", ".join(c.name for c in plan.calls if c.kind == "train") or "none"
         raise PlannerError(f"plan {plan.name!r} has no train call {call!r}" if call else
                            f"plan {plan.name!r} has no train call to export", hint=f"train calls: {names}")
+    for c in trains:
+        decl = plan.models[c.model]
+        if c.loss != "sft" or decl.head != "lm":
+            raise refuse("Megatron-LM", plan, f"{c.name} optimises the {c.loss} loss on a {decl.head} head; "
+                         "pretrain_gpt.py trains the language-modelling loss only",
+                         hint="export RLHF plans with --to verl (Megatron workers) or --to openrlhf; "
+                              "DPO with --to deepspeed")
     limits = common_limits(plan, "Megatron-LM")
     notes: list[str] = []
     others = [c.name for c in plan.calls if c.kind != "train"]
@@ -120,11 +148,8 @@ def export(plan: Plan, *, call: str | None = None) -> Export:
     jobs: dict[str, Any] = {}
     commands = []
     world = plan.cluster.world_size
+    env: dict[str, str] = {}
     for c in trains:
-        decl = plan.models[c.model]
-        if c.loss != "sft" or decl.head != "lm":
-            limits.append(f"{c.name}: loss {c.loss!r} on a {decl.head} head; pretrain_gpt.py optimises the "
-                          "language-modelling loss")
         if c.mesh.size != world:
             notes.append(f"{c.name}: runs on GPUs {c.mesh.short()} of {world}; launch this job on those "
                          f"{c.mesh.size} GPUs only (torchrun --nproc-per-node / hostfile)")
@@ -132,10 +157,15 @@ def export(plan: Plan, *, call: str | None = None) -> Export:
             notes.append(f"{c.name}: {c.minibatches} optimizer steps per iteration (one per "
                          f"--global-batch-size {optimizer_batch(c)} sequences)")
         flags = model_flags(plan, c) + parallel_flags(plan, c, limits, notes)
+        job_env = launch_env(c.layout)
+        env.update(job_env)
         jobs[c.name] = {"world_size": c.mesh.size, "ranks": [c.mesh.first, c.mesh.ranks[-1]],
-                        "flags": flags_dict(flags)}
+                        "flags": flags_dict(flags), "env": job_env}
+        prefix = " ".join(f"{k}={v}" for k, v in job_env.items())
         commands.append(f"# {c.name}: {c.model} on GPUs {c.mesh.short()} ({c.mesh.size} processes)\n"
-                        + shell_command(PROGRAM, flags))
-    exp = Export("megatron", "", {"jobs": jobs}, limits, notes, SOURCE)
+                        + shell_command(f"{prefix} {PROGRAM}".strip(), flags))
+    notes.append("add your data and tokenizer flags (--data-path, --tokenizer-type, --tokenizer-model) and the "
+                 "length of the run (--train-iters)")
+    exp = Export("megatron", "", {"jobs": jobs}, limits, notes, SOURCE, VERSION, env)
     exp.text = comment_block(exp) + "\n\n" + "\n\n".join(commands) + "\n"
     return exp

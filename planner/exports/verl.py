@@ -1,11 +1,13 @@
 """verl PPO trainer settings (Hydra overrides of ``verl.trainer.main_ppo``) for an RLHF plan.
 
-Key names are those of verl's ``verl/trainer/config/ppo_trainer.yaml`` (FSDP workers, read at
-commit 008db456bf612da5543c9bb6e26fe654029ad5b8) and ``ppo_megatron_trainer.yaml`` (Megatron
-workers, commit 028af31be124b2a8d6d9c3b9ddd9cbdd64a281df); the reward model's own resource pool
-(``reward_model.enable_resource_pool``, ``.n_gpus_per_node``, ``.nnodes``) is read by
-``verl/trainer/main_ppo.py`` (commit 006cebf8572873571fd28541de4f12124174b8ed), and advantage
-estimator names by ``verl/trainer/ppo/core_algos.py`` (``AdvantageEstimator``).
+Target: verl 0.9.x (key names and defaults read in the verl 0.9.1 wheel from PyPI):
+``verl/trainer/config/ppo_trainer.yaml`` with its ``dp_*`` actor/critic/ref groups (FSDP workers)
+and ``ppo_megatron_trainer.yaml`` (``--config-name ppo_megatron_trainer``: Megatron workers, the
+``megatron`` engine block of ``engine/megatron.yaml``); the reward model is a served model under
+``reward.reward_model.*`` (``reward/reward.yaml``: ``enable``, ``model_path``, its own
+``rollout.*`` and optional resource pool); ``verl/utils/config.py: validate_config`` and the
+worker configs' ``validate`` are what ``main_ppo`` checks before it starts Ray. ``make
+test-engines`` composes every export with verl's own Hydra configs and runs that validation.
 
 verl runs actor, rollout, reference and critic as workers of one resource pool (every GPU of
 ``trainer.nnodes x trainer.n_gpus_per_node``), one role after another; a worker keeps one parallel
@@ -22,25 +24,40 @@ from planner.exports.common import (
     comment_block,
     common_limits,
     decode_layout,
+    engine_micro_batch,
+    memory_fraction,
     micro_batch_per_gpu,
+    model_path,
     nodes_and_gpus,
     optimizer_batch,
+    placeholder_paths,
     prompts,
     role_calls,
     roles,
 )
 from plans.layout import Layout, Mesh
-from plans.plan import Plan
+from plans.plan import Plan, PlanCall
 
-SOURCE = "volcengine/verl verl/trainer/config/ppo_trainer.yaml, ppo_megatron_trainer.yaml, verl/trainer/main_ppo.py"
+VERSION = "verl 0.9.x"
+SOURCE = ("verl 0.9.1 verl/trainer/config/{ppo_trainer,ppo_megatron_trainer}.yaml, reward/reward.yaml, "
+          "verl/utils/config.py validate_config")
 PROGRAM = "python3 -m verl.trainer.main_ppo"
+MEGATRON_CONFIG = "ppo_megatron_trainer"
 ESTIMATOR = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "remax": "remax"}
 
 
-def _megatron(lay: Layout) -> dict[str, Any]:
-    return {"tensor_model_parallel_size": lay.tp, "pipeline_model_parallel_size": lay.pp,
-            "virtual_pipeline_model_parallel_size": lay.interleave if lay.interleave > 1 else None,
-            "context_parallel_size": lay.cp, "sequence_parallel": lay.sequence_parallel}
+def _megatron(lay: Layout, *, trained: bool) -> dict[str, Any]:
+    """The `megatron` engine block of a worker (engine/megatron.yaml)."""
+    block: dict[str, Any] = {"tensor_model_parallel_size": lay.tp, "pipeline_model_parallel_size": lay.pp,
+                             "virtual_pipeline_model_parallel_size": lay.interleave if lay.interleave > 1 else None,
+                             "context_parallel_size": lay.cp,
+                             # verl's default is True; the plan says whether activations shard over tp.
+                             "sequence_parallel": lay.sequence_parallel and lay.tp > 1,
+                             "param_offload": False}
+    if trained:
+        block.update(use_distributed_optimizer=lay.zero in (1, 2), use_megatron_fsdp=lay.zero == 3,
+                     optimizer_offload=False)
+    return block
 
 
 def _flatten(prefix: str, tree: dict[str, Any], out: list[tuple[str, Any]]) -> None:
@@ -51,9 +68,16 @@ def _flatten(prefix: str, tree: dict[str, Any], out: list[tuple[str, Any]]) -> N
             out.append((f"{prefix}{k}", v))
 
 
+def overrides(settings: dict[str, Any]) -> list[str]:
+    """The settings as Hydra override strings (`key=value`)."""
+    flat: list[tuple[str, Any]] = []
+    _flatten("", settings, flat)
+    return [f"{k}={_value(v)}" for k, v in flat]
+
+
 def _layout_limits(r: Roles, strategy: str) -> list[str]:
     """Per-role layouts verl cannot give: a role's calls with different degrees, pipelined or
-    micro-batched generation, and ZeRO stages other than FSDP's full sharding."""
+    micro-batched generation, and ZeRO stages the worker does not have."""
     out = []
     for role, calls in (("actor", [r.actor_train]), ("critic", [r.critic_train, r.critic_inference])):
         calls = [c for c in calls if c is not None]
@@ -71,14 +95,38 @@ def _layout_limits(r: Roles, strategy: str) -> list[str]:
     if gen.layout.micro_batches > 1:
         out.append(f"{gen.name}: generation in {gen.layout.micro_batches} waves per replica; vLLM schedules "
                    "sequences itself (max_num_seqs)")
-    if strategy == "fsdp":
-        for c in (r.actor_train, r.critic_train):
-            if c is not None and c.layout.zero != 3:
-                out.append(f"{c.name}: ZeRO-{c.layout.zero}; verl's FSDP workers shard parameters, gradients and "
-                           "optimizer states (ZeRO-3)")
-            if c is not None and c.layout.tp > 1:
-                out.append(f"{c.name}: tensor parallel tp={c.layout.tp} in training under FSDP")
+    for c in (r.actor_train, r.critic_train):
+        if c is None:
+            continue
+        if strategy == "fsdp" and c.layout.zero != 3:
+            out.append(f"{c.name}: ZeRO-{c.layout.zero}; verl's FSDP workers shard parameters, gradients and "
+                       "optimizer states (ZeRO-3)")
+        if strategy == "megatron" and c.layout.zero == 2:
+            out.append(f"{c.name}: ZeRO-2; Megatron's distributed optimizer shards optimizer states and "
+                       "reduce-scatters gradients but keeps a full gradient buffer per rank (ZeRO-1 memory)")
+    if r.critic_inference is not None and strategy == "megatron":
+        out.append(f"{r.critic_inference.name}: its own micro-batch; verl's Megatron critic computes values with "
+                   "its ppo_micro_batch_size_per_gpu")
     return out
+
+
+def _engine_dp(pool: int, lay: Layout, strategy: str) -> int:
+    """Data-parallel size of a worker on the whole pool (what verl's batch checks divide by)."""
+    if strategy == "megatron":
+        return max(1, pool // (lay.tp * lay.pp * lay.cp))
+    return max(1, pool // lay.cp)
+
+
+def _micro(call: PlanCall, pool: int, strategy: str, notes: list[str]) -> int:
+    """The call's per-GPU micro-batch on verl's data-parallel size, noted when it differs."""
+    rows = optimizer_batch(call) if call.kind == "train" else call.seqs
+    dp = _engine_dp(pool, call.layout, strategy)
+    plan_micro = micro_batch_per_gpu(call)
+    micro = engine_micro_batch(rows, dp, plan_micro)
+    if dp != call.layout.dp or micro != plan_micro:
+        notes.append(f"{call.name}: {micro} sequences per GPU per micro-batch on verl's data-parallel size {dp} "
+                     f"(the plan: {plan_micro} on dp={call.layout.dp})")
+    return micro
 
 
 def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - one config covers all calls
@@ -87,7 +135,7 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
     gpn = plan.cluster.gpus_per_node
     algo = plan.algorithm
     trained = [c for c in (r.actor_train, r.critic_train) if c is not None]
-    forward = [c for c in (r.ref_inference, r.critic_inference, r.reward_inference) if c is not None]
+    forward = [c for c in (r.ref_inference, r.critic_inference) if c is not None]
     strategy = "megatron" if any(c.layout.tp > 1 or c.layout.pp > 1 for c in trained + forward) else "fsdp"
     limits = common_limits(plan, "verl")
     notes: list[str] = []
@@ -98,7 +146,7 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
         rm = r.reward_inference.mesh
         rest = plan.cluster.world_size - rm.size
         if all(not set(rm.ranks) & set(c.mesh.ranks) for c in role_calls(r) if c is not r.reward_inference) \
-                and (rest <= gpn or rest % gpn == 0):
+                and rest > 0 and (rest <= gpn or rest % gpn == 0):
             reward_pool = rm
     pool_gpus = plan.cluster.world_size - (reward_pool.size if reward_pool else 0)
     for c in role_calls(r):
@@ -111,87 +159,130 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
     if r.extra_calls:
         limits.append(f"calls {', '.join(r.extra_calls)}: verl's PPO trainer has no role for them")
     n = r.generate.samples_per_prompt
+    at = r.actor_train
     actor: dict[str, Any] = {
         "strategy": strategy,
-        "ppo_mini_batch_size": optimizer_batch(r.actor_train) // n,
-        "ppo_micro_batch_size_per_gpu": micro_batch_per_gpu(r.actor_train),
+        "ppo_mini_batch_size": optimizer_batch(at) // n,
+        "ppo_micro_batch_size_per_gpu": _micro(at, pool_gpus, strategy, notes),
         "ppo_epochs": 1,
         "clip_ratio": algo.clip_eps,
-        "optim": {"lr": r.actor_train.lr or algo.lr},
+        "optim": {"lr": at.lr or algo.lr},
     }
+    if optimizer_batch(at) % n:
+        limits.append(f"{at.name}: {optimizer_batch(at)} sequences per optimizer step is not a whole number of "
+                      f"prompts with {n} samples each; verl counts ppo_mini_batch_size in prompts")
     if strategy == "fsdp":
-        actor["ulysses_sequence_parallel_size"] = r.actor_train.layout.cp
+        actor["ulysses_sequence_parallel_size"] = at.layout.cp
         actor["fsdp_config"] = {"fsdp_size": -1, "param_offload": False, "optimizer_offload": False}
     else:
-        lay = r.actor_train.layout
-        actor["megatron"] = {**_megatron(lay), "use_distributed_optimizer": lay.zero > 0}
-    if algo.name in ("grpo", "rloo", "remax"):
-        actor.update(use_kl_loss=True, kl_loss_coef=algo.kl_coef, kl_loss_type="low_var_kl")
+        actor["megatron"] = _megatron(at.layout, trained=True)
+    actor.update(use_kl_loss=algo.name in ("grpo", "rloo", "remax"))
+    if actor["use_kl_loss"]:
+        actor.update(kl_loss_coef=algo.kl_coef, kl_loss_type="low_var_kl")
+    gen = r.generate
     rollout: dict[str, Any] = {
-        "name": "vllm", "n": n, "temperature": r.generate.temperature,
-        "tensor_model_parallel_size": decode_layout(r.generate).tp,
-        "log_prob_micro_batch_size_per_gpu": micro_batch_per_gpu(r.actor_train),
+        "name": "vllm", "n": n, "temperature": gen.temperature,
+        "tensor_model_parallel_size": decode_layout(gen).tp,
+        "gpu_memory_utilization": memory_fraction(plan, gen),
+        "free_cache_engine": True,
+        "log_prob_micro_batch_size_per_gpu": actor["ppo_micro_batch_size_per_gpu"],
     }
+    notes.append(f"{gen.name}: rollout.gpu_memory_utilization {rollout['gpu_memory_utilization']} is the share of "
+                 "GPU memory the plan costed generation with (weights, KV cache, activations); free_cache_engine "
+                 "releases the KV cache between calls")
     notes.append("verl recomputes the actor's log-probs of the samples in a forward pass (sized by "
                  "rollout.log_prob_micro_batch_size_per_gpu); the plan takes them from generation")
-    model: dict[str, Any] = {"enable_gradient_checkpointing": r.actor_train.layout.recompute != "none"}
-    if r.actor_train.layout.recompute == "selective":
-        notes.append(f"{r.actor_train.name}: selective recompute maps to gradient checkpointing of whole layers")
+    model: dict[str, Any] = {"path": model_path(plan, r.actor),
+                             "enable_gradient_checkpointing": at.layout.recompute != "none"}
+    if at.layout.recompute == "selective":
+        notes.append(f"{at.name}: selective recompute maps to gradient checkpointing of whole layers")
     aro: dict[str, Any] = {"model": model, "actor": actor, "rollout": rollout}
-    if r.ref_inference is not None:
-        ref: dict[str, Any] = {"log_prob_micro_batch_size_per_gpu": micro_batch_per_gpu(r.ref_inference)}
+    ref_on = r.ref_inference is not None
+    if ref_on:
+        ri = r.ref_inference
+        assert ri is not None
+        ref: dict[str, Any] = {"log_prob_micro_batch_size_per_gpu": _micro(ri, pool_gpus, strategy, notes)}
         if strategy == "megatron":
-            ref["megatron"] = _megatron(r.ref_inference.layout)
+            ref["megatron"] = _megatron(ri.layout, trained=False)
+        else:
+            ref["fsdp_config"] = {"param_offload": False}
         aro["ref"] = ref
+        if r.ref is not None and plan.models[r.ref].spec != plan.models[r.actor].spec:
+            limits.append(f"reference model {r.ref!r} differs from the actor; verl's reference is the actor's "
+                          "initial checkpoint")
     settings: dict[str, Any] = {
-        "data": {"train_batch_size": prompts(r), "max_prompt_length": r.generate.prompt_len,
-                 "max_response_length": r.generate.gen_len},
+        "data": {"train_batch_size": prompts(r), "max_prompt_length": gen.prompt_len,
+                 "max_response_length": gen.gen_len},
         "actor_rollout_ref": aro,
         "algorithm": {"adv_estimator": ESTIMATOR.get(algo.name, "gae"), "gamma": algo.gamma, "lam": algo.lam},
-        "trainer": {},
     }
     if algo.name not in ESTIMATOR:
         limits.append(f"algorithm {algo.name!r}: no verl advantage estimator of that name")
     if algo.name == "ppo":
-        settings["algorithm"].update(use_kl_in_reward=True, kl_ctrl={"type": "fixed", "kl_coef": algo.kl_coef})
+        settings["algorithm"].update(use_kl_in_reward=ref_on, kl_ctrl={"type": "fixed", "kl_coef": algo.kl_coef})
+    elif not ref_on and actor["use_kl_loss"]:
+        actor["use_kl_loss"] = False  # no reference model in the plan: no KL term either
+        for k in ("kl_loss_coef", "kl_loss_type"):
+            actor.pop(k)
     if r.critic_train is not None:
         ct = r.critic_train
         critic: dict[str, Any] = {
-            "strategy": strategy, "ppo_micro_batch_size_per_gpu": micro_batch_per_gpu(ct),
+            "enable": True, "strategy": strategy,
+            "ppo_micro_batch_size_per_gpu": _micro(ct, pool_gpus, strategy, notes),
             "cliprange_value": algo.value_clip_eps, "optim": {"lr": ct.lr or algo.lr},
-            "model": {"enable_gradient_checkpointing": ct.layout.recompute != "none"},
+            "model": {"path": model_path(plan, ct.model),
+                      "enable_gradient_checkpointing": ct.layout.recompute != "none"},
         }
-        if r.critic_inference is not None:
-            critic["forward_micro_batch_size_per_gpu"] = micro_batch_per_gpu(r.critic_inference)
         if strategy == "fsdp":
+            if r.critic_inference is not None:  # exists for the FSDP critic only (dp_critic.yaml)
+                critic["forward_micro_batch_size_per_gpu"] = _micro(r.critic_inference, pool_gpus, strategy, notes)
             critic["ulysses_sequence_parallel_size"] = ct.layout.cp
         else:
-            critic["megatron"] = {**_megatron(ct.layout), "use_distributed_optimizer": ct.layout.zero > 0}
+            critic["megatron"] = _megatron(ct.layout, trained=True)
         settings["critic"] = critic
+    else:
+        settings["critic"] = {"enable": False}
+    reward: dict[str, Any] = {}
     if r.reward_inference is not None:
-        rw: dict[str, Any] = {"enable": True, "strategy": strategy,
-                              "micro_batch_size_per_gpu": micro_batch_per_gpu(r.reward_inference)}
-        if strategy == "megatron":
-            rw["megatron"] = _megatron(r.reward_inference.layout)
+        ri = r.reward_inference
+        rw: dict[str, Any] = {"enable": True, "model_path": model_path(plan, ri.model),
+                              "rollout": {"name": "vllm", "tensor_model_parallel_size": ri.layout.tp,
+                                          "gpu_memory_utilization": memory_fraction(plan, ri)}}
+        if ri.layout.pp > 1:
+            limits.append(f"{ri.name}: pipeline parallel pp={ri.layout.pp}; verl serves the reward model with a "
+                          "tensor-parallel size only")
         if reward_pool is not None:
             nodes, per = nodes_and_gpus(reward_pool, gpn)
             rw.update(enable_resource_pool=True, nnodes=nodes, n_gpus_per_node=per)
-            notes.append(f"{r.reward_inference.name}: its own resource pool on GPUs {reward_pool.short()}; verl "
-                         "allocates that pool from whole nodes or node slices after the global pool")
-        settings["reward_model"] = rw
+            notes.append(f"{ri.name}: its own resource pool on GPUs {reward_pool.short()}; verl allocates that pool "
+                         "from whole nodes or node slices after the global pool")
+        else:
+            rw["enable_resource_pool"] = False
+            if ri.mesh.size != pool_gpus:
+                limits.append(f"{ri.name} runs on GPUs {ri.mesh.short()} only; verl serves the reward model on the "
+                              f"global pool of {pool_gpus} GPUs")
+        reward["reward_model"] = rw
     elif algo.reward_fn:
         module, _, fn = algo.reward_fn.partition(":")
-        settings["custom_reward_function"] = {"path": module.replace(".", "/") + ".py", "name": fn}
-        notes.append(f"custom_reward_function.path is a file: {algo.reward_fn!r} assumed at "
-                     f"{settings['custom_reward_function']['path']}")
+        reward["custom_reward_function"] = {"path": module.replace(".", "/") + ".py", "name": fn}
+        notes.append(f"reward.custom_reward_function.path is a file: {algo.reward_fn!r} assumed at "
+                     f"{reward['custom_reward_function']['path']}")
+    if reward:
+        settings["reward"] = reward
     nodes, per = (plan.cluster.nodes, gpn) if reward_pool is None else (max(1, pool_gpus // gpn), min(pool_gpus, gpn))
     settings["trainer"] = {"nnodes": nodes, "n_gpus_per_node": per}
-    overrides: list[tuple[str, Any]] = []
-    _flatten("", settings, overrides)
-    exp = Export("verl", "", settings, limits, notes, SOURCE)
-    body = " \\\n    ".join([PROGRAM] + [f"{k}={_value(v)}" for k, v in overrides])
+    notes += placeholder_paths(plan, [r.actor, r.critic, r.reward_inference.model if r.reward_inference else None])
+    exp = Export("verl", "", settings, limits, notes, SOURCE, VERSION)
+    head = [PROGRAM] + (["--config-name", MEGATRON_CONFIG] if strategy == "megatron" else [])
+    exp.data = settings
+    body = " \\\n    ".join([" ".join(head)] + overrides(settings))
     exp.text = comment_block(exp) + "\n\n" + body + "\n"
     return exp
+
+
+def config_name(exp: Export) -> str:
+    """The Hydra config an export composes with (ppo_trainer or ppo_megatron_trainer)."""
+    return MEGATRON_CONFIG if exp.data["actor_rollout_ref"]["actor"]["strategy"] == "megatron" else "ppo_trainer"
 
 
 def _value(v: Any) -> str:
@@ -200,4 +291,3 @@ def _value(v: Any) -> str:
     if isinstance(v, bool):
         return "True" if v else "False"
     return str(v)
-

@@ -1,0 +1,46 @@
+"""Fixtures of the engine tests (`make test-engines`): they run in `.venv-engines`, where the
+engines are installed and the planner is not, and read what `python -m tests.engines.matrix`
+wrote (ENGINE_MATRIX, default out/engines)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(os.environ.get("ENGINE_MATRIX", "out/engines"))
+
+
+def exports(target: str) -> list[Path]:
+    found = sorted((ROOT / "exports").glob(f"*.{target}*.json"))
+    if not found:
+        raise RuntimeError(f"no exports to {target} under {ROOT}/exports: run `python -m tests.engines.matrix {ROOT}` "
+                           "(make test-engines does)")
+    return found
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def plan_of(path: Path) -> dict:
+    return json.loads((ROOT / "plans" / f"{path.name.split('.')[0]}.json").read_text())
+
+
+def words(text: str) -> list[str]:
+    """The shell words of an export's command (comments dropped, continuations joined)."""
+    body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+    return shlex.split(body.replace("\\\n", " "))
+
+
+def ids(paths: list[Path]) -> list[str]:
+    return [p.name[:-len(".json")] for p in paths]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_env(monkeypatch):  # noqa: ANN001, ANN202
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")

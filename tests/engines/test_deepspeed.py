@@ -1,0 +1,59 @@
+"""DeepSpeed 0.19.8 accepts every export: `DeepSpeedConfig` (the parser and checks
+`deepspeed.initialize` runs) takes the exported JSON with the world the job has, and keeps the
+plan's ZeRO stage, precision and batch.
+
+Stubbed, because they need a cluster: the process group's size (one gloo process stands in; its
+`get_world_size` returns the job's process count) and, for pipelined layouts, the
+`PipelineModule` grid (an mpu giving its data-parallel size), which DeepSpeed reads instead of the
+process group."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import exports, ids, load, plan_of
+
+EXPORTS = exports("deepspeed")
+
+
+class Grid:
+    def __init__(self, dp: int) -> None:
+        self.dp = dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_process_group():  # noqa: ANN202
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("ENGINE_TEST_PORT", "29562"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    import deepspeed.comm as dist
+
+    if not dist.is_initialized():
+        dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    yield
+
+
+@pytest.mark.parametrize("path", EXPORTS, ids=ids(EXPORTS))
+def test_deepspeed_config_accepts_each_export(path, monkeypatch) -> None:  # noqa: ANN001
+    import deepspeed.comm as dist
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    doc = load(path)
+    plan = plan_of(path)
+    call = next(c for c in plan["calls"] if c["name"] == path.name.split(".")[2])
+    lay = call["layout"]
+    if "refused" in doc:
+        assert lay["pp"] > 1 and (lay["tp"] > 1 or lay["cp"] > 1) or lay["tp"] > 1 and lay["cp"] > 1, doc["refused"]
+        return
+    processes = len(call["mesh"]["ranks"])
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: processes)
+    mpu = Grid(processes // (lay["pp"] * lay["tp"])) if lay["pp"] > 1 else None
+    cfg = DeepSpeedConfig(doc["settings"], mpu=mpu)
+    assert cfg.zero_optimization_stage == lay["zero"]
+    assert cfg.bfloat16_config.enabled if hasattr(cfg, "bfloat16_config") else cfg.bfloat16_enabled
+    per_step = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * lay["dp"]
+    minibatches = call.get("minibatches", 1)
+    assert per_step == call["seqs"] // minibatches, "sequences per optimizer step differ from the plan's"

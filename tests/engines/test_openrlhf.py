@@ -1,0 +1,204 @@
+"""OpenRLHF 0.11.2 accepts every export: its own `train_ppo_ray.py` runs on the exported flags (its
+argparse parser with the dotted names, every post-parse check of its `__main__` block, and `train()`
+up to where Ray would start the actors), and the GPUs its groups and vLLM engines take add up to
+no more than the cluster.
+
+Stubbed, because they need a Ray cluster or GPUs (each records what OpenRLHF asks of it):
+- `ray` (init, get, remote) and `ray.util.placement_group.placement_group` (bundles of 1 GPU);
+- `openrlhf.trainer.ray.create_vllm_engines` (vLLM engines: GPUs, or a share of the placement group);
+- `openrlhf.trainer.ray.launcher.RayActorGroup` and the actor classes it places;
+- `openrlhf.trainer.ray.ppo_actor` / `ppo_critic` (model actors, imported for their classes only);
+- `openrlhf.utils.get_strategy` (DeepSpeed strategy; its batch config is checked separately below,
+  by `get_train_ds_config` and DeepSpeed's own `DeepSpeedConfig`);
+- `openrlhf.trainer.ppo_trainer.PPOTrainer.remote`, where the stub stops the run.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from conftest import exports, ids, load, plan_of, words
+
+import openrlhf
+
+EXPORTS = exports("openrlhf")
+SCRIPT = Path(openrlhf.__file__).parent / "cli" / "train_ppo_ray.py"
+
+
+class Stop(Exception):
+    """Raised where OpenRLHF would hand the work to Ray."""
+
+
+class Seen:
+    def __init__(self) -> None:
+        self.args = None
+        self.groups: list[dict] = []
+        self.engines: dict | None = None
+        self.pgs: list[int] = []
+
+
+def _stubs(seen: Seen) -> dict[str, types.ModuleType]:
+    ray = types.ModuleType("ray")
+    ray.is_initialized = lambda: True
+    ray.init = lambda **_: None
+    ray.get = lambda x: x
+    ray.remote = lambda *a, **k: (a[0] if a and callable(a[0]) else (lambda f: f))
+    util = types.ModuleType("ray.util")
+    pgmod = types.ModuleType("ray.util.placement_group")
+
+    class PG:
+        def __init__(self, bundles) -> None:  # noqa: ANN001
+            seen.pgs.append(sum(b.get("GPU", 0) for b in bundles))
+            self.bundle_count = len(bundles)
+
+        def ready(self) -> None:
+            return None
+
+    pgmod.placement_group = lambda bundles, strategy="PACK": PG(bundles)
+    util.placement_group = pgmod
+    ray.util = util
+    trainer_ray = types.ModuleType("openrlhf.trainer.ray")
+
+    def create_vllm_engines(num_engines, tensor_parallel_size, pretrain, seed, full_determinism, prefix, eager,  # noqa: ANN001
+                            max_len, shared_pg, gpu_memory_utilization, vllm_enable_sleep, *a, **k):  # noqa: ANN001, ANN002, ANN003
+        seen.engines = {"num": num_engines, "tp": tensor_parallel_size, "pg": shared_pg is not None,
+                        "gpu_memory_utilization": gpu_memory_utilization, "sleep": vllm_enable_sleep}
+        return ["engine"] * num_engines
+
+    trainer_ray.create_vllm_engines = create_vllm_engines
+    launcher = types.ModuleType("openrlhf.trainer.ray.launcher")
+
+    class RayActorGroup:
+        def __init__(self, num_nodes, num_gpus_per_node, cls, pg=None, num_gpus_per_actor=1, duplicate_actors=1):  # noqa: ANN001
+            seen.groups.append({"cls": cls, "gpus": num_nodes * num_gpus_per_node, "pg": pg is not None,
+                                "share": num_gpus_per_actor})
+
+    launcher.RayActorGroup = RayActorGroup
+    launcher.ReferenceModelActor = "ref"
+    launcher.RewardModelActor = "reward"
+    actor = types.ModuleType("openrlhf.trainer.ray.ppo_actor")
+    actor.PolicyModelActor = "actor"
+    critic = types.ModuleType("openrlhf.trainer.ray.ppo_critic")
+    critic.CriticModelActor = "critic"
+    utils = types.ModuleType("openrlhf.utils")
+    utils.__path__ = [str(Path(openrlhf.__file__).parent / "utils")]
+
+    class Strategy:
+        def print(self, *_a) -> None:  # noqa: ANN002
+            return None
+
+    def get_strategy(args):  # noqa: ANN001, ANN202
+        seen.args = args
+        return Strategy()
+
+    utils.get_strategy = get_strategy
+    ppo_trainer = types.ModuleType("openrlhf.trainer.ppo_trainer")
+
+    class PPOTrainer:
+        @staticmethod
+        def remote(*_a, **_k) -> None:  # noqa: ANN002, ANN003
+            raise Stop
+
+    ppo_trainer.PPOTrainer = PPOTrainer
+    return {"ray": ray, "ray.util": util, "ray.util.placement_group": pgmod, "openrlhf.trainer.ray": trainer_ray,
+            "openrlhf.trainer.ray.launcher": launcher, "openrlhf.trainer.ray.ppo_actor": actor,
+            "openrlhf.trainer.ray.ppo_critic": critic, "openrlhf.utils": utils,
+            "openrlhf.trainer.ppo_trainer": ppo_trainer}
+
+
+def run_script(argv: list[str], monkeypatch) -> Seen:  # noqa: ANN001
+    """OpenRLHF's script on `argv`, to the point where it would start Ray actors."""
+    seen = Seen()
+    for name, mod in _stubs(seen).items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *argv])
+    with pytest.raises(Stop):
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    return seen
+
+
+def gpus_taken(seen: Seen) -> int:
+    """GPUs Ray must find: placement groups, groups outside them, and engines outside them."""
+    total = sum(seen.pgs)
+    total += sum(g["gpus"] for g in seen.groups if not g["pg"])
+    if seen.engines and not seen.engines["pg"]:
+        total += seen.engines["num"] * seen.engines["tp"]
+    return total
+
+
+def ds_batch_ok(args, gpus: int) -> None:  # noqa: ANN001
+    """The DeepSpeed config OpenRLHF builds for a trained model of `gpus` processes passes DeepSpeed's
+    batch assertion (its `get_train_ds_config`, then the two batch keys `get_ds_train_config` sets)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    get_train_ds_config = _module("openrlhf/utils/deepspeed/deepspeed_utils.py").get_train_ds_config
+    cfg = get_train_ds_config(offload=False, adam_offload=args.ds.adam_offload, stage=args.ds.zero_stage,
+                              param_dtype=args.ds.param_dtype, tensor_parallel_size=args.ds.tensor_parallel_size)
+    cfg["train_micro_batch_size_per_gpu"] = args.train.micro_batch_size
+    cfg["train_batch_size"] = args.train.batch_size * args.ds.ring_attn_size * args.ds.tensor_parallel_size
+    for k in [k for k, v in cfg["zero_optimization"].items() if v == "auto"]:
+        del cfg["zero_optimization"][k]  # "auto" is filled by HF's integration; DeepSpeed itself needs numbers
+    DeepSpeedConfig(cfg, mpu=_Mpu(gpus))
+
+
+def _module(relative: str) -> types.ModuleType:
+    """One OpenRLHF source file loaded alone (its package __init__ imports flash-attn, a GPU build)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(relative.replace("/", "_"), Path(openrlhf.__file__).parent.parent / relative)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Mpu:
+    """DeepSpeed reads the data-parallel world from here instead of a live process group."""
+
+    def __init__(self, dp: int) -> None:
+        self.dp = dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_process_group():  # noqa: ANN202
+    """DeepSpeedConfig reads the rank from a process group: one gloo process of world size 1."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("ENGINE_TEST_PORT", "29561"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    import deepspeed.comm as dist
+
+    if not dist.is_initialized():
+        dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    yield
+
+
+@pytest.mark.parametrize("path", EXPORTS, ids=ids(EXPORTS))
+def test_openrlhf_runs_each_export_to_the_ray_launch(path, monkeypatch) -> None:  # noqa: ANN001
+    doc = load(path)
+    plan = plan_of(path)
+    if "refused" in doc:
+        assert all(c["kind"] != "generate" for c in plan["calls"]), f"an RLHF plan was refused: {doc['refused']}"
+        return
+    argv = words(doc["text"])
+    assert argv[:3] == ["python3", "-m", "openrlhf.cli.train_ppo_ray"]
+    seen = run_script(argv[3:], monkeypatch)
+    world = plan["cluster"]["nodes"] * plan["cluster"]["gpus_per_node"]
+    assert gpus_taken(seen) <= world, f"asks Ray for {gpus_taken(seen)} GPUs on a cluster of {world}"
+    args = seen.args
+    actor_gpus = args.actor.num_nodes * args.actor.num_gpus_per_node
+    # DeepSpeed is initialised without an mpu: its world is the group's processes.
+    ds_batch_ok(args, actor_gpus)
+    if args.critic.model_name_or_path:
+        ds_batch_ok(args, args.critic.num_nodes * args.critic.num_gpus_per_node)
+    calls = {c["kind"] for c in plan["calls"]}
+    assert "generate" in calls
+    has_ref = any(c["kind"] == "inference" and c["returns"] == "logprobs" and not plan["models"][c["model"]]["trainable"]
+                  for c in plan["calls"])
+    assert (args.algo.kl.init_coef > 0) == has_ref
+    assert seen.engines is not None and seen.engines["gpu_memory_utilization"] < 1
