@@ -47,7 +47,7 @@ $(ENGINES_STAMP): tests/engines/requirements.txt tests/engines/requirements-pars
 
 test-engines: $(STAMP) $(ENGINES_STAMP)
 	$(PY) -m tests.engines.matrix $(ENGINE_MATRIX)
-	ENGINE_MATRIX=$(ENGINE_MATRIX) $(ENGINES)/bin/python -m pytest -q -c tests/engines/pytest.ini \
+	ENGINE_MATRIX=$(ENGINE_MATRIX) PLANNER=$(CURDIR)/$(VENV)/bin/planner $(ENGINES)/bin/python -m pytest -q -c tests/engines/pytest.ini \
 		--rootdir tests/engines tests/engines
 
 EXAMPLES := tiny_ppo ppo_llama7b grpo_qwen7b sft_llama3_70b

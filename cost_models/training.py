@@ -321,4 +321,14 @@ def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
     out.add("pp_comm", sends * m)
     out.add("overhead", hw.microbatch_overhead_s * m)
     out.add("pp_bubble", bubble)
+    if layout.zero == 3 and layout.dp * layout.cp > 1:
+        # Sharded parameters (FSDP / ZeRO-3 inference, as verl runs its reference): every
+        # micro-batch's forward gathers the stage's weights, prefetched under its compute or, without
+        # prefetch, one blocking gather per parameter group.
+        lp = layer_params_per_rank(spec, layout.tp)
+        params = max(stage_params(spec, head=head, layers=n, first=i == 0, last=i == pp - 1, tp=layout.tp,
+                                  layer_params=lp) for i, n in enumerate(layers))
+        g = topo.group(layout, "dpcp")
+        gather = comm.all_gather_s(params * fw.param_bytes, g, hw)
+        out.add("dp_comm", m * (max(0.0, gather - stage_s[crit]) if fw.zero3_prefetch else gather))
     return out

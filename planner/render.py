@@ -64,6 +64,9 @@ def estimate_lines(plan: Plan) -> list[str]:
         f"iteration {fmt_s(e.iteration_s)}   {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu * 100:.1f}%   "
         f"peak {fmt_gib(e.peak_mem_bytes)} of {plan.cluster.mem_gib:g} GiB per GPU",
     ]
+    if s.method.startswith("imported"):  # planner import: the config's own placement, costed
+        lines.append(f"{s.method}: the config's placement as costed ({s.status or 'fits'})")
+        return lines
     found = f"found by {s.method}"
     if s.wall_s is not None:
         found += f" in {s.wall_s:.2f} s"

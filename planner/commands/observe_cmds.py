@@ -205,16 +205,23 @@ def export(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write the command or config here instead of stdout.")] = None,
     call: Annotated[Optional[str], typer.Option("--call", help="The train call to export (megatron, deepspeed).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print settings and limits as one JSON object.")] = False,
+    target_version: Annotated[Optional[str], typer.Option("--target-version", help="Check the engine release: megatron core_v0.19.0, deepspeed 0.19, verl 0.9, openrlhf 0.11.")] = None,
 ) -> None:
-    """Export a plan to another engine: Megatron-LM flags, a DeepSpeed config, verl PPO trainer
-    overrides, or OpenRLHF train_ppo_ray flags, with what the engine cannot express of the plan."""
+    """Export a plan to another engine, for the release each exporter targets: Megatron-LM
+    core_v0.19.0 pretrain_gpt.py flags, a DeepSpeed 0.19 config, verl 0.9 PPO trainer overrides,
+    or OpenRLHF 0.11 train_ppo_ray flags; with what the engine cannot express of the plan.
+
+    Batch sizes are recomputed for the engine's own data-parallel size, GPUs requested add up to
+    the cluster (colocation and sleep flags where the plan shares GPUs), vLLM's
+    gpu_memory_utilization is the KV budget the plan was costed with. A plan the engine cannot
+    run is refused (exit 2) with the reason. `planner import` goes the other way."""
     from planner.exports import export_plan
     from plans.io import check_output, write_text_atomic
     from plans.plan import load_plan
 
     if output is not None:
         check_output(output)
-    exp = export_plan(load_plan(plan_file), to.value, call=call)
+    exp = export_plan(load_plan(plan_file), to.value, call=call, version=target_version)
     if as_json:
         typer.echo(json.dumps(exp.to_json(), indent=2, sort_keys=True))
         if output is not None:
@@ -222,8 +229,10 @@ def export(
         return
     if output is None:
         typer.echo(exp.text, nl=False)
-        if to is Target.deepspeed:  # stdout stays a valid config; the caveats go beside it
-            _caveats(exp, Console(stderr=True, highlight=False))
+        if to is Target.deepspeed:  # stdout stays a valid config; the release and caveats go beside it
+            err = Console(stderr=True, highlight=False)
+            err.print(f"for {exp.version}; names and defaults from {exp.source}")
+            _caveats(exp, err)
         return
     write_text_atomic(output, exp.text)
     console = _out(False)

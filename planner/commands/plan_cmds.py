@@ -284,6 +284,102 @@ def compare(plan_files: Annotated[list[Path], typer.Argument(help="Plan JSON fil
     make_console().print(t)
 
 
+IMPORT_HELP = """Cost your own engine config: build the plan it amounts to (meshes, layouts, batch).
+
+SOURCE is, by --from:
+
+  verl       a verl 0.9 config YAML (e.g. what `python -m verl.trainer.main_ppo --cfg job` prints),
+             or '-' for none; ARGS are Hydra overrides key=value (keys not given take verl 0.9.1's
+             defaults);
+  openrlhf   train_ppo_ray flags of OpenRLHF 0.11 in one quoted string, or a script running it;
+  megatron   pretrain_gpt.py flags of Megatron-LM core_v0.19.0, quoted, or a script running it;
+  deepspeed  a DeepSpeed 0.19 JSON config; give the model and sequence length its job sets in code
+             (--model model=SPEC --seq-len N, and --pp N for a PipelineModule).
+
+Models named by a path that is neither a preset nor a local HF directory (a hub id, say) need
+--model ROLE=SPEC (roles: actor, critic, reward; model for megatron and deepspeed). The plan is
+costed by the same model as `planner compile`; compare it with the planner's own:
+
+  planner import --from verl - data.train_batch_size=256 actor_rollout_ref.model.path=llama-2-7b ... --cluster a100-80gb:1x8 -o mine.json
+
+  planner import --from openrlhf run_ppo.sh --model actor=llama-3-8b --cluster h100-sxm:1x8 -o mine.json
+
+  planner compare mine.json plans/ppo.json; planner explain mine.json
+"""
+
+
+class Source(str, Enum):
+    verl = "verl"
+    openrlhf = "openrlhf"
+    megatron = "megatron"
+    deepspeed = "deepspeed"
+
+
+def import_cmd(
+    source_kind: Annotated[Source, typer.Option("--from", help="The engine the config is for.")],
+    source: Annotated[str, typer.Argument(help="Config file, flags string or script (see above); '-' for none (verl).")],
+    args: Annotated[Optional[list[str]], typer.Argument(help="verl: Hydra overrides key=value.")] = None,
+    cluster: Annotated[str, typer.Option("--cluster", help="GPU:NODESxPER_NODE the config runs on.")] = "",
+    model: Annotated[Optional[list[str]], typer.Option("--model", help="ROLE=SPEC for a role whose path is not a preset or local directory.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option("--seq-len", min=1, help="deepspeed: tokens per sequence.")] = None,
+    pp: Annotated[int, typer.Option("--pp", min=1, help="deepspeed: pipeline stages of its PipelineModule.")] = 1,
+    world: Annotated[Optional[int], typer.Option("--world", min=1, help="megatron, deepspeed: GPUs of the job [default: the cluster's].")] = None,
+    prompt_len: Annotated[Optional[int], typer.Option("--prompt-len", min=1, help="openrlhf without --rollout.max_new_tokens: prompt tokens.")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Plan file to write [default: stdout summary only].")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON.")] = False,
+) -> None:
+    from planner import imports
+    from planner.pinned import pinned_plan
+    from planner.render import make_console, print_plan
+    from plans.cluster import parse_cluster
+    from plans.io import check_output
+    from plans.plan import plan_to_json, save_plan
+
+    if not cluster:
+        raise PlannerError("--cluster is required: the GPUs the config runs on", hint="e.g. --cluster a100-80gb:1x8")
+    spec = parse_cluster(cluster)
+    models: dict[str, str] = {}
+    for m in model or []:
+        role, eq, value = m.partition("=")
+        if not eq or role not in ("actor", "critic", "reward", "model") or not value:
+            raise PlannerError(f"--model {m!r} is not ROLE=SPEC", hint="roles: actor, critic, reward, model")
+        models[role] = value
+    if output is not None:
+        check_output(output)
+    import shlex
+
+    extra = list(args or [])
+    if extra and source_kind is Source.deepspeed:
+        raise PlannerError(f"unexpected arguments {' '.join(extra)!r} after the DeepSpeed config")
+    # Flags may come quoted as one string, as a script, or unquoted after the planner's own options.
+    words = imports.command_words(shlex.join([source, *extra]) if extra else source) \
+        if source_kind in (Source.openrlhf, Source.megatron) else []
+    if source_kind is Source.verl:
+        tree = imports.verl_config(None if source == "-" else Path(source), extra)
+        got = imports.from_verl(tree, spec, models)
+    elif source_kind is Source.openrlhf:
+        got = imports.from_openrlhf(words, spec, models, prompt_len=prompt_len)
+    elif source_kind is Source.megatron:
+        got = imports.from_megatron(words, spec, models, world=world)
+    else:
+        got = imports.from_deepspeed(imports.read_json(Path(source)), spec, models, world=world, seq_len=seq_len, pp=pp)
+    plan = pinned_plan(got.graph, spec, got.placements, method=f"imported from {source_kind.value}")
+    if output is not None:
+        save_plan(plan, output)
+    if as_json:
+        typer.echo(plan_to_json(plan), nl=False)
+        return
+    console = make_console()
+    print_plan(plan, console)
+    for note in got.notes:
+        console.print(f"note: {escape(note)}", highlight=False)
+    if plan.search.status != "fits":
+        console.print(f"[bold red]the config exceeds GPU memory[/] (peak {plan.estimate.peak_mem_bytes / 2**30:.1f} "
+                      f"GiB of {spec.mem_bytes / 2**30:.0f} GiB per GPU, as costed)")
+    if output is not None:
+        console.print(f"wrote {output}", highlight=False)
+
+
 def schema() -> None:
     """Print the JSON Schema of the plan format."""
     from plans.plan import Plan
@@ -297,3 +393,6 @@ def register(app: typer.Typer) -> None:
     app.command()(validate)
     app.command()(compare)
     app.command()(schema)
+    # Engine flags (--actor.num_nodes ...) pass through unquoted: options the planner does not know
+    # are SOURCE/ARGS words.
+    app.command("import", help=IMPORT_HELP, context_settings={"ignore_unknown_options": True})(import_cmd)

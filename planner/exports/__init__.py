@@ -1,8 +1,11 @@
 """A plan in the terms of the engines people already run: Megatron-LM, DeepSpeed, verl, OpenRLHF.
 
-Each exporter maps what the target can express (parallel degrees, batch sizes, placement, ZeRO,
-recompute) with its documented flag or key names (cited in each module), and lists every choice
-of the plan it cannot express, so nobody mistakes the export for the plan.
+Each exporter targets one release of its engine (`TARGETS`: Megatron-LM core_v0.19.0, DeepSpeed
+0.19, verl 0.9, OpenRLHF 0.11), maps what it can express (parallel degrees, batch sizes on the
+engine's own data-parallel size, placement and colocation, ZeRO, recompute, the KV budget) with
+that release's key names and defaults (cited in each module), lists every choice of the plan it
+cannot express, and refuses a plan it cannot run at all. `make test-engines` feeds every export
+of a plan matrix to the engines' own parsers and validators.
 
     exp = export_plan(plan, "verl")
     print(exp.text)            # what to run
@@ -24,14 +27,31 @@ EXPORTERS: dict[str, Callable[..., Export]] = {
     "verl": verl.export,
     "openrlhf": openrlhf.export,
 }
+# The release each exporter targets (names, defaults and checks come from it), and the versions
+# `--target-version` accepts for it (a release or a prefix of one).
+TARGETS: dict[str, str] = {"megatron": megatron.VERSION, "deepspeed": deepspeed.VERSION, "verl": verl.VERSION,
+                           "openrlhf": openrlhf.VERSION}
+VERSIONS: dict[str, tuple[str, ...]] = {"megatron": ("core_v0.19.0", "0.19"), "deepspeed": ("0.19",),
+                                        "verl": ("0.9",), "openrlhf": ("0.11",)}
 
 
-def export_plan(plan: Plan, target: str, *, call: str | None = None) -> Export:
+def check_version(target: str, version: str) -> None:
+    """A `PlannerError` unless `version` is a release of `target` the exporter supports."""
+    v = version.strip().removeprefix("v")
+    if not any(v == ok or v.startswith(ok + ".") or v == ok.removeprefix("core_v") for ok in VERSIONS[target]):
+        raise PlannerError(f"--target-version {version!r}: the {target} exporter targets {TARGETS[target]} only",
+                           hint=f"supported: {', '.join(VERSIONS[target])}; other releases rename keys and flags")
+
+
+def export_plan(plan: Plan, target: str, *, call: str | None = None, version: str | None = None) -> Export:
     """Export `plan` to `target` (one of `EXPORTERS`); `call` picks one train call where the
-    target configures a single model (megatron, deepspeed)."""
+    target configures a single model (megatron, deepspeed); `version` checks the release asked
+    for is the one the exporter targets."""
     if target not in EXPORTERS:
         raise PlannerError(f"unknown export target {target!r}", hint=f"targets: {', '.join(EXPORTERS)}")
+    if version is not None:
+        check_version(target, version)
     return EXPORTERS[target](plan, call=call)
 
 
-__all__ = ["EXPORTERS", "Export", "export_plan"]
+__all__ = ["EXPORTERS", "TARGETS", "VERSIONS", "Export", "check_version", "export_plan"]

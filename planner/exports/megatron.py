@@ -98,8 +98,8 @@ def parallel_flags(plan: Plan, call: PlanCall, limits: list[str], notes: list[st
     if lay.zero in (1, 2):
         flags.append(("--use-distributed-optimizer", None))
         if lay.zero == 2:
-            notes.append(f"{call.name}: ZeRO-2 maps to the distributed optimizer, which shards optimizer states and "
-                         "reduce-scatters gradients but keeps a full gradient buffer per rank (ZeRO-1 memory)")
+            limits.append(f"{call.name}: ZeRO-2; Megatron-LM's distributed optimizer shards optimizer states and "
+                          "reduce-scatters gradients but keeps a full gradient buffer per rank (ZeRO-1 memory)")
     elif lay.zero == 3:
         # Megatron FSDP checkpoints only in its own format (validate_args).
         flags += [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads_params"),

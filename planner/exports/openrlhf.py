@@ -143,7 +143,14 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
     cp = _one_value(deepspeed, "ring-attention size", lambda c: c.layout.cp, limits)
     if cp > 1:
         flags += [("--ds.ring_attn_size", cp), ("--ds.packing_samples", None)]
+    for c in (r.ref_inference, r.critic_inference, r.reward_inference):
+        want = 3 if zero == 3 else 0
+        if c is not None and c.layout.dp > 1 and c.layout.zero != want:
+            limits.append(f"{c.name}: ZeRO-{c.layout.zero}; OpenRLHF's forward-only models use ZeRO-{want} with "
+                          f"--ds.zero_stage {zero}")
     for c in deepspeed:
+        if c.layout.sequence_parallel and c.layout.tp > 1:
+            limits.append(f"{c.name}: Megatron-style sequence parallelism over tp; DeepSpeed's AutoTP has none")
         if c.layout.pp > 1:
             limits.append(f"{c.name}: pipeline parallel pp={c.layout.pp}; OpenRLHF's DeepSpeed models have none")
     if gen.layout.pp > 1 or gen.layout.micro_batches > 1 or gen.decode_layout not in (None, gen.layout):

@@ -95,6 +95,10 @@ def _layout_limits(r: Roles, strategy: str) -> list[str]:
     if gen.layout.micro_batches > 1:
         out.append(f"{gen.name}: generation in {gen.layout.micro_batches} waves per replica; vLLM schedules "
                    "sequences itself (max_num_seqs)")
+    for c in (r.ref_inference, r.critic_inference):
+        if c is not None and strategy == "fsdp" and c.layout.dp > 1 and c.layout.zero != 3:
+            out.append(f"{c.name}: parameters replicated over dp={c.layout.dp}; verl's FSDP workers shard them "
+                       "(ZeRO-3) and gather them for each forward")
     for c in (r.actor_train, r.critic_train):
         if c is None:
             continue

@@ -44,3 +44,13 @@ def ids(paths: list[Path]) -> list[str]:
 def _quiet_env(monkeypatch):  # noqa: ANN001, ANN202
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+def planner(*args: str) -> "subprocess.CompletedProcess[str]":
+    """The project's `planner` CLI (PLANNER: its path in the project's venv; make test-engines sets it)."""
+    import subprocess
+
+    exe = os.environ.get("PLANNER")
+    if not exe:
+        raise RuntimeError("PLANNER is not set: run the engine tests with make test-engines")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600)

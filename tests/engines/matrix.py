@@ -77,6 +77,8 @@ def plans() -> dict[str, Plan]:
         "ppo_7b_colocated_z3": (ppo7, _colocated(ppo7, Layout(dp=16, zero=3, micro_batches=4))),
         "ppo_7b_colocated_tp2_z1": (ppo7, _colocated(ppo7, Layout(dp=8, tp=2, zero=1, micro_batches=4,
                                                                   sequence_parallel=True))),
+        "grpo_7b_tp2_z1": (grpo7, _colocated(grpo7, Layout(dp=4, tp=2, zero=1, micro_batches=16,
+                                                           sequence_parallel=True))),
     }
     for name, (base, layouts) in variants.items():
         out[name] = _relayout(base, layouts, name)
@@ -87,7 +89,10 @@ def _colocated(plan: Plan, train: Layout) -> dict[str, Layout]:
     """Every call of the plan on all its GPUs: trains with `train`, the others with its degrees."""
     out = {}
     for c in plan.calls:
-        out[c.name] = train if c.kind == "train" else Layout(dp=train.dp, tp=train.tp, pp=train.pp,
+        # Forward calls share the training degrees; under ZeRO-3 their parameters stay sharded too
+        # (FSDP), except generation, which an engine runs on its own full copy.
+        zero = 3 if train.zero == 3 and c.kind == "inference" else 0
+        out[c.name] = train if c.kind == "train" else Layout(dp=train.dp, tp=train.tp, pp=train.pp, zero=zero,
                                                               micro_batches=1)
     return out
 

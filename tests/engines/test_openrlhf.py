@@ -22,7 +22,7 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import exports, ids, load, plan_of, words
+from conftest import exports, ids, load, plan_of, planner, words
 
 import openrlhf
 
@@ -202,3 +202,46 @@ def test_openrlhf_runs_each_export_to_the_ray_launch(path, monkeypatch) -> None:
                   for c in plan["calls"])
     assert (args.algo.kl.init_coef > 0) == has_ref
     assert seen.engines is not None and seen.engines["gpu_memory_utilization"] < 1
+
+
+# The flags of OpenRLHF's examples/scripts/train_ppo_ray_hybrid_engine.sh (OpenRLHF v0.11.0; the
+# scripts are not in the wheel), model and data names as there.
+EXAMPLE = """
+   --ref.num_nodes 1 --ref.num_gpus_per_node 8 --reward.num_nodes 1 --reward.num_gpus_per_node 8
+   --critic.num_nodes 1 --critic.num_gpus_per_node 8 --actor.num_nodes 1 --actor.num_gpus_per_node 8
+   --vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all --vllm.gpu_memory_utilization 0.5
+   --actor.model_name_or_path OpenRLHF/Llama-3-8b-sft-mixture --reward.model_name_or_path OpenRLHF/Llama-3-8b-rm-700k
+   --ckpt.output_dir /openrlhf/examples/test_scripts/final/llama3-8b-rlhf
+   --ckpt.path /openrlhf/examples/test_scripts/ckpt/llama3-8b-rlhf --ckpt.save_hf
+   --train.batch_size 128 --rollout.batch_size 1024 --rollout.n_samples_per_prompt 1 --train.max_epochs 1
+   --data.max_len 2048 --data.max_samples 100000 --ds.zero_stage 3 --ds.param_dtype bf16 --actor.adam.lr 5e-7
+   --critic.adam.lr 9e-6 --algo.kl.init_coef 0.01 --data.prompt_dataset OpenRLHF/prompt-collection-v0.1
+   --data.input_key context_messages --data.apply_chat_template --reward.normalize_enable
+   --actor.gradient_checkpointing_enable --ds.packing_samples --vllm.sync_backend nccl --vllm.enforce_eager
+   --vllm.enable_sleep --ds.enable_sleep --train.dynamic_batch_enable --train.max_tokens_per_gpu 16384
+"""
+
+
+def test_openrlhfs_example_script_imports_into_a_valid_plan(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    argv = EXAMPLE.split()
+    seen = run_script(argv, monkeypatch)  # OpenRLHF 0.11.2 takes these flags
+    assert gpus_taken(seen) == 8
+    out = tmp_path / "example.json"
+    r = planner("import", "--from", "openrlhf", " ".join(argv), "--model", "actor=llama-3-8b",
+                "--model", "reward=llama-3-8b", "--cluster", "a100-80gb:1x8", "-o", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "not costed: --ds.packing_samples" in r.stdout.replace("\n", " ") or "not costed" in r.stdout
+    r = planner("validate", str(out))
+    assert "not executable" not in r.stdout + r.stderr, r.stdout + r.stderr
+    calls = {c["name"]: c for c in json.loads(out.read_text())["calls"]}
+    args = seen.args
+    gen = calls["actor_generate"]
+    assert (gen["layout"]["dp"], gen["layout"]["tp"]) == (args.vllm.num_engines, args.vllm.tensor_parallel_size)
+    assert gen["seqs"] == args.rollout.batch_size * args.rollout.n_samples_per_prompt
+    train = calls["actor_train"]
+    assert train["layout"]["zero"] == args.ds.zero_stage and len(train["mesh"]["ranks"]) == 8
+    assert train["minibatches"] == args.rollout.batch_size // args.train.batch_size
+    assert set(calls) == {"actor_generate", "reward_inference", "ref_inference", "critic_inference", "actor_train",
+                          "critic_train"}

@@ -1,0 +1,67 @@
+"""A plan whose placements are given, not searched: costed and scheduled like any plan.
+
+`planner import` uses it to price a user's own engine config (verl, OpenRLHF, Megatron-LM,
+DeepSpeed) with the same cost model, simulator and plan format the search uses, so `planner
+compare imported.json plan.json` and `planner explain` treat both alike.
+
+    plan = pinned_plan(graph, cluster, {"actor_train": (mesh, layout, None), ...}, method="verl config")
+"""
+
+from __future__ import annotations
+
+import math
+
+from cost_models import CostModel
+from planner.candidates import Candidate
+from planner.compile import build_plan
+from planner.problem import Problem, Slot, handle_bytes
+from planner.simulate import simulate
+from plans.cluster import ClusterSpec
+from plans.errors import PlannerError
+from plans.graph import Graph
+from plans.layout import Layout, Mesh
+from plans.plan import Plan, SearchInfo
+from plans.sharding import layout_problems
+
+Placement = tuple[Mesh, Layout, Layout | None]
+
+
+def pinned_plan(graph: Graph, cluster: ClusterSpec, placements: dict[str, Placement], *, method: str,
+                calibration=None) -> Plan:  # noqa: ANN001 - a Calibration
+    """The plan that runs each call of `graph` with its given (mesh, layout, decode layout)."""
+    missing = [c.name for c in graph.calls if c.name not in placements]
+    if missing:
+        raise PlannerError(f"no placement for calls {', '.join(missing)}")
+    cm = CostModel(cluster) if calibration is None else CostModel(cluster, calibration=calibration)
+    order = graph.topo_order()
+    index = {name: i for i, name in enumerate(order)}
+    home_name = graph.home_calls()
+    slots = []
+    for name in order:
+        call = graph.call(name)
+        mesh, lay, dec = placements[name]
+        if mesh.ranks[-1] >= cluster.world_size:
+            raise PlannerError(f"{name}: GPUs {mesh.short()} are beyond the cluster's {cluster.world_size}",
+                               hint="give the cluster the config runs on with --cluster")
+        if lay.size != mesh.size:
+            raise PlannerError(f"{name}: layout {lay.short()} needs {lay.size} GPUs, the config gives it {mesh.size}")
+        decl = graph.models[call.model]
+        bad = layout_problems(decl.spec, lay)
+        if bad:
+            raise PlannerError(f"{name}: layout {lay.short()} cannot shard {call.model}: {bad[0]}")
+        view = decl if call.kind == "train" else decl.model_copy(update={"trainable": False})
+        cost = cm.call_cost(call, view, mesh, lay, decode_layout=dec)
+        home = None if home_name[call.model] == name else index[home_name[call.model]]
+        slots.append(Slot(index[name], call, [Candidate(mesh, lay, cost, dec)], home))
+    edge_bytes: dict[tuple[int, int], int] = {}
+    for p, c, _ in graph.edges():
+        edge_bytes[index[p], index[c]] = edge_bytes.get((index[p], index[c]), 0) + handle_bytes(graph.call(p))
+    edges = [(i, j, b) for (i, j), b in edge_bytes.items()]
+    # Atoms must tile every mesh, wherever it starts.
+    cuts = {cluster.world_size} | {x for s in slots for c in s.cands for x in (c.mesh.first, c.mesh.size) if x}
+    problem = Problem(graph, cm, slots, edges, atom_size=math.gcd(*cuts), unroll=2, symmetric=False)
+    choice = [0] * len(slots)
+    sched = simulate(problem, choice)
+    info = SearchInfo(method=method, wall_s=None, lower_bound_s=None, gap=None, candidates=len(slots),
+                      status="fits" if sched.mem_ok else "exceeds GPU memory")
+    return build_plan(problem, choice, sched, info)

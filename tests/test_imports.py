@@ -1,0 +1,137 @@
+"""`planner import`: an engine config becomes the plan it amounts to; export then import gives back
+the plan's layouts for every target wherever the export expressed them; bad configs are clear
+errors. (That the engines accept the exports is `make test-engines`.)"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from functools import cache
+
+import pytest
+
+from planner import imports
+from planner.exports import export_plan
+from planner.pinned import pinned_plan
+from plans.cluster import parse_cluster
+from plans.errors import PlannerError
+from plans.plan import Plan, save_plan
+from tests.engines.matrix import plans as matrix_plans
+
+
+@cache
+def matrix() -> dict[str, Plan]:
+    return matrix_plans()
+
+
+def _overrides(text: str) -> list[str]:
+    body = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+    return [w for w in shlex.split(body.replace("\\\n", " ")) if "=" in w]
+
+
+def imported(plan: Plan, target: str, call: str | None, models: dict[str, str]) -> Plan:
+    exp = export_plan(plan, target, call=call)
+    if target == "verl":
+        got = imports.from_verl(imports.verl_config(None, _overrides(exp.text)), plan.cluster, models)
+    elif target == "openrlhf":
+        got = imports.from_openrlhf(imports.command_words(exp.text), plan.cluster, models)
+    elif target == "megatron":
+        c = next(x for x in plan.calls if x.name == call)
+        got = imports.from_megatron(imports.command_words(exp.text), plan.cluster, models, world=c.mesh.size)
+    else:
+        c = next(x for x in plan.calls if x.name == call)
+        got = imports.from_deepspeed(exp.data, plan.cluster, models, world=c.mesh.size, seq_len=c.seq_len,
+                                     pp=c.layout.pp)
+    return pinned_plan(got.graph, plan.cluster, got.placements, method=f"imported from {target}")
+
+
+# Plans each target expresses whole (an empty cannot_express), from the engine-test matrix.
+EXPRESSED = [("grpo_7b", "openrlhf", None), ("ppo_7b_colocated_z3", "openrlhf", None),
+             ("ppo_7b_colocated_z3", "verl", None), ("grpo_7b_tp2_z1", "verl", None),
+             ("sft_70b_pp_interleave", "megatron", "model_train"), ("sft_7b_tp2_sp_z1", "megatron", "model_train"),
+             ("sft_7b_z3_full", "megatron", "model_train"), ("sft_7b", "deepspeed", "model_train")]
+
+
+@pytest.mark.parametrize(("name", "target", "call"), EXPRESSED, ids=[f"{n}-{t}" for n, t, _ in EXPRESSED])
+def test_export_then_import_gives_back_the_layouts(name, target, call) -> None:  # noqa: ANN001
+    plan = matrix()[name]
+    exp = export_plan(plan, target, call=call)
+    assert exp.cannot_express == [], exp.cannot_express
+    models = {role: plan.models[m].spec.name for role, m in
+              (("actor", "actor"), ("critic", "critic"), ("reward", "reward"), ("model", "model")) if m in plan.models}
+    if target in ("megatron", "deepspeed"):
+        models = {"model": plan.models[next(c for c in plan.calls if c.name == call).model].spec.name}
+    back = imported(plan, target, call, models)
+    want = {c.name: (c.mesh.size, c.layout) for c in plan.calls if call is None or c.name == call}
+    got = {c.name: (c.mesh.size, c.layout) for c in back.calls}
+    if call is not None:  # a one-job target imports as a training job
+        (got_layout,) = got.values()
+        assert got_layout == want[call]
+    else:
+        assert got == want
+    assert back.estimate.iteration_s > 0 and back.search.method == f"imported from {target}"
+
+
+def test_a_partial_export_imports_as_what_the_engine_would_run() -> None:
+    """Where the export differs from the plan (its cannot_express), the import is the engine's
+    layout: the ZeRO stage verl's FSDP workers use, not the plan's."""
+    plan = matrix()["ppo_7b"]
+    exp = export_plan(plan, "verl")
+    assert any("ZeRO-2" in x for x in exp.cannot_express)
+    back = imported(plan, "verl", None, {"actor": "llama-2-7b", "critic": "llama-2-7b", "reward": "llama-2-7b"})
+    assert {c.layout.zero for c in back.calls if c.kind == "train"} <= {1, 3}
+
+
+def test_import_cli_costs_a_verl_config_from_its_defaults(cli, tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "mine.json"
+    r = cli("import", "--from", "verl", "-", "actor_rollout_ref.model.path=llama-2-7b", "critic.model.path=llama-2-7b",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8", "algorithm.use_kl_in_reward=True",
+            "--cluster", "a100-80gb:1x8", "-o", str(out))
+    assert r.code == 0, r.err
+    plan = json.loads(out.read_text())
+    calls = {c["name"]: c for c in plan["calls"]}
+    # verl 0.9.1 defaults: 1024 prompts, mini-batches of 256, rollout tp 2, FSDP (ZeRO-3) on 8 GPUs.
+    assert calls["actor_generate"]["seqs"] == 1024 and calls["actor_train"]["minibatches"] == 4
+    assert calls["actor_generate"]["layout"]["tp"] == 2 and calls["actor_train"]["layout"]["zero"] == 3
+    assert calls["actor_train"]["layout"]["recompute"] == "full"  # verl checkpoints gradients by default
+    r = cli("validate", str(out))
+    assert r.code == 0, r.out + r.err
+    other = tmp_path / "plan.json"
+    save_plan(matrix()["ppo_7b"], other)
+    r = cli("compare", str(out), str(other), "--json")
+    assert r.code == 0 and len(json.loads(r.out)) == 2
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--from", "openrlhf", "--actor_num_nodes 1 --vllm_num_engines 2"], "OpenRLHF 0.11 has no flags --actor_num_nodes"),
+    (["--from", "openrlhf", "--vllm.num_engines 4 --vllm.tensor_parallel_size 2 --rollout.max_new_tokens 512 "
+      "--actor.model_name_or_path llama-2-7b --reward.model_name_or_path llama-2-7b"], "ask Ray for 40 GPUs"),
+    (["--from", "verl", "-", "actor_rollout_ref.model.path=meta-llama/Llama-2-7b-hf"], "--model actor="),
+    (["--from", "verl", "-", "actor_rollout_ref.model.path=llama-2-7b", "critic.model.path=llama-2-7b"],
+     "does not set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    (["--from", "megatron", "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --vocab-size 32000 "
+      "--seq-length 4096 --tensor-model-parallel-size 3"], "does not split evenly"),
+    (["--from", "deepspeed", "MISSING.json"], "cannot read DeepSpeed config"),
+])
+def test_import_errors_say_what_is_wrong(cli, argv, message) -> None:  # noqa: ANN001
+    r = cli("import", *argv, "--cluster", "a100-80gb:2x8")
+    assert r.code == 2 and message in r.err, r.err
+
+
+def test_importers_read_engine_defaults_not_guesses() -> None:
+    cluster = parse_cluster("h100-sxm:1x8")
+    got = imports.from_openrlhf(imports.command_words(
+        "python3 -m openrlhf.cli.train_ppo_ray --vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all "
+        "--actor.model_name_or_path llama-3-8b --reward.model_name_or_path llama-3-8b --rollout.max_new_tokens 1024"),
+        cluster, {})
+    gen = got.placements["actor_generate"][1]
+    train = got.placements["actor_train"][1]
+    # OpenRLHF 0.11.2 defaults: ZeRO-2, --train.batch_size 128 of --rollout.batch_size 1024, micro-batch 1.
+    assert (gen.dp, gen.tp) == (4, 2) and train.zero == 2 and train.micro_batches == 128 // 8
+    assert got.graph.call("actor_train").minibatches == 1024 // 128
+    with pytest.raises(PlannerError, match="colocate_all with 4 engines x tp 2 on 16"):
+        imports.from_openrlhf(imports.command_words(
+            "--vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all --actor.num_nodes 2 "
+            "--actor.model_name_or_path llama-3-8b --reward.model_name_or_path llama-3-8b"), parse_cluster("h100-sxm:2x8"), {})
