@@ -577,7 +577,7 @@ def from_megatron(words: list[str], cluster: ClusterSpec, models: dict[str, str]
 
     f = flag_values(words)
     size = world or cluster.world_size
-    model = models.get("model") or resolve_model(_megatron_spec(f))
+    model = resolve_model(models["model"]) if "model" in models else resolve_model(_megatron_spec(f))
     tp, pp, cp = (_int(f.get(k, 1), "--" + k) for k in
                   ("tensor-model-parallel-size", "pipeline-model-parallel-size", "context-parallel-size"))
     dp = _div(size, tp * pp * cp, f"{size} GPUs over tp x pp x cp")
@@ -587,7 +587,7 @@ def from_megatron(words: list[str], cluster: ClusterSpec, models: dict[str, str]
     seq = _int(f.get("seq-length", 0), "--seq-length")
     if seq < 1:
         raise PlannerError("the Megatron-LM flags lack --seq-length")
-    layers = model.num_hidden_layers if hasattr(model, "num_hidden_layers") else resolve_model(model).num_hidden_layers
+    layers = model.num_hidden_layers
     interleave = 1
     if "num-layers-per-virtual-pipeline-stage" in f:
         interleave = _div(layers, pp * _int(f["num-layers-per-virtual-pipeline-stage"], "vpp layers"),
@@ -595,7 +595,7 @@ def from_megatron(words: list[str], cluster: ClusterSpec, models: dict[str, str]
     elif "num-virtual-stages-per-pipeline-rank" in f:
         interleave = _int(f["num-virtual-stages-per-pipeline-rank"], "--num-virtual-stages-per-pipeline-rank")
     zero = 3 if f.get("use-megatron-fsdp") else (1 if f.get("use-distributed-optimizer") else 0)
-    rc = {"full": "full", "selective": "selective"}.get(f.get("recompute-granularity"), "none")
+    rc = {"full": "full", "selective": "selective"}.get(str(f.get("recompute-granularity", "")), "none")
     lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=_zero(zero, dp), interleave=interleave, recompute=rc,
                  sequence_parallel=bool(f.get("sequence-parallel")) and tp > 1,
                  micro_batches=_div(gbs, dp * micro, "--global-batch-size over dp x --micro-batch-size"))

@@ -47,7 +47,7 @@ def imported(plan: Plan, target: str, call: str | None, models: dict[str, str]) 
 
 # Plans each target expresses whole (an empty cannot_express), from the engine-test matrix.
 EXPRESSED = [("grpo_7b", "openrlhf", None), ("ppo_7b_colocated_z3", "openrlhf", None),
-             ("ppo_7b_colocated_z3", "verl", None), ("grpo_7b_tp2_z1", "verl", None),
+             ("grpo_7b_z3", "verl", None), ("grpo_7b_tp2_z1", "verl", None),
              ("sft_70b_pp_interleave", "megatron", "model_train"), ("sft_7b_tp2_sp_z1", "megatron", "model_train"),
              ("sft_7b_z3_full", "megatron", "model_train"), ("sft_7b", "deepspeed", "model_train")]
 

@@ -153,7 +153,8 @@ def test_verl_fsdp_critic_gets_its_forward_micro_batch() -> None:
     o = _overrides(exp.text)
     assert _words(exp.text)[3:5] != ["--config-name", "ppo_megatron_trainer"]
     assert int(o["critic.forward_micro_batch_size_per_gpu"]) >= 1
-    assert exp.cannot_express == []
+    # FSDP shards the critic's and the reference's parameters for their forwards; the plan replicated them.
+    assert any("critic_inference: parameters replicated" in x for x in exp.cannot_express)
 
 
 def test_verl_states_per_role_placements() -> None:

@@ -18,11 +18,11 @@ from typing import Any
 from planner.exports.common import (
     Export,
     comment_block,
-    refuse,
     common_limits,
     flags_dict,
     micro_batch_per_gpu,
     optimizer_batch,
+    refuse,
     shell_command,
 )
 from plans.errors import PlannerError

@@ -255,6 +255,9 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
         if ri.layout.pp > 1:
             limits.append(f"{ri.name}: pipeline parallel pp={ri.layout.pp}; verl serves the reward model with a "
                           "tensor-parallel size only")
+        if ri.layout.zero or ri.layout.micro_batches > 1:
+            limits.append(f"{ri.name}: {ri.layout.short()}; verl serves the reward model with vLLM, a full copy per "
+                          "tensor-parallel group that schedules sequences itself")
         if reward_pool is not None:
             nodes, per = nodes_and_gpus(reward_pool, gpn)
             rw.update(enable_resource_pool=True, nnodes=nodes, n_gpus_per_node=per)

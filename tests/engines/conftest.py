@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -46,10 +47,8 @@ def _quiet_env(monkeypatch):  # noqa: ANN001, ANN202
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
-def planner(*args: str) -> "subprocess.CompletedProcess[str]":
+def planner(*args: str) -> subprocess.CompletedProcess[str]:
     """The project's `planner` CLI (PLANNER: its path in the project's venv; make test-engines sets it)."""
-    import subprocess
-
     exe = os.environ.get("PLANNER")
     if not exe:
         raise RuntimeError("PLANNER is not set: run the engine tests with make test-engines")

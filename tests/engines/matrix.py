@@ -77,6 +77,7 @@ def plans() -> dict[str, Plan]:
         "ppo_7b_colocated_z3": (ppo7, _colocated(ppo7, Layout(dp=16, zero=3, micro_batches=4))),
         "ppo_7b_colocated_tp2_z1": (ppo7, _colocated(ppo7, Layout(dp=8, tp=2, zero=1, micro_batches=4,
                                                                   sequence_parallel=True))),
+        "grpo_7b_z3": (grpo7, _colocated(grpo7, Layout(dp=8, zero=3, micro_batches=16))),
         "grpo_7b_tp2_z1": (grpo7, _colocated(grpo7, Layout(dp=4, tp=2, zero=1, micro_batches=16,
                                                            sequence_parallel=True))),
     }

@@ -21,10 +21,9 @@ import sys
 import types
 from pathlib import Path
 
+import openrlhf
 import pytest
 from conftest import exports, ids, load, plan_of, planner, words
-
-import openrlhf
 
 EXPORTS = exports("openrlhf")
 SCRIPT = Path(openrlhf.__file__).parent / "cli" / "train_ppo_ray.py"

@@ -65,11 +65,10 @@ def test_verl_composes_and_validates_each_export(path) -> None:  # noqa: ANN001
 def test_verls_own_trainer_config_imports_into_a_valid_plan(config, tmp_path) -> None:  # noqa: ANN001
     """verl's shipped trainer config, with only what it requires set (a model, the rollout engine,
     micro-batches), composed and resolved by verl's Hydra config, is what `planner import` reads."""
+    import verl
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
-
-    import verl
 
     model = str((ROOT / "models" / "ppo_7b.actor").resolve())
     required = [f"actor_rollout_ref.model.path={model}", f"critic.model.path={model}",
