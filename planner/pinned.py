@@ -14,11 +14,11 @@ import math
 from cost_models import CostModel
 from planner.candidates import Candidate
 from planner.compile import build_plan
-from planner.problem import Problem, Slot, handle_bytes
+from planner.problem import Problem, graph_slots, slot_edges
 from planner.simulate import simulate
 from plans.cluster import ClusterSpec
 from plans.errors import PlannerError
-from plans.graph import Graph
+from plans.graph import Call, Graph
 from plans.layout import Layout, Mesh
 from plans.plan import Plan, SearchInfo
 from plans.sharding import layout_problems
@@ -33,13 +33,10 @@ def pinned_plan(graph: Graph, cluster: ClusterSpec, placements: dict[str, Placem
     if missing:
         raise PlannerError(f"no placement for calls {', '.join(missing)}")
     cm = CostModel(cluster) if calibration is None else CostModel(cluster, calibration=calibration)
-    order = graph.topo_order()
-    index = {name: i for i, name in enumerate(order)}
-    home_name = graph.home_calls()
-    slots = []
-    for name in order:
-        call = graph.call(name)
-        mesh, lay, dec = placements[name]
+
+    def candidate(call: Call) -> list[Candidate]:
+        mesh, lay, dec = placements[call.name]
+        name = call.name
         if mesh.ranks[-1] >= cluster.world_size:
             raise PlannerError(f"{name}: GPUs {mesh.short()} are beyond the cluster's {cluster.world_size}",
                                hint="give the cluster the config runs on with --cluster")
@@ -50,13 +47,10 @@ def pinned_plan(graph: Graph, cluster: ClusterSpec, placements: dict[str, Placem
         if bad:
             raise PlannerError(f"{name}: layout {lay.short()} cannot shard {call.model}: {bad[0]}")
         view = decl if call.kind == "train" else decl.model_copy(update={"trainable": False})
-        cost = cm.call_cost(call, view, mesh, lay, decode_layout=dec)
-        home = None if home_name[call.model] == name else index[home_name[call.model]]
-        slots.append(Slot(index[name], call, [Candidate(mesh, lay, cost, dec)], home))
-    edge_bytes: dict[tuple[int, int], int] = {}
-    for p, c, _ in graph.edges():
-        edge_bytes[index[p], index[c]] = edge_bytes.get((index[p], index[c]), 0) + handle_bytes(graph.call(p))
-    edges = [(i, j, b) for (i, j), b in edge_bytes.items()]
+        return [Candidate(mesh, lay, cm.call_cost(call, view, mesh, lay, decode_layout=dec), dec)]
+
+    slots, index = graph_slots(graph, candidate)
+    edges = slot_edges(graph, index)
     # Atoms must tile every mesh, wherever it starts.
     cuts = {cluster.world_size} | {x for s in slots for c in s.cands for x in (c.mesh.first, c.mesh.size) if x}
     problem = Problem(graph, cm, slots, edges, atom_size=math.gcd(*cuts), unroll=2, symmetric=False)

@@ -17,6 +17,7 @@ keyed by relative position so symmetric pairs share one cost evaluation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cost_models import CostModel
@@ -199,23 +200,35 @@ def _group_by_key(cands: list[Candidate]) -> dict[tuple[int, ...], list[int]]:
     return out
 
 
-def build_problem(graph: Graph, cm: CostModel, space: SearchSpace, *, unroll: int = 2,
-                  candidates: dict[str, dict[int, list]] | None = None) -> Problem:
-    """Place every pruned candidate at every aligned position and index the graph."""
-    per_size = candidates if candidates is not None else graph_candidates(graph, cm, space)
+def graph_slots(graph: Graph, candidates_of: Callable[[Call], list[Candidate]]) -> tuple[list[Slot], dict[str, int]]:
+    """One slot per call in topological order, with its candidates and its model's home slot, and
+    the slot index of each call name."""
     order = graph.topo_order()
     index = {name: i for i, name in enumerate(order)}
     home_name = graph.home_calls()
     slots = []
     for name in order:
         call = graph.call(name)
-        cands = [placed(c, m) for size in sorted(per_size[name]) for c in per_size[name][size]
-                 for m in mesh_positions(cm.cluster, size)]
         home = None if home_name[call.model] == name else index[home_name[call.model]]
-        slots.append(Slot(index[name], call, cands, home))
+        slots.append(Slot(index[name], call, candidates_of(call), home))
+    return slots, index
+
+
+def slot_edges(graph: Graph, index: dict[str, int]) -> list[tuple[int, int, int]]:
+    """(producer slot, consumer slot, bytes): one edge per call pair, even when it carries several handles."""
     edge_bytes: dict[tuple[int, int], int] = {}
-    for p, c, _ in graph.edges():  # one edge per call pair, even when it carries several handles
+    for p, c, _ in graph.edges():
         edge_bytes[index[p], index[c]] = edge_bytes.get((index[p], index[c]), 0) + handle_bytes(graph.call(p))
-    edges = [(i, j, b) for (i, j), b in edge_bytes.items()]
+    return [(i, j, b) for (i, j), b in edge_bytes.items()]
+
+
+def build_problem(graph: Graph, cm: CostModel, space: SearchSpace, *, unroll: int = 2,
+                  candidates: dict[str, dict[int, list]] | None = None) -> Problem:
+    """Place every pruned candidate at every aligned position and index the graph."""
+    per_size = candidates if candidates is not None else graph_candidates(graph, cm, space)
+    slots, index = graph_slots(graph, lambda call: [placed(c, m) for size in sorted(per_size[call.name])
+                                                    for c in per_size[call.name][size]
+                                                    for m in mesh_positions(cm.cluster, size)])
+    edges = slot_edges(graph, index)
     sizes = {c.mesh.size for s in slots for c in s.cands} | {cm.cluster.world_size}
     return Problem(graph, cm, slots, edges, atom_size=math.gcd(*sizes), unroll=unroll, symmetric=True)

@@ -135,3 +135,14 @@ def test_importers_read_engine_defaults_not_guesses() -> None:
         imports.from_openrlhf(imports.command_words(
             "--vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all --actor.num_nodes 2 "
             "--actor.model_name_or_path llama-3-8b --reward.model_name_or_path llama-3-8b"), parse_cluster("h100-sxm:2x8"), {})
+
+
+def test_import_cli_takes_engine_flags_unquoted_and_says_when_a_config_does_not_fit(cli, tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "o.json"
+    r = cli("import", "--from", "openrlhf", "--vllm.num_engines", "4", "--vllm.tensor_parallel_size", "2",
+            "--train.colocate_all", "--actor.model_name_or_path", "llama-3-8b", "--reward.model_name_or_path",
+            "llama-3-8b", "--rollout.max_new_tokens", "1024", "--cluster", "h100-sxm:1x8", "-o", str(out))
+    assert r.code == 0, r.err
+    # OpenRLHF's default ZeRO-2 with four 8B models on each GPU: the cost model finds it does not fit.
+    assert "exceeds GPU memory" in r.out
+    assert json.loads(out.read_text())["search"]["status"] == "exceeds GPU memory"

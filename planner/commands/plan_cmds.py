@@ -286,21 +286,19 @@ def compare(plan_files: Annotated[list[Path], typer.Argument(help="Plan JSON fil
 
 IMPORT_HELP = """Cost your own engine config: build the plan it amounts to (meshes, layouts, batch).
 
-SOURCE is, by --from:
+SOURCE, by --from:
 
-  verl       a verl 0.9 config YAML (e.g. what `python -m verl.trainer.main_ppo --cfg job` prints),
-             or '-' for none; ARGS are Hydra overrides key=value (keys not given take verl 0.9.1's
-             defaults);
-  openrlhf   train_ppo_ray flags of OpenRLHF 0.11 in one quoted string, or a script running it;
-  megatron   pretrain_gpt.py flags of Megatron-LM core_v0.19.0, quoted, or a script running it;
-  deepspeed  a DeepSpeed 0.19 JSON config; give the model and sequence length its job sets in code
-             (--model model=SPEC --seq-len N, and --pp N for a PipelineModule).
+  verl: a verl 0.9 config YAML (as `main_ppo --cfg job` prints it) or '-'; ARGS are Hydra overrides key=value; keys not given take verl 0.9.1's defaults.
 
-Models named by a path that is neither a preset nor a local HF directory (a hub id, say) need
---model ROLE=SPEC (roles: actor, critic, reward; model for megatron and deepspeed). The plan is
-costed by the same model as `planner compile`; compare it with the planner's own:
+  openrlhf: train_ppo_ray flags of OpenRLHF 0.11, quoted, unquoted, or a script running it.
 
-  planner import --from verl - data.train_batch_size=256 actor_rollout_ref.model.path=llama-2-7b ... --cluster a100-80gb:1x8 -o mine.json
+  megatron: pretrain_gpt.py flags of Megatron-LM core_v0.19.0, the same ways.
+
+  deepspeed: a DeepSpeed 0.19 JSON config, with --model model=SPEC and --seq-len N (and --pp N for a PipelineModule), which its job sets in code.
+
+A model path that is neither a preset nor a local HF directory (a hub id) needs --model ROLE=SPEC (roles: actor, critic, reward; model for megatron and deepspeed). The plan is costed by the same model as `planner compile`:
+
+  planner import --from verl my_verl.yaml --cluster a100-80gb:1x8 -o mine.json
 
   planner import --from openrlhf run_ppo.sh --model actor=llama-3-8b --cluster h100-sxm:1x8 -o mine.json
 

@@ -53,3 +53,25 @@ def planner(*args: str) -> subprocess.CompletedProcess[str]:
     if not exe:
         raise RuntimeError("PLANNER is not set: run the engine tests with make test-engines")
     return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600)
+
+
+class DataParallelWorld:
+    """An mpu as DeepSpeed reads it: the data-parallel world of a job that is not running here."""
+
+    def __init__(self, dp: int) -> None:
+        self.dp = dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+
+@pytest.fixture(scope="session")
+def deepspeed_process_group():  # noqa: ANN201
+    """DeepSpeedConfig reads the rank from a process group: one gloo process of world size 1."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("ENGINE_TEST_PORT", "29561"), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    import deepspeed.comm as dist
+
+    if not dist.is_initialized():
+        dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    return dist

@@ -9,31 +9,11 @@ process group."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from conftest import exports, ids, load, plan_of
+from conftest import DataParallelWorld, exports, ids, load, plan_of
 
 EXPORTS = exports("deepspeed")
-
-
-class Grid:
-    def __init__(self, dp: int) -> None:
-        self.dp = dp
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.dp
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_process_group():  # noqa: ANN202
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("ENGINE_TEST_PORT", "29562"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    import deepspeed.comm as dist
-
-    if not dist.is_initialized():
-        dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    yield
+pytestmark = pytest.mark.usefixtures("deepspeed_process_group")
 
 
 @pytest.mark.parametrize("path", EXPORTS, ids=ids(EXPORTS))
@@ -50,7 +30,7 @@ def test_deepspeed_config_accepts_each_export(path, monkeypatch) -> None:  # noq
         return
     processes = len(call["mesh"]["ranks"])
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: processes)
-    mpu = Grid(processes // (lay["pp"] * lay["tp"])) if lay["pp"] > 1 else None
+    mpu = DataParallelWorld(processes // (lay["pp"] * lay["tp"])) if lay["pp"] > 1 else None
     cfg = DeepSpeedConfig(doc["settings"], mpu=mpu)
     assert cfg.zero_optimization_stage == lay["zero"]
     assert cfg.bfloat16_config.enabled if hasattr(cfg, "bfloat16_config") else cfg.bfloat16_enabled

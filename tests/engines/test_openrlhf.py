@@ -15,7 +15,6 @@ Stubbed, because they need a Ray cluster or GPUs (each records what OpenRLHF ask
 
 from __future__ import annotations
 
-import os
 import runpy
 import sys
 import types
@@ -23,9 +22,10 @@ from pathlib import Path
 
 import openrlhf
 import pytest
-from conftest import exports, ids, load, plan_of, planner, words
+from conftest import DataParallelWorld, exports, ids, load, plan_of, planner, words
 
 EXPORTS = exports("openrlhf")
+pytestmark = pytest.mark.usefixtures("deepspeed_process_group")
 SCRIPT = Path(openrlhf.__file__).parent / "cli" / "train_ppo_ray.py"
 
 
@@ -142,7 +142,7 @@ def ds_batch_ok(args, gpus: int) -> None:  # noqa: ANN001
     cfg["train_batch_size"] = args.train.batch_size * args.ds.ring_attn_size * args.ds.tensor_parallel_size
     for k in [k for k, v in cfg["zero_optimization"].items() if v == "auto"]:
         del cfg["zero_optimization"][k]  # "auto" is filled by HF's integration; DeepSpeed itself needs numbers
-    DeepSpeedConfig(cfg, mpu=_Mpu(gpus))
+    DeepSpeedConfig(cfg, mpu=DataParallelWorld(gpus))
 
 
 def _module(relative: str) -> types.ModuleType:
@@ -153,28 +153,6 @@ def _module(relative: str) -> types.ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-class _Mpu:
-    """DeepSpeed reads the data-parallel world from here instead of a live process group."""
-
-    def __init__(self, dp: int) -> None:
-        self.dp = dp
-
-    def get_data_parallel_world_size(self) -> int:
-        return self.dp
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_process_group():  # noqa: ANN202
-    """DeepSpeedConfig reads the rank from a process group: one gloo process of world size 1."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("ENGINE_TEST_PORT", "29561"), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    import deepspeed.comm as dist
-
-    if not dist.is_initialized():
-        dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-    yield
 
 
 @pytest.mark.parametrize("path", EXPORTS, ids=ids(EXPORTS))
