@@ -96,7 +96,12 @@ class Incoming:
                     work, buf = part
                     work.wait()
                     pieces.append(_unpack(buf, self.shapes, n))
-            self.done = {k: torch.cat([p[k].to(self.shapes[k][1]) for p in pieces]) for k in self.shapes}
+            # Pieces kept here and pieces received may sit on different devices (torch.cat refuses
+            # a mix on CUDA): all go where the local rows are, else where the first piece is.
+            self.done = {}
+            for k in self.shapes:
+                device = next((p[k].device for p in pieces if p[k].device.type != "cpu"), pieces[0][k].device)
+                self.done[k] = torch.cat([p[k].to(device=device, dtype=self.shapes[k][1]) for p in pieces])
             self.parts = []
         return self.done
 

@@ -18,6 +18,7 @@ sends back), and the remaining positions are that padding.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -49,7 +50,8 @@ def gumbel_noise(seed: int, seq_ids: Tensor, position: int | Tensor, vocab: tupl
     pos = position[:, None].long() if isinstance(position, Tensor) else position
     x = _mix32(x ^ (pos & _M32))
     x = _mix32(x ^ torch.arange(*vocab, dtype=torch.int64, device=device)[None, :])
-    u = (x.double() + 0.5) / 2.0**32
+    # 23 random bits, so u < 1 in fp32 (no fp64 pass over the vocabulary; the GPU's fp64 is slow)
+    u = ((x >> 9).float() + 0.5) / 2.0**23
     return -torch.log(-torch.log(u))
 
 
@@ -58,9 +60,9 @@ def _choose(shard: Shard, logits: Tensor, *, temperature: float, seed: int, seq_
     """Next token [b] and its log-prob [b] from vocabulary-sharded logits [b, V/tp]."""
     tp, vocab = shard.tp, shard.spec.vocab_size
     if temperature == 0:
-        scores = logits.double()
+        scores = logits.float()
     else:
-        scores = logits.double() / temperature + gumbel_noise(seed, seq_ids, position, tp.vocab_range(vocab))
+        scores = logits.float() / temperature + gumbel_noise(seed, seq_ids, position, tp.vocab_range(vocab))
     token = tpx.vocab_choose(scores, tp, vocab_size=vocab)
     logprob = tpx.vocab_logprobs(logits[:, None], token[:, None], tp, vocab_size=vocab)[:, 0]
     return token, logprob
@@ -85,6 +87,21 @@ def _whole(shard: Shard) -> Shard:
                  params=whole, tp=shard.tp)  # type: ignore[arg-type]
 
 
+def _cast_once(shard: Shard, dtype: torch.dtype) -> Shard:
+    """Under autocast to `dtype`, the stage with its matmul weights cast to `dtype` once for the
+    whole generation: autocast caches casts only of leaves that require grad, so a transient copy
+    (a call's own copy of a trainable model's weights, a gathered one) would otherwise be cast
+    again at every decode step, an extra read of every weight per token. Autocast leaves a
+    tensor already in `dtype` as it is, so every product is bitwise the one it computed."""
+    if dtype == torch.float32:
+        return shard
+    tied = "model.embed_tokens.weight"  # also the embedding, which autocast does not cast
+    params = {n: (t.detach().to(dtype) if n != tied and (n.endswith("proj.weight") or n.endswith("proj.bias")
+                                                          or n == "lm_head.weight") else t)
+              for n, t in shard.params.items()}
+    return dataclasses.replace(shard, params=params, gather=None)  # type: ignore[arg-type]
+
+
 def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, gen_len: int, temperature: float,
              seed: int, stop_token: int | None, device: torch.device, pad: Tensor | None = None,
              stopped: Callable[[Tensor, Tensor], Tensor] | None = None) -> dict[str, Tensor] | None:
@@ -94,10 +111,10 @@ def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, 
     sampling noise of a token depends on its position counted from the row's first real token.
     `stopped(generated [b, k], done [b]) -> done [b]`, when given (with `stop_token`), also ends
     rows on the last stage (a stop string: the token that completes it is the row's last)."""
-    shard = _whole(shard)
     b, p = prompts.shape
     h_size = shard.spec.hidden_size
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
+    shard = _cast_once(_whole(shard), dtype)
     cache = new_cache(shard, batch=b, max_len=p + gen_len, dtype=dtype, device=device)
     tokens, logprobs = [], []
     done = torch.zeros(b, dtype=torch.bool, device=device)

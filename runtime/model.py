@@ -69,9 +69,17 @@ class Shard:
     recompute: Recompute = "none"
     gather: Callable[[list[str]], list[Tensor]] | None = None
 
+    _names: dict[str, list[str]] = field(default_factory=dict, repr=False, init=False)  # prefix -> names (`fetch`)
+    _indexed: tuple[int, int] = field(default=(0, -1), repr=False, init=False)  # (id, size) of the dict indexed
+
     def fetch(self, prefix: str) -> dict[str, Tensor]:
         """Every parameter whose name starts with `prefix`, keyed by the rest of its name."""
-        names = [n for n in self.params if n.startswith(prefix)]
+        key = (id(self.params), len(self.params))
+        if self._indexed != key:  # another dict, or names added or removed: index afresh
+            self._names, self._indexed = {}, key
+        names = self._names.get(prefix)
+        if names is None:
+            names = self._names[prefix] = [n for n in self.params if n.startswith(prefix)]
         tensors = self.gather(names) if self.gather is not None else [self.params[n] for n in names]
         return {n[len(prefix):]: t for n, t in zip(names, tensors)}
 
@@ -166,16 +174,13 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 def _attention_core(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None = None) -> Tensor:
-    """softmax(q k^T / sqrt(d)) v with the key/value heads repeated over their query group;
-    `mask` [sq, sk] (True: attend), when given, replaces the causal rule."""
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        b, kvh, s, d = k.shape
-        k = k[:, :, None].expand(b, kvh, rep, s, d).reshape(b, kvh * rep, s, d)
-        v = v[:, :, None].expand(b, kvh, rep, s, d).reshape(b, kvh * rep, s, d)
+    """softmax(q k^T / sqrt(d)) v, each key/value head serving its group of query heads in place
+    (`enable_gqa`: no repeated copy of K/V); `mask` [sq, sk] (True: attend), when given, replaces
+    the causal rule."""
+    gqa = q.shape[1] != k.shape[1]
     if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
 
 def _attention_mask(q_slots: Tensor, k_len: int, *, window: int | None, pad: Tensor | None) -> Tensor | None:
@@ -199,8 +204,22 @@ def _attention_mask(q_slots: Tensor, k_len: int, *, window: int | None, pad: Ten
     return ((mask[None] & real) | (k == q)[None])[:, None]  # [b, 1, sq, sk]
 
 
+class Rope:
+    """cos/sin of one forward's positions, computed once for all its layers (per dtype)."""
+
+    def __init__(self, spec: ModelSpec, positions: Tensor) -> None:
+        self.spec, self.positions = spec, positions
+        self._by_dtype: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        got = self._by_dtype.get(dtype)
+        if got is None:
+            got = self._by_dtype[dtype] = _rope(self.spec, self.positions, dtype)
+        return got
+
+
 def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor, cache: KVCache | None,
-               layer: int, sp: bool, pad: Tensor | None = None) -> Tensor:
+               layer: int, sp: bool, pad: Tensor | None = None, rope: Rope | None = None) -> Tensor:
     spec, d = shard.spec, shard.spec.head_dim
     x = tpx.enter(x, shard.tp, sp=sp)  # [b, s, h]
     b, s, _ = x.shape
@@ -208,7 +227,7 @@ def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor,
     k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias")).view(b, s, -1, d).transpose(1, 2)  # [b, KV/tp, s, d]
     v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(b, s, -1, d).transpose(1, 2)
     if spec.model_type == "llama":
-        cos, sin = _rope(spec, row_positions(positions, pad), q.dtype)
+        cos, sin = (rope or Rope(spec, row_positions(positions, pad)))(q.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
     causal = True
@@ -240,11 +259,12 @@ def _mlp(shard: Shard, w: dict[str, Tensor], x: Tensor, sp: bool) -> Tensor:
 
 
 def _layer(shard: Shard, i: int, x: Tensor, positions: Tensor, cache: KVCache | None, sp: bool,
-           pad: Tensor | None = None) -> Tensor:
+           pad: Tensor | None = None, rope: Rope | None = None) -> Tensor:
     w = shard.fetch(f"model.layers.{i}.")
     attn_w = {k[len("self_attn."):]: t for k, t in w.items() if k.startswith("self_attn.")}
     mlp_w = {k[len("mlp."):]: t for k, t in w.items() if k.startswith("mlp.")}
-    x = x + _attention(shard, attn_w, _norm(shard.spec, w, "input_layernorm.", x), positions, cache, i, sp, pad)
+    x = x + _attention(shard, attn_w, _norm(shard.spec, w, "input_layernorm.", x), positions, cache, i, sp, pad,
+                       rope)
     return x + _mlp(shard, mlp_w, _norm(shard.spec, w, "post_attention_layernorm.", x), sp)
 
 
@@ -270,8 +290,9 @@ def stage_forward(shard: Shard, x: Tensor, *, positions: Tensor, cache: KVCache 
         x = tpx.vocab_embedding(x, w["tokens.weight"], shard.tp, vocab_size=shard.spec.vocab_size, sp=sp)
         if "positions.weight" in w:
             x = x + F.embedding(_local_positions(row_positions(positions, pad), shard.tp, sp), w["positions.weight"])
+    rope = Rope(shard.spec, row_positions(positions, pad)) if shard.spec.model_type == "llama" else None
     for i in shard.layers:
-        x = checkpointed(_layer, shard, i, x, positions, cache, sp, pad, enabled=shard.recompute == "full")
+        x = checkpointed(_layer, shard, i, x, positions, cache, sp, pad, rope, enabled=shard.recompute == "full")
     return x
 
 
@@ -290,7 +311,10 @@ def _lm_logits(shard: Shard, h: Tensor, sp: bool) -> Tensor:
 def token_logprobs(shard: Shard, h: Tensor, tokens: Tensor) -> Tensor:
     """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < s-1, fp32 [b, s-1], from last-stage states."""
     sp = shard.tp.sequence_parallel
-    logits = _lm_logits(shard, h, sp)[:, :-1]
+    if sp and shard.tp.size > 1:  # the sequence is split over the tp ranks until the head gathers it
+        logits = _lm_logits(shard, h, sp)[:, :-1]
+    else:  # the last position predicts nothing: leave it out before the head, not after
+        logits = _lm_logits(shard, h[:, :-1], sp)
     return tpx.vocab_logprobs(logits, tokens[:, 1:], shard.tp, vocab_size=shard.spec.vocab_size)
 
 

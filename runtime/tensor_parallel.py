@@ -179,8 +179,8 @@ def vocab_embedding(tokens: Tensor, weight: Tensor, tp: TensorParallel, *, vocab
 def vocab_logprobs(logits: Tensor, targets: Tensor, tp: TensorParallel, *, vocab_size: int) -> Tensor:
     """log softmax(logits)[target] for vocab-sharded `logits` [..., V/tp] and `targets` [...], in fp32."""
     logits = logits.float()
-    if tp.size == 1:
-        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if tp.size == 1:  # logsumexp: no second [..., V] tensor of log-probs beside the logits
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     lo, hi = tp.vocab_range(vocab_size)
     with torch.no_grad():
         peak = logits.max(dim=-1).values

@@ -23,6 +23,9 @@ SMOKE = {
     "rlhf_learning.py": (["--steps", "2", "--no-spread", str(ROOT / "plans" / "tiny_ppo.json")], "tiny_ppo"),
     "runtime.py": (["--steps", "1", "--batch", "2", "--seq", "16", "--gen-batch", "2", "--prompt", "4",
                     "--gen-len", "4"], "generation"),
+    "runtime_vs_peers.py": (["--quick"], "ops per decode step"),
+    "gpu_check.py": (["--device", "cpu", "--quick", "--repeats", "1", "--out", "report.json"],
+                     "ratios runtime/transformers"),
     "search.py": (["--only", "grpo-qwen7b", "--time-limit", "1"], "grpo-qwen7b"),
 }
 

@@ -1,0 +1,112 @@
+"""The runtime's hot paths allocate and compute only what they must (issue: a fast runtime).
+
+Each test watches the aten operators a call dispatches (a TorchDispatchMode records every op and
+the size of what it returns), so what is checked is what runs, on any device: grouped-query
+attention makes no repeated copy of K/V, rotary tables are built once per forward, log-probs
+never hold a second [tokens, vocabulary] tensor, sampling makes no float64 pass over the
+vocabulary. Exact equality with the reference and with transformers is the other runtime tests'.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from plans import Layout, resolve_model
+from runtime.engine import ModelRunner
+from runtime.groups import solo_groups
+from runtime.model import _attention_core, init_tensor, stage_forward, token_logprobs
+
+SPEC = resolve_model("model_type=llama,hidden_size=64,num_hidden_layers=2,num_attention_heads=8,"
+                     "num_key_value_heads=2,intermediate_size=128,vocab_size=512,max_position_embeddings=128")
+
+
+VIEWS = {"t", "view", "_unsafe_view", "transpose", "expand", "slice", "select", "unsqueeze", "squeeze", "as_strided",
+         "alias", "permute", "detach", "_reshape_alias", "reshape"}
+
+
+class Ops(TorchDispatchMode):
+    """(op name, output numel, output dtype) of every aten op dispatched inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, int, torch.dtype | None]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.seen.append((str(func.overloadpacket.__name__), t.numel(), t.dtype))
+        return out
+
+
+def runner() -> ModelRunner:
+    return ModelRunner(SPEC, head="lm", trainable=False, groups=solo_groups(Layout()),
+                       state=lambda p: init_tensor(p, seed=0), device=torch.device("cpu"))
+
+
+def test_grouped_query_attention_makes_no_repeated_copy_of_keys_and_values() -> None:
+    b, h, kv, s, d = 2, 8, 2, 32, 16
+    q = torch.randn(b, h, 1, d)  # one decode step against a cache of s positions
+    k, v = torch.randn(b, kv, s, d), torch.randn(b, kv, s, d)
+    with Ops() as ops:
+        out = _attention_core(q, k, v, False)
+    repeated = b * h * s * d  # the size K (or V) would have once copied out to every query head
+    assert max(n for _, n, _ in ops.seen) < repeated, ops.seen
+    # and the result is attention with each key/value head serving its query group
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(h // kv, 1),
+                                                            v.repeat_interleave(h // kv, 1))
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+def test_rotary_tables_are_built_once_per_forward_not_per_layer() -> None:
+    r = runner()
+    tokens = torch.randint(0, SPEC.vocab_size, (2, 16))
+    with torch.no_grad(), Ops() as ops:
+        stage_forward(r.shard, tokens, positions=torch.arange(16))
+    assert sum(1 for name, _, _ in ops.seen if name == "cos") == 1, [x for x in ops.seen if x[0] in ("cos", "sin")]
+    assert SPEC.num_hidden_layers > 1
+
+
+def test_log_probs_hold_one_vocabulary_sized_tensor() -> None:
+    r = runner()
+    b, s = 2, 16
+    tokens = torch.randint(0, SPEC.vocab_size, (b, s))
+    with torch.no_grad():
+        h = stage_forward(r.shard, tokens, positions=torch.arange(s))
+        with Ops() as ops:
+            lp = token_logprobs(r.shard, h, tokens)
+    full = [x for x in ops.seen if x[1] >= b * (s - 1) * SPEC.vocab_size and x[0] not in VIEWS]
+    assert len(full) == 1 and full[0][0] in ("mm", "addmm", "linear"), full  # the logits, nothing beside them
+    assert not any(x[1] >= b * s * SPEC.vocab_size for x in ops.seen if x[0] not in VIEWS)  # the last position
+    # never reaches the head
+    want = torch.log_softmax(torch.nn.functional.linear(torch.nn.functional.rms_norm(
+        h, (SPEC.hidden_size,), r.shard.params["model.norm.weight"], SPEC.rms_norm_eps),
+        r.shard.params["lm_head.weight"]), -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_makes_no_float64_pass_over_the_vocabulary() -> None:
+    r = runner()
+    prompts = torch.randint(0, SPEC.vocab_size, (4, 8))
+    with torch.no_grad(), Ops() as ops:
+        r.generate(prompts, gen_len=3, temperature=1.0, seed=7)
+    wide = [x for x in ops.seen if x[2] == torch.float64 and x[1] >= SPEC.vocab_size]
+    assert not wide, wide[:5]
+
+
+def test_low_precision_generation_casts_each_weight_once_not_per_step() -> None:
+    """Under bf16 autocast, a model copy whose weights do not require grad (a transient copy)
+    is cast to bf16 once per generation, not again at every decode step."""
+    r = runner()
+    for p in r.shard.params.values():
+        p.requires_grad_(False)
+    prompts = torch.randint(0, SPEC.vocab_size, (2, 8))
+    weight = r.shard.params["model.layers.0.mlp.up_proj.weight"].numel()
+
+    def casts(steps: int) -> int:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), Ops() as ops:
+            r.generate(prompts, gen_len=steps, temperature=0.0, seed=0)
+        return sum(1 for name, n, dtype in ops.seen if name == "_to_copy" and n == weight and dtype == torch.bfloat16)
+
+    assert casts(2) == casts(6) > 0  # the same casts however many tokens are decoded
