@@ -89,6 +89,12 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, tp: TensorParallel) -> Tensor:
+        # `x` is a row-parallel matmul's partial sum, which nothing else reads: reduce it in
+        # place (no copy of [b, s, h] per layer and block); autograd is told it changed.
+        if x.is_contiguous():
+            dist.all_reduce(x, group=tp.group)
+            ctx.mark_dirty(x)
+            return x
         return _all_reduce(x, tp)
 
     @staticmethod
