@@ -42,6 +42,7 @@ from runtime.recompute import Recompute, checkpointed
 from runtime.tensor_parallel import TensorParallel
 
 INIT_STD = 0.02  # GPT-2 / Llama initializer_range
+LOGPROB_CHUNK_TOKENS = 4096  # forward-only log-probs: tokens whose logits are alive at once
 
 
 @dataclass
@@ -311,11 +312,18 @@ def _lm_logits(shard: Shard, h: Tensor, sp: bool) -> Tensor:
 def token_logprobs(shard: Shard, h: Tensor, tokens: Tensor) -> Tensor:
     """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < s-1, fp32 [b, s-1], from last-stage states."""
     sp = shard.tp.sequence_parallel
+    vocab = shard.spec.vocab_size
     if sp and shard.tp.size > 1:  # the sequence is split over the tp ranks until the head gathers it
         logits = _lm_logits(shard, h, sp)[:, :-1]
-    else:  # the last position predicts nothing: leave it out before the head, not after
-        logits = _lm_logits(shard, h[:, :-1], sp)
-    return tpx.vocab_logprobs(logits, tokens[:, 1:], shard.tp, vocab_size=shard.spec.vocab_size)
+        return tpx.vocab_logprobs(logits, tokens[:, 1:], shard.tp, vocab_size=vocab)
+    h, targets = h[:, :-1], tokens[:, 1:]  # the last position predicts nothing: left out before the head
+    if torch.is_grad_enabled() or h.shape[0] * h.shape[1] <= LOGPROB_CHUNK_TOKENS:
+        return tpx.vocab_logprobs(_lm_logits(shard, h, False), targets, shard.tp, vocab_size=vocab)
+    # Without autograd (reference, critic and reward passes), a few rows at a time: the logits of
+    # LOGPROB_CHUNK_TOKENS tokens at most are alive, not the whole batch's [b, s, V/tp].
+    rows = max(1, LOGPROB_CHUNK_TOKENS // h.shape[1])
+    return torch.cat([tpx.vocab_logprobs(_lm_logits(shard, h[i:i + rows], False), targets[i:i + rows], shard.tp,
+                                         vocab_size=vocab) for i in range(0, h.shape[0], rows)])
 
 
 def token_values(shard: Shard, h: Tensor) -> Tensor:

@@ -110,3 +110,20 @@ def test_low_precision_generation_casts_each_weight_once_not_per_step() -> None:
         return sum(1 for name, n, dtype in ops.seen if name == "_to_copy" and n == weight and dtype == torch.bfloat16)
 
     assert casts(2) == casts(6) > 0  # the same casts however many tokens are decoded
+
+
+def test_forward_only_log_probs_keep_a_chunk_of_logits_alive_not_the_batch(monkeypatch) -> None:  # noqa: ANN001
+    import runtime.model as model
+
+    r = runner()
+    b, s = 8, 16
+    tokens = torch.randint(0, SPEC.vocab_size, (b, s))
+    with torch.no_grad():
+        h = stage_forward(r.shard, tokens, positions=torch.arange(s))
+        whole = token_logprobs(r.shard, h, tokens)
+        monkeypatch.setattr(model, "LOGPROB_CHUNK_TOKENS", 2 * s)  # two rows at a time
+        with Ops() as ops:
+            chunked = token_logprobs(r.shard, h, tokens)
+    biggest = max(n for name, n, _ in ops.seen if name not in VIEWS and name != "cat")
+    assert biggest <= 2 * (s - 1) * SPEC.vocab_size < b * (s - 1) * SPEC.vocab_size
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
