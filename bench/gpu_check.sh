@@ -7,8 +7,10 @@
 # code imports (pydantic) comes as wheels from bench/wheels, which `bench/gpu_check.sh --wheels`
 # downloads here first (run it on a machine with the index; carry bench/wheels to the device):
 #
-#   bash bench/gpu_check.sh --wheels          # here
-#   bash bench/gpu_check.sh                   # there (device run: carry ["bench/wheels"])
+#   bash bench/gpu_check.sh --wheels          # here (2.8 MB of wheels)
+#   bash bench/gpu_check.sh                   # there: the device tool's run with
+#                                             #   command "bash bench/gpu_check.sh", carry ["bench/wheels"],
+#                                             #   timeout_s 540; $OUT (set there) receives the report
 #
 # Then commit $OUT/gpu_report.json under bench/results/ and calibrate the torch framework from
 # it (planner profile on CUDA).
