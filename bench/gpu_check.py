@@ -123,9 +123,9 @@ def main() -> int:
     mask = torch.ones(tr["batch"], tr["seq_len"] - 1, dtype=torch.bool, device=device)
     timer = Timer(device)
     report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-                    "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype),
+                    "torch": torch.__version__, "transformers_version": transformers.__version__, "dtype": str(dtype),
                     "model": {"spec": SPEC if not args.quick else QUICK, "params": spec.num_params()},
-                    "shapes": shapes, "runtime": {}, "transformers_": {}}
+                    "shapes": shapes, "runtime": {}, "transformers": {}}
 
     def runtime_calls() -> dict[str, Tensor]:
         """Measure the runtime's calls; its weights after them (for transformers), on the host."""
@@ -171,9 +171,8 @@ def main() -> int:
                         attention_mask=torch.ones_like(prompts))
 
     for name, fn in (("generate", hf_gen), ("inference", hf_inf), ("train", hf_train)):
-        report["transformers_"][name] = measure(fn, timer, device, args.repeats)
-        print(f"transformers {name:10s} {report['transformers_'][name]}", flush=True)
-    report["transformers"] = report.pop("transformers_")
+        report["transformers"][name] = measure(fn, timer, device, args.repeats)
+        print(f"transformers {name:10s} {report['transformers'][name]}", flush=True)
     report["predicted_h200"] = predictions(spec, shapes)
     report["ratios"] = {k: report["runtime"][k]["median_s"] / report["transformers"][k]["median_s"]
                         for k in ours}

@@ -99,12 +99,7 @@ def _ddp_ratio(steps: int) -> float:
     """bench/runtime.py's dp=2 train step against DDP, on this benchmark's model."""
     import torch.multiprocessing as mp
 
-    path = Path(__file__).resolve().parent / "runtime.py"
-    spec = importlib.util.spec_from_file_location("bench_runtime", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.SPEC = SPEC
+    path = Path(__file__).resolve().parent / "runtime.py"  # each rank loads it (spawned processes)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -129,7 +124,7 @@ def _ddp_worker(path: str, rank: int, ranks: int, port: int, args: argparse.Name
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.SPEC = SPEC
+    mod.SPEC = SPEC  # its measurement, on this benchmark's model
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ranks)

@@ -55,12 +55,10 @@ def _colocated(plan, layout: Layout):  # noqa: ANN001, ANN202
 
 
 def test_every_export_names_its_target_release() -> None:
+    plans = {"megatron": sft_70b(), "verl": ppo_7b(), "openrlhf": ppo_7b(),
+             "deepspeed": with_layout(sft_70b(), "model_train", Layout(dp=64, zero=3, micro_batches=8))}
     for target in EXPORTERS:
-        plan = sft_70b() if target in ("megatron", "deepspeed") else ppo_7b()
-        call = plan.calls[0].name if target == "deepspeed" else None
-        if target == "deepspeed":
-            plan = with_layout(sft_70b(), "model_train", Layout(dp=64, zero=3, micro_batches=8))
-        exp = export_plan(plan, target, call=call)
+        exp = export_plan(plans[target], target)
         assert exp.version == TARGETS[target] and exp.to_json()["version"] == TARGETS[target]
         if target != "deepspeed":  # a JSON config has no comments; --json and the CLI's stderr carry it
             assert exp.text.startswith(f"# exported by `planner export --to {target}` for {TARGETS[target]}")

@@ -281,7 +281,6 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
     notes += placeholder_paths(plan, [r.actor, r.critic, r.reward_inference.model if r.reward_inference else None])
     exp = Export("verl", "", settings, limits, notes, SOURCE, VERSION)
     head = [PROGRAM] + (["--config-name", MEGATRON_CONFIG] if strategy == "megatron" else [])
-    exp.data = settings
     body = " \\\n    ".join([" ".join(head)] + overrides(settings))
     exp.text = comment_block(exp) + "\n\n" + body + "\n"
     return exp
