@@ -75,3 +75,17 @@ def deepspeed_process_group():  # noqa: ANN201
     if not dist.is_initialized():
         dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     return dist
+
+
+def planner_table(name: str) -> dict:
+    """A table of `planner.imports` (the engine defaults the importer assumes), read through the
+    project's own Python (the one beside PLANNER)."""
+    import json
+
+    exe = os.environ.get("PLANNER")
+    if not exe:
+        raise RuntimeError("PLANNER is not set: run the engine tests with make test-engines")
+    code = f"import json; from planner import imports; print(json.dumps(imports.{name}))"
+    out = subprocess.run([str(Path(exe).with_name("python")), "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import openrlhf
 import pytest
-from conftest import DataParallelWorld, exports, ids, load, plan_of, planner, words
+from conftest import DataParallelWorld, exports, ids, load, plan_of, planner, planner_table, words
 
 EXPORTS = exports("openrlhf")
 pytestmark = pytest.mark.usefixtures("deepspeed_process_group")
@@ -223,3 +223,20 @@ def test_openrlhfs_example_script_imports_into_a_valid_plan(monkeypatch, tmp_pat
     assert train["minibatches"] == args.rollout.batch_size // args.train.batch_size
     assert set(calls) == {"actor_generate", "reward_inference", "ref_inference", "critic_inference", "actor_train",
                           "critic_train"}
+
+
+def test_the_importers_openrlhf_defaults_are_openrlhfs(monkeypatch) -> None:  # noqa: ANN001
+    """Each default `planner import --from openrlhf` assumes for a flag left out is the one
+    OpenRLHF 0.11.2's own parser gives it."""
+    defaults = planner_table("OPENRLHF_DEFAULTS")
+    seen = run_script(["--vllm.num_engines", "1", "--reward.remote_url", "r.py", "--algo.advantage.estimator",
+                       "group_norm", "--rollout.n_samples_per_prompt", "2"], monkeypatch)
+    given = {"vllm.num_engines": 1, "reward.remote_url": ["r.py"], "algo.advantage.estimator": "group_norm",
+             "rollout.n_samples_per_prompt": 2}  # set here: group_norm needs more than one sample
+    for key, want in defaults.items():
+        if key in given:
+            continue
+        got = seen.args
+        for part in key.split("."):
+            got = getattr(got, part)
+        assert got == want, f"--{key}: OpenRLHF's default is {got!r}, the importer assumes {want!r}"

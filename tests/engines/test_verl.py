@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import ROOT, exports, ids, load, plan_of, planner, words
+from conftest import ROOT, exports, ids, load, plan_of, planner, planner_table, words
 
 EXPORTS = exports("verl")
 
@@ -103,3 +103,35 @@ def test_verls_own_trainer_config_imports_into_a_valid_plan(config, tmp_path) ->
     assert all(len(c["mesh"]["ranks"]) == gpus for c in calls.values())
     want_zero = 3 if config == "ppo_trainer" else 1  # FSDP; Megatron's distributed optimizer by default
     assert calls["actor_train"]["layout"]["zero"] == want_zero
+
+
+def test_the_importers_verl_defaults_are_verls() -> None:
+    """Each default `planner import --from verl` assumes for a key left out is what verl 0.9.1's
+    composed ppo_trainer config holds (None where verl requires the key)."""
+    import verl
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    defaults = planner_table("VERL_DEFAULTS")
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                               version_base=None):
+        cfg = hydra_compose("ppo_trainer")
+    tree = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    for key, want in defaults.items():
+        got = tree
+        for part in key.split("."):
+            got = got[part]
+        if key.endswith(".path") or key.endswith("model_path"):
+            continue  # a placeholder checkpoint path in verl's file; the importer requires one
+        assert got == want, f"{key}: verl's default is {got!r}, the importer assumes {want!r}"
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                               version_base=None):
+        megatron = OmegaConf.to_container(hydra_compose("ppo_megatron_trainer"), resolve=True, throw_on_missing=False)
+    for role in (("actor_rollout_ref", "actor"), ("actor_rollout_ref", "ref"), ("critic",)):
+        block = megatron
+        for part in role:
+            block = block[part]
+        for key, want in planner_table("VERL_MEGATRON").items():
+            assert block["megatron"][key] == want, f"{'.'.join(role)}.megatron.{key}: verl's default is " \
+                f"{block['megatron'][key]!r}, the importer assumes {want!r}"
