@@ -150,14 +150,21 @@ def _norm(spec: ModelSpec, w: dict[str, Tensor], name: str, x: Tensor) -> Tensor
 
 
 def _rope(spec: ModelSpec, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin [s, d] for positions [s], or [b, 1, s, d] for per-row positions [b, s]."""
+    """cos and signed sin [s, d] for positions [s], or [b, 1, s, d] for per-row positions [b, s].
+    The sin's first half is negated, so ``x * cos + roll(x, d/2) * sin`` is the rotation
+    ``x * cos + rotate_half(x) * sin`` of transformers bit for bit (the sign moves from the
+    rotated value to the factor; IEEE products are sign-symmetric) with one rotation op instead
+    of slice, slice, neg and cat."""
     d = spec.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d))
     freqs = positions.float()[..., None] * inv_freq  # [..., s, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     if emb.dim() == 3:
         emb = emb[:, None]  # broadcast over heads
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    half = d // 2
+    sin = emb.sin()
+    sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return emb.cos().to(dtype), sin.to(dtype)
 
 
 def row_positions(slots: Tensor, pad: Tensor | None) -> Tensor:
@@ -169,9 +176,9 @@ def row_positions(slots: Tensor, pad: Tensor | None) -> Tensor:
     return (slots[None, :] - pad[:, None]).clamp(min=0)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE of `x` [..., d] with `_rope`'s cos and signed sin."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
 
 def _attention_core(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None = None) -> Tensor:
@@ -229,8 +236,7 @@ def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor,
     v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(b, s, -1, d).transpose(1, 2)
     if spec.model_type == "llama":
         cos, sin = (rope or Rope(spec, row_positions(positions, pad)))(q.dtype)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     causal = True
     if cache is not None:
         start = cache.length
