@@ -42,7 +42,7 @@ from runtime.recompute import Recompute, checkpointed
 from runtime.tensor_parallel import TensorParallel
 
 INIT_STD = 0.02  # GPT-2 / Llama initializer_range
-LOGPROB_CHUNK_TOKENS = 4096  # forward-only log-probs: tokens whose logits are alive at once
+LOGITS_CHUNK_ELEMENTS = 2**26  # log-probs: logits (tokens x vocabulary rows) made at once, forward and backward
 
 
 @dataclass
@@ -307,29 +307,30 @@ def _final_norm(shard: Shard, h: Tensor) -> Tensor:
     return _norm(shard.spec, shard.fetch("model.norm."), "", h)
 
 
+def _lm_weight(shard: Shard) -> Tensor:
+    """This rank's vocabulary rows of the LM head [V/tp, h] (the embedding's when tied)."""
+    (w,) = shard.fetch("model.embed_tokens.weight" if shard.spec.tied else "lm_head.weight").values()
+    return w
+
+
 def _lm_logits(shard: Shard, h: Tensor, sp: bool) -> Tensor:
-    """Vocabulary-sharded logits [b, s, V/tp] from last-stage hidden states."""
-    h = tpx.enter(_final_norm(shard, h), shard.tp, sp=sp)
-    name = "model.embed_tokens.weight" if shard.spec.tied else "lm_head.weight"
-    (w,) = shard.fetch(name).values()
-    return F.linear(h, w)
+    """Vocabulary-sharded logits [b, s, V/tp] of every position of last-stage states (generation
+    takes the last one; the tests compare them with transformers')."""
+    return F.linear(tpx.enter(_final_norm(shard, h), shard.tp, sp=sp), _lm_weight(shard))
 
 
 def token_logprobs(shard: Shard, h: Tensor, tokens: Tensor) -> Tensor:
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < s-1, fp32 [b, s-1], from last-stage states."""
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) for t < s-1, fp32 [b, s-1], from last-stage states.
+
+    The head runs fused with the log-probs (`tensor_parallel.head_logprobs`), a chunk of at most
+    LOGITS_CHUNK_ELEMENTS logits at a time, forward and backward; the last position predicts
+    nothing and is left out before the head."""
     sp = shard.tp.sequence_parallel
-    vocab = shard.spec.vocab_size
-    if sp and shard.tp.size > 1:  # the sequence is split over the tp ranks until the head gathers it
-        logits = _lm_logits(shard, h, sp)[:, :-1]
-        return tpx.vocab_logprobs(logits, tokens[:, 1:], shard.tp, vocab_size=vocab)
-    h, targets = h[:, :-1], tokens[:, 1:]  # the last position predicts nothing: left out before the head
-    if torch.is_grad_enabled() or h.shape[0] * h.shape[1] <= LOGPROB_CHUNK_TOKENS:
-        return tpx.vocab_logprobs(_lm_logits(shard, h, False), targets, shard.tp, vocab_size=vocab)
-    # Without autograd (reference, critic and reward passes), a few rows at a time: the logits of
-    # LOGPROB_CHUNK_TOKENS tokens at most are alive, not the whole batch's [b, s, V/tp].
-    rows = max(1, LOGPROB_CHUNK_TOKENS // h.shape[1])
-    return torch.cat([tpx.vocab_logprobs(_lm_logits(shard, h[i:i + rows], False), targets[i:i + rows], shard.tp,
-                                         vocab_size=vocab) for i in range(0, h.shape[0], rows)])
+    h = tpx.enter(_final_norm(shard, h), shard.tp, sp=sp)[:, :-1]  # sequence parallel: gathered here
+    b, s1, hidden = h.shape
+    out = tpx.head_logprobs(h.reshape(b * s1, hidden), _lm_weight(shard), tokens[:, 1:].reshape(-1), shard.tp,
+                            vocab_size=shard.spec.vocab_size, chunk_elements=LOGITS_CHUNK_ELEMENTS)
+    return out.view(b, s1)
 
 
 def token_values(shard: Shard, h: Tensor) -> Tensor:

@@ -212,3 +212,95 @@ def vocab_choose(scores: Tensor, tp: TensorParallel, *, vocab_size: int) -> Tens
     # Ranks hold ascending vocabulary blocks, so the first maximum over ranks is the lowest index.
     winner = out[..., 0].argmax(dim=0)  # [b]
     return out[..., 1].gather(0, winner.unsqueeze(0)).squeeze(0).long()
+
+
+# The LM head fused with the log-probs of the targets ---------------------------------------
+
+
+def head_logprobs(h: Tensor, weight: Tensor, targets: Tensor, tp: TensorParallel, *, vocab_size: int,
+                  chunk_elements: int) -> Tensor:
+    """log softmax(h @ weight^T)[target], fp32 [n], for hidden states `h` [n, hidden] (replicated
+    over the group), this rank's vocabulary rows `weight` [V/tp, hidden] and `targets` [n].
+
+    The logits are made a chunk of at most `chunk_elements` (tokens x V/tp) at a time, in the
+    compute dtype (autocast's, else `h`'s), and turned into fp32 log-probs there: the full fp32
+    ``[n, V]`` logits never exist, nor the ``slice_backward`` and log-softmax copies autograd
+    would keep over them. Backward makes each chunk's logits again (one more head matmul,
+    Liger-style) unless all of them fit one chunk: those are kept instead, which costs no extra
+    peak memory because a pipeline's last stage runs a micro-batch's backward right after its
+    forward. Gradients are those of the unfused ops to rounding (each chunk's weight gradient is
+    accumulated in fp32)."""
+    device = h.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+    rows = max(1, chunk_elements // max(1, weight.shape[0]))
+    with torch.autocast(device_type=device, enabled=False):
+        return _HeadLogprobs.apply(h, weight, targets, tp, vocab_size, dtype, rows)
+
+
+def _chunk_logits(h: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.nn.functional.linear(h.to(dtype), w.to(dtype)).float()
+
+
+def _chunk_logprobs(logits: Tensor, targets: Tensor, tp: TensorParallel, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """(log-probs [n], log-sum-exp [n]) of the targets from vocab-sharded fp32 logits [n, V/tp]."""
+    if tp.size == 1:
+        lse = torch.logsumexp(logits, dim=-1)
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse, lse
+    lo, hi = tp.vocab_range(vocab_size)
+    peak = logits.max(dim=-1).values
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp.group)
+    shifted = logits - peak.unsqueeze(-1)
+    both = torch.stack([shifted.exp().sum(dim=-1), _picked(shifted, targets, lo, hi)])  # one all-reduce
+    dist.all_reduce(both, group=tp.group)
+    log_sum = both[0].log()
+    return both[1] - log_sum, peak + log_sum
+
+
+def _picked(logits: Tensor, targets: Tensor, lo: int, hi: int) -> Tensor:
+    inside = (targets >= lo) & (targets < hi)
+    local = (targets - lo).masked_fill(~inside, 0)
+    return logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, w: Tensor, targets: Tensor, tp: TensorParallel, vocab_size: int,
+                dtype: torch.dtype, rows: int) -> Tensor:
+        n = h.shape[0]
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        keep = grads and n <= rows
+        out, lses, kept = [], [], None
+        for lo in range(0, n, rows):
+            logits = _chunk_logits(h[lo:lo + rows], w, dtype)
+            lp, lse = _chunk_logprobs(logits, targets[lo:lo + rows], tp, vocab_size)
+            out.append(lp)
+            lses.append(lse)
+            if keep:
+                kept = logits
+        ctx.tp, ctx.vocab_size, ctx.dtype, ctx.rows, ctx.kept = tp, vocab_size, dtype, rows, kept
+        if grads:
+            ctx.save_for_backward(h, w, targets, torch.cat(lses))
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+        h, w, targets, lse = ctx.saved_tensors
+        tp, dtype, rows = ctx.tp, ctx.dtype, ctx.rows
+        lo_v, hi_v = tp.vocab_range(ctx.vocab_size)
+        wc = w.to(dtype)
+        dh = torch.empty_like(h)
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        for lo in range(0, h.shape[0], rows):
+            hc, g = h[lo:lo + rows], grad[lo:lo + rows]
+            logits = ctx.kept if ctx.kept is not None else _chunk_logits(hc, w, dtype)
+            # d log p[t] / d logits = onehot(t) - softmax(logits)
+            dlogits = logits.sub_(lse[lo:lo + rows, None]).exp_().mul_(-g[:, None])
+            t = targets[lo:lo + rows]
+            inside = (t >= lo_v) & (t < hi_v)
+            dlogits.scatter_add_(-1, (t - lo_v).masked_fill(~inside, 0).unsqueeze(-1),
+                                 g.masked_fill(~inside, 0.0).unsqueeze(-1))
+            dc = dlogits.to(dtype)
+            dh[lo:lo + rows] = dc @ wc
+            dw += (dc.t() @ hc.to(dtype)).float()
+        ctx.kept = None
+        return dh, dw.to(w.dtype), None, None, None, None, None

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from plans import Layout, resolve_model
 from runtime.engine import ModelRunner
 from runtime.groups import solo_groups
-from runtime.model import _attention_core, init_tensor, stage_forward, token_logprobs
+from runtime.model import _attention_core, _lm_logits, init_tensor, stage_forward, token_logprobs
 
 SPEC = resolve_model("model_type=llama,hidden_size=64,num_hidden_layers=2,num_attention_heads=8,"
                      "num_key_value_heads=2,intermediate_size=128,vocab_size=512,max_position_embeddings=128")
@@ -112,18 +112,71 @@ def test_low_precision_generation_casts_each_weight_once_not_per_step() -> None:
     assert casts(2) == casts(6) > 0  # the same casts however many tokens are decoded
 
 
-def test_forward_only_log_probs_keep_a_chunk_of_logits_alive_not_the_batch(monkeypatch) -> None:  # noqa: ANN001
+def _unfused_logprobs(r: ModelRunner, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The head and log-probs as plain ops: logits of every position, log-softmax, gather."""
+    logits = _lm_logits(r.shard, h, False)[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def _grads(r: ModelRunner, tokens: torch.Tensor, logprobs) -> tuple[torch.Tensor, list[torch.Tensor]]:  # noqa: ANN001
+    """Log-probs and the gradients of a weighted sum of them with respect to every parameter."""
+    params = [p.requires_grad_() for p in r.shard.params.values()]
+    h = stage_forward(r.shard, tokens, positions=torch.arange(tokens.shape[1]))
+    lp = logprobs(r, h, tokens)
+    weights = torch.linspace(-1.0, 2.0, lp.numel()).view_as(lp)  # like a PPO loss: signed per-token factors
+    return lp.detach(), list(torch.autograd.grad((lp * weights).sum(), params))
+
+
+def _fused(r: ModelRunner, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return token_logprobs(r.shard, h, tokens)
+
+
+def _largest(ops: Ops, dtype: torch.dtype | None = None) -> int:
+    """The largest tensor made, other than vocabulary-sized weights and their gradients."""
+    weight = SPEC.vocab_size * SPEC.hidden_size
+    return max(n for name, n, dt in ops.seen
+               if name not in VIEWS and name != "cat" and dtype in (None, dt) and n != weight)
+
+
+def test_log_probs_make_a_chunk_of_logits_at_a_time_forward_and_backward(monkeypatch) -> None:  # noqa: ANN001
     import runtime.model as model
 
     r = runner()
     b, s = 8, 16
-    tokens = torch.randint(0, SPEC.vocab_size, (b, s))
-    with torch.no_grad():
+    tokens = torch.randint(0, SPEC.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    want, want_grads = _grads(r, tokens, _unfused_logprobs)
+    whole, whole_grads = _grads(r, tokens, _fused)  # one chunk: its logits are kept for backward
+    chunk = 4 * (s - 1)  # tokens per chunk (of 8 rows' 15): backward makes each chunk's logits again
+    monkeypatch.setattr(model, "LOGITS_CHUNK_ELEMENTS", chunk * SPEC.vocab_size)
+    with Ops() as ops:
+        chunked, chunked_grads = _grads(r, tokens, _fused)
+    assert _largest(ops) <= chunk * SPEC.vocab_size < b * (s - 1) * SPEC.vocab_size
+    for got, grads in ((whole, whole_grads), (chunked, chunked_grads)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():  # forward only (reference, critic and reward passes): the same chunks
         h = stage_forward(r.shard, tokens, positions=torch.arange(s))
-        whole = token_logprobs(r.shard, h, tokens)
-        monkeypatch.setattr(model, "LOGPROB_CHUNK_TOKENS", 2 * s)  # two rows at a time
         with Ops() as ops:
-            chunked = token_logprobs(r.shard, h, tokens)
-    biggest = max(n for name, n, _ in ops.seen if name not in VIEWS and name != "cat")
-    assert biggest <= 2 * (s - 1) * SPEC.vocab_size < b * (s - 1) * SPEC.vocab_size
-    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+            got = token_logprobs(r.shard, h, tokens)
+    assert _largest(ops) <= chunk * SPEC.vocab_size
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_head_under_bf16_autocast_matches_the_plain_ops_without_fp32_logits_of_the_batch(
+        monkeypatch) -> None:  # noqa: ANN001
+    import runtime.model as model
+
+    r = runner()
+    b, s = 8, 16
+    chunk = 4 * (s - 1)
+    tokens = torch.randint(0, SPEC.vocab_size, (b, s), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(model, "LOGITS_CHUNK_ELEMENTS", chunk * SPEC.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_grads = _grads(r, tokens, _unfused_logprobs)
+        with Ops() as ops:
+            got, grads = _grads(r, tokens, _fused)
+    assert _largest(ops, torch.float32) <= chunk * SPEC.vocab_size < b * (s - 1) * SPEC.vocab_size
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2)  # bf16 logits on both sides
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=5e-2, atol=5e-3)
