@@ -1,16 +1,27 @@
 """Data parallelism: gradient reduction over the data-parallel group and ZeRO 1/2/3.
 
 A shard's parameters are views into one flat fp32 buffer and their gradients views into a
-second one, so reductions and the optimizer work on a few large tensors (the bucketing DDP does):
+second one, so reductions and the optimizer work on a few large tensors:
 
-- ZeRO 0: all-reduce the gradient buffer; every rank updates every parameter.
+- ZeRO 0: all-reduce the gradients; every rank updates every parameter.
 - ZeRO 1: all-reduce gradients; each rank keeps Adam state for, and updates, one contiguous
   1/dp of the flat buffer, then the buffer is all-gathered (Rajbhandari et al. 2020).
-- ZeRO 2: as 1, but gradients are reduce-scattered, each rank receiving only its part.
+- ZeRO 2: as 1, but each rank receives only the sum of its part (a reduce to its owner).
+
+As in DDP (Li et al. 2020), the reduction overlaps the backward pass: the buffer is cut into
+buckets of about BUCKET_BYTES of consecutive parameters, and during the backward of a
+minibatch's last micro-batch a bucket's collective starts, asynchronously, as soon as the last
+of its parameters' gradients has been accumulated (a post-accumulate-grad hook); the step waits
+for them all. Parameters whose gradients need another reduction first (replicated parameters
+under sequence parallel, summed over the tensor-parallel group; a tied embedding shared by two
+stages) are reduced after the backward, in that order. Buckets fire in the order autograd
+reaches them, the same on every rank of the group.
 - ZeRO 3: parameters are split further along dim 0 across the group (the boxes of
   `plans.sharding.shard_box`); `Zero3Gather` all-gathers a layer's parameters when it runs and
   reduce-scatters their gradients in backward, so each rank stores only its own slices at rest
-  (and gradients and optimizer state for them). Autograd keeps a gathered weight until its
+  (and gradients and optimizer state for them). As FSDP's forward prefetch, while a use runs the
+  gather of the next one (in the order the uses came the first time, either way along it: the
+  recomputed forward of backward goes back) is already under way, one use ahead. Autograd keeps a gathered weight until its
   layer's backward unless recompute is ``full`` (the gather is then inside the checkpointed
   layer and redone in backward, as FSDP does); generation gathers a stage once per call.
 
@@ -22,7 +33,8 @@ single-process loss. Adam is elementwise, so any partition of the buffer gives t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,6 +45,8 @@ from plans.layout import Layout
 from plans.sharding import parameters, shard_box, split_range
 from runtime.groups import Axis, RankGroups, all_gather_into, reduce_scatter_into
 from runtime.model import Shard
+
+BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's default bucket_cap_mb)
 
 
 @dataclass(frozen=True)
@@ -72,9 +86,41 @@ class Zero3Gather:
                 continue
             shape = tuple(hi - lo for lo, hi in box)
             self.rows[p.name] = ([split_range(shape[0], dp.size, r) for r in range(dp.size)], shape)
+        self._order: dict[tuple[str, ...], int] = {}  # the uses, numbered in the order first seen
+        self._uses: list[tuple[str, ...]] = []
+        self._last = -1
+        self._ahead: _Ahead | None = None
+        self.served_ahead = 0  # uses whose gather was already under way when they came
 
     def __call__(self, names: list[str]) -> list[Tensor]:
         return list(_GatherRows.apply(self, names, *[self.shard.params[n] for n in names]))
+
+    def drop(self) -> None:
+        """Discard a gather started ahead (the parameters are about to change)."""
+        if self._ahead is not None:
+            self._ahead.work.wait()  # the collective still completes on every rank
+            self._ahead = None
+
+    def _start(self, names: tuple[str, ...], slices: tuple[Tensor, ...]) -> _Ahead:
+        offsets, longest = self._layout(list(names))
+        ref = slices[0]
+        mine = torch.zeros(longest, dtype=ref.dtype, device=ref.device)
+        for off, t in zip(offsets[self.dp.index], slices):
+            mine[off:off + t.numel()] = t.reshape(-1)
+        out = torch.empty(self.dp.size * longest, dtype=ref.dtype, device=ref.device)
+        work = all_gather_into(out, mine, group=self.dp.group, async_op=True)
+        return _Ahead(names, tuple((t.data_ptr(), t._version) for t in slices), work, out.view(self.dp.size, longest),
+                      offsets)
+
+    def _prefetch_after(self, key: tuple[str, ...]) -> None:
+        """Start the gather of the use after `key` in the direction the uses are going."""
+        at = self._order.setdefault(key, len(self._order))
+        if at == len(self._uses):
+            self._uses.append(key)
+        step, self._last = (1 if at == 0 else at - self._last), at
+        if step in (1, -1) and 0 <= at + step < len(self._uses):
+            nxt = self._uses[at + step]
+            self._ahead = self._start(nxt, tuple(self.shard.params[n].detach() for n in nxt))
 
     def _layout(self, names: list[str]) -> tuple[list[list[int]], int]:
         """Per dp rank, the element offsets of each name's slice in that rank's packed chunk."""
@@ -90,14 +136,17 @@ class Zero3Gather:
         return offsets, longest
 
     def all_gather(self, names: list[str], slices: tuple[Tensor, ...]) -> list[Tensor]:
-        offsets, longest = self._layout(names)
-        ref = slices[0]
-        mine = torch.zeros(longest, dtype=ref.dtype, device=ref.device)
-        for _name, off, t in zip(names, offsets[self.dp.index], slices):
-            mine[off:off + t.numel()] = t.reshape(-1)
-        out = torch.empty(self.dp.size * longest, dtype=ref.dtype, device=ref.device)
-        all_gather_into(out, mine, group=self.dp.group)
-        out = out.view(self.dp.size, longest)
+        key = tuple(names)
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.names != key or ahead.stamp != tuple((t.data_ptr(), t._version) for t in slices):
+            if ahead is not None:
+                ahead.work.wait()  # a guess that missed (every rank guesses alike): discarded
+            ahead = self._start(key, slices)
+        else:
+            self.served_ahead += 1
+        ahead.work.wait()
+        self._prefetch_after(key)
+        out, offsets = ahead.out, ahead.offsets
         whole = []
         for i, n in enumerate(names):
             bounds, shape = self.rows[n]
@@ -124,6 +173,18 @@ class Zero3Gather:
             p = self.shard.params[n]
             out.append(recv[off:off + p.numel()].view(p.shape))
         return out
+
+
+@dataclass
+class _Ahead:
+    """An all-gather under way: the uses' names, the (address, version) of the slices it read
+    (a changed slice makes it stale), its work handle, its output [dp, longest], the offsets."""
+
+    names: tuple[str, ...]
+    stamp: tuple[tuple[int, int], ...]
+    work: Any
+    out: Tensor
+    offsets: list[list[int]]
 
 
 class _GatherRows(torch.autograd.Function):
@@ -167,6 +228,81 @@ class DataParallel:
         self.steps = 0
         self.replicated = [n for n in names if _replicated_under_tp(shard, n)]
         self.embed = "model.embed_tokens.weight" if "model.embed_tokens.weight" in shard.params else None
+        self._late = self._late_names(names)
+        self._buckets = self._make_buckets(names) if dp.size > 1 and self.zero != 3 else []
+        self._armed = False
+        self._waiting: list[Any] = []
+        for b, bucket in enumerate(self._buckets):
+            for n in bucket.names:
+                shard.params[n].register_post_accumulate_grad_hook(partial(self._accumulated, b, n))
+
+    def _late_names(self, names: list[str]) -> set[str]:
+        """Parameters reduced after the backward: those needing a tensor-parallel or tied-stage
+        sum before the data-parallel one, and a tied embedding used twice by one stage (its
+        gradient is accumulated twice, so no single accumulation says it is complete)."""
+        late = set(self.replicated) if self.shard.tp.sequence_parallel and self.groups.tp.size > 1 else set()
+        if self.embed is not None and self.shard.spec.tied:
+            late.add(self.embed)
+        return late
+
+    def _make_buckets(self, names: list[str]) -> list[_Bucket]:
+        """Runs of consecutive non-late parameters, last first (the order backward reaches them),
+        cut at about BUCKET_BYTES."""
+        buckets: list[_Bucket] = []
+        run: list[str] = []
+
+        def close() -> None:
+            if run:
+                lo, hi = self.views[run[-1]][0], self.views[run[0]][1]
+                buckets.append(_Bucket(names=tuple(run), lo=lo, hi=hi))
+                run.clear()
+
+        for n in reversed(names):
+            if n in self._late:
+                close()
+                continue
+            run.append(n)
+            if (self.views[run[0]][1] - self.views[run[-1]][0]) * self.grad.element_size() >= BUCKET_BYTES:
+                close()
+        close()
+        return buckets
+
+    def arm(self) -> None:
+        """The next backward is the minibatch's last: start each bucket's reduction when it is complete."""
+        self._armed = bool(self._buckets)
+        for bucket in self._buckets:
+            bucket.pending = set(bucket.names)
+            bucket.started = False
+
+    def _accumulated(self, b: int, name: str, p: Tensor) -> None:
+        if not self._armed:
+            return
+        lo, hi = self.views[name]
+        if p.grad is not None and p.grad.data_ptr() != self.grad[lo:hi].data_ptr():
+            self.grad[lo:hi] += p.grad.reshape(-1)  # autograd allocated a new tensor: fold it in
+            p.grad = self.grad[lo:hi].view(p.shape)
+        bucket = self._buckets[b]
+        bucket.pending.discard(name)
+        if not bucket.pending and not bucket.started:
+            self._start(bucket)
+
+    def _start(self, bucket: _Bucket) -> None:
+        bucket.started = True
+        self._waiting.extend(self._reduce_range(bucket.lo, bucket.hi, async_op=True))
+
+    def _reduce_range(self, lo: int, hi: int, *, async_op: bool) -> list[Any]:
+        """Sum gradients [lo, hi) of the flat buffer over the data-parallel group: everywhere
+        (ZeRO 0/1), or on the rank whose partition holds them (ZeRO 2)."""
+        dp = self.groups.dp
+        if self.zero in (0, 1):
+            return [dist.all_reduce(self.grad[lo:hi], group=dp.group, async_op=async_op)]
+        works = []
+        for r in range(dp.size):
+            a, b = split_range(self.flat.numel(), dp.size, r)
+            a, b = max(a, lo), min(b, hi)
+            if a < b:
+                works.append(dist.reduce(self.grad[a:b], dst=dp.ranks[r], group=dp.group, async_op=async_op))
+        return works
 
     def zero_grad(self) -> None:
         self.grad.zero_()
@@ -176,9 +312,13 @@ class DataParallel:
                 p.grad = self.grad[lo:hi].view(p.shape)
 
     def reduce_gradients(self) -> None:
-        """Sum gradients: over the tensor-parallel group for replicated parameters under sequence
-        parallel, across the stages sharing a tied embedding, and over the data-parallel group."""
+        """Finish the sums: wait for the buckets started during backward (and start any that
+        did not fill), then sum the late parameters over the tensor-parallel group (replicated
+        ones under sequence parallel), across the stages sharing a tied embedding, and over the
+        data-parallel group."""
         self._check_grads_in_buffer()
+        if self._buckets:
+            self._finish_buckets()
         tp = self.groups.tp
         if self.shard.tp.sequence_parallel and tp.size > 1 and self.replicated:
             parts = [self.grad[slice(*self.views[n])] for n in self.replicated]
@@ -195,16 +335,25 @@ class DataParallel:
         dp = self.groups.dp
         if dp.size == 1 or self.zero == 3:  # ZeRO-3 gradients were reduce-scattered in backward
             return
-        if self.zero in (0, 1):
-            dist.all_reduce(self.grad, group=dp.group)
-        else:
-            mine = torch.empty(self.owned[1] - self.owned[0], dtype=self.grad.dtype, device=self.grad.device)
-            reduce_scatter_into(mine, self.grad, group=dp.group)
-            self.grad[self.owned[0]:self.owned[1]] = mine
+        for n in sorted(self._late, key=lambda n: self.views[n][0]):
+            self._reduce_range(*self.views[n], async_op=False)
+
+    def _finish_buckets(self) -> None:
+        if not self._armed:  # a backward that was not armed (a caller outside `train`): reduce now
+            self.arm()
+        for bucket in self._buckets:
+            if not bucket.started:  # some parameter had no gradient this minibatch
+                self._start(bucket)
+        for work in self._waiting:
+            work.wait()
+        self._waiting.clear()
+        self._armed = False
 
     def step(self, *, lr: float) -> None:
         """Adam on this rank's part of the buffer; ZeRO 1/2 then share the updated parameters."""
         self.steps += 1
+        if isinstance(self.shard.gather, Zero3Gather):
+            self.shard.gather.drop()
         lo, hi = self.owned
         with torch.no_grad():
             adam_update(self.flat[lo:hi], self.grad[lo:hi], self.m, self.v, step=self.steps, lr=lr, cfg=self.adam)
@@ -243,6 +392,17 @@ class DataParallel:
             if p.grad is not None and p.grad.data_ptr() != self.grad[lo:hi].data_ptr():
                 self.grad[lo:hi] += p.grad.reshape(-1)  # autograd allocated a new tensor: fold it in
                 p.grad = self.grad[lo:hi].view(p.shape)
+
+
+@dataclass
+class _Bucket:
+    """Consecutive parameters whose gradients [lo, hi) of the flat buffer are reduced together."""
+
+    names: tuple[str, ...]
+    lo: int
+    hi: int
+    pending: set[str] = field(default_factory=set)
+    started: bool = False
 
 
 def _replicated_under_tp(shard: Shard, name: str) -> bool:

@@ -202,7 +202,7 @@ class ModelRunner:
 
             self.dp.zero_grad()
             train_1f1b(self.pipe, len(split.micro), forward=fwd, loss=loss_of, device=self.device,
-                       act_shape=partial(self._act_shape_of, split.micro, s))
+                       act_shape=partial(self._act_shape_of, split.micro, s), before_last_backward=self.dp.arm)
             self.dp.reduce_gradients()
             self.dp.step(lr=lr)
             if self.pipe.last:
@@ -222,7 +222,8 @@ class ModelRunner:
         with torch.no_grad(), self._autocast():
             return gen.generate(self.shard, self.pipe, prompts[split.start:split.stop].to(self.device),
                                 seq_ids=rows, gen_len=gen_len, temperature=temperature, seed=seed,
-                                stop_token=stop_token, device=self.device, pad=mine, stopped=stopped)
+                                stop_token=stop_token, device=self.device, pad=mine, stopped=stopped,
+                                groups=self.layout.micro_batches)
 
     def local_parameters(self) -> dict[str, Tensor]:
         """This rank's parameter slices (detached), by HF name."""

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor
 
+from plans.sharding import split_range
 from runtime import tensor_parallel as tpx
 from runtime.model import KVCache, Shard, last_logits, stage_forward
 from runtime.pipeline_parallel import Pipeline
@@ -102,70 +105,139 @@ def _cast_once(shard: Shard, dtype: torch.dtype) -> Shard:
     return dataclasses.replace(shard, params=params, gather=None)  # type: ignore[arg-type]
 
 
+@dataclass
+class _Group:
+    """Rows [lo, hi) of the batch decoding together, with their cache and what they produced."""
+
+    lo: int
+    hi: int
+    cache: KVCache
+    pad: Tensor | None
+    step_in: Tensor | None = None
+    done: Tensor | None = None
+    tokens: list[Tensor] = field(default_factory=list)
+    logprobs: list[Tensor] = field(default_factory=list)
+    mask: list[Tensor] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+
 def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, gen_len: int, temperature: float,
              seed: int, stop_token: int | None, device: torch.device, pad: Tensor | None = None,
-             stopped: Callable[[Tensor, Tensor], Tensor] | None = None) -> dict[str, Tensor] | None:
+             stopped: Callable[[Tensor, Tensor], Tensor] | None = None, groups: int = 1) -> dict[str, Tensor] | None:
     """Generate `gen_len` tokens after `prompts` [b, p] (left-padded by `pad` [b] tokens, when
     given: each row then generates what it generates alone); on the last stage returns ``tokens``
     [b, p + gen_len], ``logprobs`` [b, gen_len] (fp32) and ``mask`` [b, gen_len] (bool). The
     sampling noise of a token depends on its position counted from the row's first real token.
     `stopped(generated [b, k], done [b]) -> done [b]`, when given (with `stop_token`), also ends
-    rows on the last stage (a stop string: the token that completes it is the row's last)."""
+    rows on the last stage (a stop string: the token that completes it is the row's last).
+
+    The rows are split into `groups` (the decode layout's micro-batches), as the cost model
+    prices them (`cost_models.generation`): with one stage the groups run one after another
+    (waves: only one group's cache is alive at a time); with several stages they are all in
+    flight, each stage working on one group while the others' tokens travel and are chosen, so
+    no stage idles (pp - 1) / pp of the time as with one batch. Every row's result is the same
+    whatever the split."""
     b, p = prompts.shape
-    h_size = shard.spec.hidden_size
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
     shard = _cast_once(_whole(shard), dtype)
-    cache = new_cache(shard, batch=b, max_len=p + gen_len, dtype=dtype, device=device)
-    tokens, logprobs = [], []
-    done = torch.zeros(b, dtype=torch.bool, device=device)
-    mask = []
-    step_in: Tensor = prompts
-    middle = not pipe.first and not pipe.last
-    for k in range(gen_len):
-        if k > 0 and middle and stop_token is not None:  # the last stage says whether every row has stopped
-            if pipe.recv((1,), pipe.ranks[-1], dtype=torch.int64, device=device).item():
-                break
-        s = step_in.shape[1] if pipe.first else (p if k == 0 else 1)
-        positions = torch.arange(cache.length, cache.length + s, device=device)
-        x = step_in if pipe.first else pipe.recv((b, s, h_size), pipe.prev, device=device)
-        h = stage_forward(shard, x, positions=positions, cache=cache, pad=pad)
-        cache.length += s
-        if not pipe.last:
-            pipe.send(h.float(), pipe.next)
-        else:
-            token, logprob = _choose(shard, last_logits(shard, h), temperature=temperature, seed=seed,
-                                     seq_ids=seq_ids, position=p + k if pad is None else p + k - pad)
-            if stop_token is not None:
-                token = token.masked_fill(done, stop_token)
-            mask.append(~done)
-            tokens.append(token)
-            logprobs.append(logprob.masked_fill(done, 0.0))
-            if stop_token is not None:
-                done = done | (token == stop_token)
-                if stopped is not None:
-                    done = stopped(torch.stack(tokens, dim=1), done)
-            finished = stop_token is not None and bool(done.all())
-            if pipe.stages > 1 and k + 1 < gen_len:  # the next token (and whether to go on) to the first stage
-                pipe.send(torch.cat([token, torch.tensor([int(finished)], device=device)]), pipe.ranks[0])
-                if stop_token is not None:
-                    for r in pipe.ranks[1:-1]:
-                        pipe.send(torch.tensor([int(finished)], device=device), r)
-            if finished:
-                break
-        if pipe.first and k + 1 < gen_len:
-            if pipe.last:
-                step_in = tokens[-1][:, None]
-            else:
-                got = pipe.recv((b + 1,), pipe.ranks[-1], dtype=torch.int64, device=device)
-                if got[-1].item():
-                    break
-                step_in = got[:b, None]
+    n = max(1, min(groups, b))
+    bounds = [split_range(b, n, g) for g in range(n)]
+
+    def group(lo: int, hi: int) -> _Group:
+        return _Group(lo, hi, new_cache(shard, batch=hi - lo, max_len=p + gen_len, dtype=dtype, device=device),
+                      None if pad is None else pad[lo:hi], step_in=prompts[lo:hi] if pipe.first else None,
+                      done=torch.zeros(hi - lo, dtype=torch.bool, device=device))
+
+    run = partial(_decode, shard, pipe, p=p, gen_len=gen_len, temperature=temperature, seed=seed, seq_ids=seq_ids,
+                  stop_token=stop_token, device=device, stopped=stopped)
+    if pipe.stages == 1:
+        done = []
+        for lo, hi in bounds:  # waves: each group's cache is freed before the next is made
+            g = group(lo, hi)
+            run([g])
+            g.cache = None  # type: ignore[assignment]
+            done.append(g)
+    else:
+        done = [group(lo, hi) for lo, hi in bounds]
+        run(done)
     pipe.flush()
     if not pipe.last:
         return None
-    for _ in range(gen_len - len(tokens)):  # every row stopped early: the rest is padding, masked out
-        tokens.append(torch.full((b,), int(stop_token or 0), dtype=torch.int64, device=device))
-        logprobs.append(torch.zeros(b, device=device))
-        mask.append(torch.zeros(b, dtype=torch.bool, device=device))
-    return {"tokens": torch.cat([prompts, torch.stack(tokens, dim=1)], dim=1),
-            "logprobs": torch.stack(logprobs, dim=1).float(), "mask": torch.stack(mask, dim=1)}
+    for g in done:  # rows that stopped early: the rest is padding, masked out
+        for _ in range(gen_len - len(g.tokens)):
+            g.tokens.append(torch.full((g.rows,), int(stop_token or 0), dtype=torch.int64, device=device))
+            g.logprobs.append(torch.zeros(g.rows, device=device))
+            g.mask.append(torch.zeros(g.rows, dtype=torch.bool, device=device))
+    return {"tokens": torch.cat([prompts, torch.cat([torch.stack(g.tokens, dim=1) for g in done])], dim=1),
+            "logprobs": torch.cat([torch.stack(g.logprobs, dim=1) for g in done]).float(),
+            "mask": torch.cat([torch.stack(g.mask, dim=1) for g in done])}
+
+
+def _decode(shard: Shard, pipe: Pipeline, active: list[_Group], *, p: int, gen_len: int, temperature: float,
+            seed: int, seq_ids: Tensor, stop_token: int | None, device: torch.device,
+            stopped: Callable[[Tensor, Tensor], Tensor] | None) -> None:
+    """Prefill and decode the groups `active`, step by step, each step every group in turn.
+
+    Each stage handles (step k, group g) in the same order, skipping groups that have finished,
+    so every message between two stages is received in the order it was sent. The last stage
+    sends each group's next token, with whether the group has finished, to the first stage, and
+    (with a stop token) that flag to the middle stages."""
+    h_size = shard.spec.hidden_size
+    middle = not pipe.first and not pipe.last
+    active = list(active)
+    for k in range(gen_len):
+        for g in list(active):
+            if k > 0 and middle and stop_token is not None:  # the last stage says whether the group has finished
+                if pipe.recv((1,), pipe.ranks[-1], dtype=torch.int64, device=device).item():
+                    active.remove(g)
+                    continue
+            if k > 0 and pipe.first and not pipe.last:
+                got = pipe.recv((g.rows + 1,), pipe.ranks[-1], dtype=torch.int64, device=device)
+                if got[-1].item():
+                    active.remove(g)
+                    continue
+                g.step_in = got[:g.rows, None]
+            s = p if k == 0 else 1
+            positions = torch.arange(g.cache.length, g.cache.length + s, device=device)
+            x = g.step_in if pipe.first else pipe.recv((g.rows, s, h_size), pipe.prev, device=device)
+            assert x is not None
+            h = stage_forward(shard, x, positions=positions, cache=g.cache, pad=g.pad)
+            g.cache.length += s
+            if not pipe.last:
+                pipe.send(h.float(), pipe.next)
+                continue
+            if _choose_next(shard, pipe, g, h, k=k, p=p, gen_len=gen_len, temperature=temperature, seed=seed,
+                            seq_ids=seq_ids[g.lo:g.hi], stop_token=stop_token, device=device, stopped=stopped):
+                active.remove(g)
+        if not active:
+            return
+
+
+def _choose_next(shard: Shard, pipe: Pipeline, g: _Group, h: Tensor, *, k: int, p: int, gen_len: int,
+                 temperature: float, seed: int, seq_ids: Tensor, stop_token: int | None, device: torch.device,
+                 stopped: Callable[[Tensor, Tensor], Tensor] | None) -> bool:
+    """On the last stage: the group's token of step `k`, passed on; whether the group has finished."""
+    assert g.done is not None
+    token, logprob = _choose(shard, last_logits(shard, h), temperature=temperature, seed=seed, seq_ids=seq_ids,
+                             position=p + k if g.pad is None else p + k - g.pad)
+    if stop_token is not None:
+        token = token.masked_fill(g.done, stop_token)
+    g.mask.append(~g.done)
+    g.tokens.append(token)
+    g.logprobs.append(logprob.masked_fill(g.done, 0.0))
+    if stop_token is not None:
+        g.done = g.done | (token == stop_token)
+        if stopped is not None:
+            g.done = stopped(torch.stack(g.tokens, dim=1), g.done)
+    finished = stop_token is not None and bool(g.done.all())
+    if pipe.stages > 1 and k + 1 < gen_len:  # the next token (and whether to go on) to the first stage
+        pipe.send(torch.cat([token, torch.tensor([int(finished)], device=device)]), pipe.ranks[0])
+        if stop_token is not None:
+            for r in pipe.ranks[1:-1]:
+                pipe.send(torch.tensor([int(finished)], device=device), r)
+    if pipe.first:
+        g.step_in = token[:, None]
+    return finished

@@ -129,10 +129,11 @@ def solo_groups(layout: Layout) -> RankGroups:
     return RankGroups(layout=layout, local=0, coord=layout.coord(0), tp=SOLO, dp=SOLO, pp=SOLO, tied=None)
 
 
-def all_gather_into(out: Any, inp: Any, *, group: Any) -> None:
-    """All-gather `inp` from every rank of `group` into `out`, concatenated along dim 0."""
+def all_gather_into(out: Any, inp: Any, *, group: Any, async_op: bool = False) -> Any:
+    """All-gather `inp` from every rank of `group` into `out`, concatenated along dim 0 (with
+    `async_op`, returns the work handle to wait on)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(out: Any, inp: Any, *, group: Any) -> None:

@@ -56,6 +56,7 @@ class Pipeline:
 
     def send(self, t: Tensor, dst: int) -> None:
         t = t.detach().contiguous()
+        self.pending = [(w, x) for w, x in self.pending if not w.is_completed()]  # a long generation sends many
         self.pending.append((dist.isend(t, dst), t))  # keep `t` alive until the send completes
 
     def recv(self, shape: tuple[int, ...], src: int, *, dtype: torch.dtype = P2P_DTYPE,
@@ -80,11 +81,13 @@ def apply_pipeline_parallel(num_layers: int, *, layout: Layout, pp: Axis, stage:
 
 def train_1f1b(pipe: Pipeline, n_micro: int, *, forward: Callable[[int, Tensor | None], Tensor],
                loss: Callable[[int, Tensor], Tensor], act_shape: Callable[[int], tuple[int, ...]],
-               device: torch.device) -> None:
+               device: torch.device, before_last_backward: Callable[[], None] | None = None) -> None:
     """Forward and backward of `n_micro` micro-batches in 1F1B order, accumulating gradients.
 
     `forward(i, x)` runs this stage on micro-batch `i` (`x` is None on the first stage, the
     received activation otherwise); on the last stage `loss(i, out)` gives the scalar to back-prop.
+    `before_last_backward()` runs before the backward that completes the gradients (data
+    parallelism starts its reductions during that one).
     """
     inputs: dict[int, Tensor | None] = {}
     outputs: dict[int, Tensor] = {}
@@ -102,6 +105,8 @@ def train_1f1b(pipe: Pipeline, n_micro: int, *, forward: Callable[[int, Tensor |
 
     def bwd(i: int) -> None:
         x, out = inputs.pop(i), outputs.pop(i)
+        if i == n_micro - 1 and before_last_backward is not None:
+            before_last_backward()
         if pipe.last:
             out.backward()
         else:

@@ -3,7 +3,8 @@
 One launch of 4 processes runs all layouts (dp, tp, pp) in {(4,1,1), (1,4,1), (1,1,4), (2,2,1),
 (2,1,2), (1,2,2)}, ZeRO 0-3 where dp > 1, with sequence parallel, recompute and micro-batches
 mixed in, for both model families (tiny-llama: grouped-query attention, untied head; tiny-gpt:
-biases, learned positions, tied head across pipeline stages). Each rank computes the reference
+biases, learned positions, tied head across pipeline stages), with gradient buckets of 4 KiB
+(so each model's reduction runs as many buckets overlapping its backward). Each rank computes the reference
 itself (one process, no groups) and compares what it holds: train-step loss and statistics,
 every updated parameter slice (against the reference's `shard_box` of it), inference log-probs
 and values, greedy and sampled generation tokens.
@@ -136,6 +137,9 @@ def _compare(case: str, ref: dict, got: dict, runner: ModelRunner, spec, head: s
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
+    import runtime.data_parallel
+
+    runtime.data_parallel.BUCKET_BYTES = 4096  # many gradient buckets, reduced as backward fills them
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
