@@ -60,7 +60,14 @@ class AdamConfig:
 
 
 def adam_update(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, step: int, lr: float, cfg: AdamConfig) -> None:
-    """One AdamW step on flat tensors, in place (torch.optim.AdamW's formula)."""
+    """One AdamW step on flat tensors, in place (torch.optim.AdamW's formula), with torch's fused
+    kernel (one pass over the four tensors, as ``AdamW(fused=True)``) where it has one, else as
+    plain tensor ops (eight passes and a temporary)."""
+    fused = getattr(torch, "_fused_adamw_", None)
+    if fused is not None and p.device.type in ("cpu", "cuda") and p.dtype == torch.float32:
+        fused([p], [g], [m], [v], [], [torch.full((), float(step), device=p.device)], lr=lr, beta1=cfg.beta1,
+              beta2=cfg.beta2, weight_decay=cfg.weight_decay, eps=cfg.eps, amsgrad=False, maximize=False)
+        return
     m.mul_(cfg.beta1).add_(g, alpha=1 - cfg.beta1)
     v.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
     bias1 = 1 - cfg.beta1 ** step

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from plans.sharding import split_range
@@ -32,6 +33,7 @@ from runtime.model import KVCache, Shard, last_logits, stage_forward
 from runtime.pipeline_parallel import Pipeline
 
 _M32 = 0xFFFFFFFF
+CUDA_GRAPHS = True  # capture static decode steps on CUDA (False: run them eagerly, to compare or debug)
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -113,6 +115,7 @@ class _Group:
     hi: int
     cache: KVCache
     pad: Tensor | None
+    step: Callable[[Tensor, Tensor], Tensor] | None = None  # a decode step (static cache), graphed on CUDA
     step_in: Tensor | None = None
     done: Tensor | None = None
     tokens: list[Tensor] = field(default_factory=list)
@@ -126,7 +129,8 @@ class _Group:
 
 def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, gen_len: int, temperature: float,
              seed: int, stop_token: int | None, device: torch.device, pad: Tensor | None = None,
-             stopped: Callable[[Tensor, Tensor], Tensor] | None = None, groups: int = 1) -> dict[str, Tensor] | None:
+             stopped: Callable[[Tensor, Tensor], Tensor] | None = None, groups: int = 1,
+             static: bool | None = None) -> dict[str, Tensor] | None:
     """Generate `gen_len` tokens after `prompts` [b, p] (left-padded by `pad` [b] tokens, when
     given: each row then generates what it generates alone); on the last stage returns ``tokens``
     [b, p + gen_len], ``logprobs`` [b, gen_len] (fp32) and ``mask`` [b, gen_len] (bool). The
@@ -139,7 +143,13 @@ def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, 
     (waves: only one group's cache is alive at a time); with several stages they are all in
     flight, each stage working on one group while the others' tokens travel and are chosen, so
     no stage idles (pp - 1) / pp of the time as with one batch. Every row's result is the same
-    whatever the split."""
+    whatever the split.
+
+    With `static` (the default on CUDA), decode steps run on a static cache (`KVCache.static`),
+    and on CUDA each group's step (the stage's layers, and the head on the last stage) is
+    captured once as a CUDA graph and replayed: one launch per step instead of hundreds of
+    kernels issued from Python. On CPU the same static step runs eagerly (the tests compare it
+    with the growing cache)."""
     b, p = prompts.shape
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
     shard = _cast_once(_whole(shard), dtype)
@@ -152,7 +162,8 @@ def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, 
                       done=torch.zeros(hi - lo, dtype=torch.bool, device=device))
 
     run = partial(_decode, shard, pipe, p=p, gen_len=gen_len, temperature=temperature, seed=seed, seq_ids=seq_ids,
-                  stop_token=stop_token, device=device, stopped=stopped)
+                  stop_token=stop_token, device=device, stopped=stopped,
+                  static=device.type == "cuda" if static is None else static)
     if pipe.stages == 1:
         done = []
         for lo, hi in bounds:  # waves: each group's cache is freed before the next is made
@@ -178,7 +189,7 @@ def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, 
 
 def _decode(shard: Shard, pipe: Pipeline, active: list[_Group], *, p: int, gen_len: int, temperature: float,
             seed: int, seq_ids: Tensor, stop_token: int | None, device: torch.device,
-            stopped: Callable[[Tensor, Tensor], Tensor] | None) -> None:
+            stopped: Callable[[Tensor, Tensor], Tensor] | None, static: bool) -> None:
     """Prefill and decode the groups `active`, step by step, each step every group in turn.
 
     Each stage handles (step k, group g) in the same order, skipping groups that have finished,
@@ -204,24 +215,68 @@ def _decode(shard: Shard, pipe: Pipeline, active: list[_Group], *, p: int, gen_l
             positions = torch.arange(g.cache.length, g.cache.length + s, device=device)
             x = g.step_in if pipe.first else pipe.recv((g.rows, s, h_size), pipe.prev, device=device)
             assert x is not None
-            h = stage_forward(shard, x, positions=positions, cache=g.cache, pad=g.pad)
+            if k == 0 or not static:
+                h = stage_forward(shard, x, positions=positions, cache=g.cache, pad=g.pad)
+                out = last_logits(shard, h) if pipe.last else h
+            else:
+                if g.step is None:
+                    g.cache.static = True
+                    g.step = _static_step(shard, g, last=pipe.last, x=x, positions=positions)
+                out = g.step(x, positions)
             g.cache.length += s
             if not pipe.last:
-                pipe.send(h.float(), pipe.next)
+                pipe.send(out.float(), pipe.next)
                 continue
-            if _choose_next(shard, pipe, g, h, k=k, p=p, gen_len=gen_len, temperature=temperature, seed=seed,
+            if _choose_next(shard, pipe, g, out, k=k, p=p, gen_len=gen_len, temperature=temperature, seed=seed,
                             seq_ids=seq_ids[g.lo:g.hi], stop_token=stop_token, device=device, stopped=stopped):
                 active.remove(g)
         if not active:
             return
 
 
-def _choose_next(shard: Shard, pipe: Pipeline, g: _Group, h: Tensor, *, k: int, p: int, gen_len: int,
+def _static_step(shard: Shard, g: _Group, *, last: bool, x: Tensor, positions: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+    """The group's decode step on its static cache: eager on CPU; on CUDA captured as a graph
+    from `x` and `positions`, the first step's real inputs (the warm-up runs compute that step
+    and write its cache slot exactly as the replay then does again)."""
+    def step(x: Tensor, positions: Tensor) -> Tensor:
+        h = stage_forward(shard, x, positions=positions, cache=g.cache, pad=g.pad)
+        return last_logits(shard, h) if last else h
+
+    if x.device.type != "cuda" or not CUDA_GRAPHS or (shard.tp.size > 1 and dist.get_backend(shard.tp.group) != "nccl"):
+        return step  # CPU, or collectives a graph cannot capture (gloo on CUDA tensors)
+    return _CudaGraph(step, x, positions)
+
+
+class _CudaGraph:
+    """`fn(x, positions)` captured once; a call copies its inputs into the captured buffers and replays."""
+
+    def __init__(self, fn: Callable[[Tensor, Tensor], Tensor], x: Tensor, positions: Tensor) -> None:
+        self.x, self.positions = x.clone(), positions.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: lazy initialisation and allocator state before capture
+                fn(self.x, self.positions)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        autocast = torch.is_autocast_enabled("cuda")
+        dtype = torch.get_autocast_dtype("cuda")
+        with torch.autocast("cuda", dtype=dtype, enabled=autocast, cache_enabled=False), torch.cuda.graph(self.graph):
+            self.out = fn(self.x, self.positions)
+
+    def __call__(self, x: Tensor, positions: Tensor) -> Tensor:
+        self.x.copy_(x)
+        self.positions.copy_(positions)
+        self.graph.replay()
+        return self.out.clone()  # the next replay overwrites the captured output (a send may be in flight)
+
+
+def _choose_next(shard: Shard, pipe: Pipeline, g: _Group, logits: Tensor, *, k: int, p: int, gen_len: int,
                  temperature: float, seed: int, seq_ids: Tensor, stop_token: int | None, device: torch.device,
                  stopped: Callable[[Tensor, Tensor], Tensor] | None) -> bool:
     """On the last stage: the group's token of step `k`, passed on; whether the group has finished."""
     assert g.done is not None
-    token, logprob = _choose(shard, last_logits(shard, h), temperature=temperature, seed=seed, seq_ids=seq_ids,
+    token, logprob = _choose(shard, logits, temperature=temperature, seed=seed, seq_ids=seq_ids,
                              position=p + k if g.pad is None else p + k - g.pad)
     if stop_token is not None:
         token = token.masked_fill(g.done, stop_token)

@@ -51,6 +51,10 @@ class KVCache:
 
     kv: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
     length: int = 0  # positions already cached
+    # Static shapes (decode steps captured as CUDA graphs): a step writes its slot given by the
+    # `positions` tensor and attends over the whole buffer, masked to the slots before it, so
+    # no shape or Python value changes from one step to the next.
+    static: bool = False
 
 
 @dataclass
@@ -191,15 +195,17 @@ def _attention_core(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor 
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
 
-def _attention_mask(q_slots: Tensor, k_len: int, *, window: int | None, pad: Tensor | None) -> Tensor | None:
-    """Which keys each query attends to, or None when plain causal attention says it all.
+def _attention_mask(q_slots: Tensor, k_len: int, *, window: int | None, pad: Tensor | None,
+                    always: bool = False) -> Tensor | None:
+    """Which keys each query attends to, or None when plain causal attention says it all (never
+    None with `always`: a static cache's keys include slots not yet written).
 
     Causal (key slot <= query slot); within a sliding window (Mistral, as transformers: query p
     sees p - window < j <= p); and never a left-padding slot of its row (`pad` [b]): [sq, sk], or
     [b, 1, sq, sk] with padding. A padding slot's own query sees only itself, so its (unused)
     output stays finite."""
-    windowed = window is not None and k_len > window
-    if not windowed and pad is None:
+    windowed = window is not None and (k_len > window or always)
+    if not windowed and pad is None and not always:
         return None
     k = torch.arange(k_len, device=q_slots.device)[None, :]
     q = q_slots[:, None]
@@ -238,6 +244,14 @@ def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor,
         cos, sin = (rope or Rope(spec, row_positions(positions, pad)))(q.dtype)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     causal = True
+    if cache is not None and cache.static:
+        kc, vc = cache.kv[layer]
+        kc.index_copy_(2, positions, k)
+        vc.index_copy_(2, positions, v)
+        mask = _attention_mask(positions, kc.shape[2], window=spec.sliding_window, pad=pad, always=True)
+        core = _attention_core(q, kc, vc, False, mask)
+        out = tpx.exit(F.linear(core.transpose(1, 2).reshape(b, s, -1), w["o_proj.weight"]), shard.tp, sp=sp)
+        return out + w["o_proj.bias"] if "o_proj.bias" in w else out
     if cache is not None:
         start = cache.length
         kc, vc = cache.kv[layer]

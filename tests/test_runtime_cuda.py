@@ -46,6 +46,40 @@ def test_cuda_greedy_generation_equals_the_cpu_reference() -> None:
     assert torch.equal(gpu["tokens"].cpu(), cpu["tokens"])
 
 
+def test_decode_steps_run_as_cuda_graphs_and_generate_what_eager_decoding_does(monkeypatch) -> None:  # noqa: ANN001
+    import runtime.generate as gen
+
+    captured = []
+    init = gen._CudaGraph.__init__
+
+    def counting(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        captured.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(gen._CudaGraph, "__init__", counting)
+    prompts = torch.randint(0, SPEC.vocab_size, (6, 16), generator=torch.Generator().manual_seed(3)).cuda()
+    pad = torch.tensor([0, 3, 0, 1, 5, 0], device="cuda")
+
+    def run(r: ModelRunner, *, static: bool, graphs: bool = True) -> dict:
+        monkeypatch.setattr(gen, "CUDA_GRAPHS", graphs)
+        with torch.no_grad(), r._autocast():
+            out = gen.generate(r.shard, r.pipe, prompts, seq_ids=torch.arange(6, device="cuda"), gen_len=12,
+                               temperature=1.0, seed=5, stop_token=None, device=r.device, pad=pad, groups=2,
+                               static=static)
+        assert out is not None
+        return out
+
+    r = _runner("cuda")  # fp32: the graphed static cache generates what the growing cache does
+    graphed, eager = run(r, static=True), run(r, static=False)
+    assert torch.equal(graphed["tokens"], eager["tokens"])
+    torch.testing.assert_close(graphed["logprobs"], eager["logprobs"], rtol=1e-4, atol=1e-4)
+    assert len(captured) == 2  # one graph per group
+    r = _runner("cuda", torch.bfloat16)  # bf16: a replay computes exactly what the same step computes eagerly
+    graphed, eager = run(r, static=True), run(r, static=True, graphs=False)
+    assert torch.equal(graphed["tokens"], eager["tokens"]) and torch.equal(graphed["logprobs"], eager["logprobs"])
+    assert len(captured) == 4
+
+
 def test_bf16_train_steps_run_and_lower_the_loss() -> None:
     r = _runner("cuda", torch.bfloat16, trainable=True)
     tokens = torch.randint(0, SPEC.vocab_size, (4, 64), generator=torch.Generator().manual_seed(2)).cuda()

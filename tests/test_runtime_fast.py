@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from plans import Layout, resolve_model
+from plans import PRESETS, Layout, resolve_model
 from runtime.engine import ModelRunner
 from runtime.groups import solo_groups
 from runtime.model import _attention_core, _lm_logits, init_tensor, stage_forward, token_logprobs
@@ -180,3 +180,56 @@ def test_fused_head_under_bf16_autocast_matches_the_plain_ops_without_fp32_logit
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2)  # bf16 logits on both sides
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w, rtol=5e-2, atol=5e-3)
+
+
+def test_adam_is_torch_adamw_in_one_fused_pass(monkeypatch) -> None:  # noqa: ANN001
+    import runtime.data_parallel as dpm
+
+    torch.manual_seed(0)
+    w = torch.randn(1000)
+    cfg = dpm.AdamConfig(weight_decay=0.1)
+    results = []
+    for fused in (True, False):
+        if not fused:  # the plain-ops fallback (devices without the kernel) computes the same
+            monkeypatch.delattr(torch, "_fused_adamw_")
+        p = torch.nn.Parameter(w.clone())
+        opt = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, foreach=False)
+        q, m, v = w.clone(), torch.zeros(1000), torch.zeros(1000)
+        g = torch.Generator().manual_seed(1)
+        with Ops() as ops:
+            for k in range(1, 4):
+                grad = torch.randn(1000, generator=g)
+                dpm.adam_update(q, grad, m, v, step=k, lr=1e-2, cfg=cfg)
+        g = torch.Generator().manual_seed(1)  # the same gradients
+        for _ in range(3):
+            p.grad = torch.randn(1000, generator=g)
+            opt.step()
+        torch.testing.assert_close(q, p.detach(), rtol=1e-6, atol=1e-6)
+        passes = sum(1 for name, n, _ in ops.seen if n == 1000 and name not in VIEWS) / 3 - 1  # less the randn
+        results.append(passes)
+    assert results[0] <= 1 < results[1]  # one kernel per step against several passes
+
+
+def test_a_static_cache_decodes_what_the_growing_cache_does() -> None:
+    """The decode step CUDA graphs capture (static shapes: a slot written by index, attention over
+    the whole buffer under a mask), run eagerly: the same tokens with padding, a sliding window
+    and groups, in both families."""
+    import runtime.generate as gen
+
+    prompts = torch.randint(0, 256, (6, 7), generator=torch.Generator().manual_seed(0))
+    pad = torch.tensor([0, 2, 0, 3, 1, 0])
+    windowed = SPEC.model_copy(update={"sliding_window": 5})
+    for spec in (SPEC, windowed, PRESETS["tiny-gpt"]):
+        r = ModelRunner(spec, head="lm", trainable=False, groups=solo_groups(Layout()),
+                        state=lambda p: init_tensor(p, seed=3), device=torch.device("cpu"))
+        out = {}
+        for static in (False, True):
+            with torch.no_grad(), Ops() as ops:
+                out[static] = gen.generate(r.shard, r.pipe, prompts, seq_ids=torch.arange(6), gen_len=9,
+                                           temperature=1.0, seed=5, stop_token=3, device=r.device, pad=pad,
+                                           groups=2, static=static)
+            writes = sum(1 for name, _, _ in ops.seen if name == "index_copy_")
+            assert (writes > 0) == static  # the static step writes its slot by index
+        assert torch.equal(out[True]["tokens"], out[False]["tokens"]), spec
+        assert torch.equal(out[True]["mask"], out[False]["mask"])
+        torch.testing.assert_close(out[True]["logprobs"], out[False]["logprobs"], rtol=1e-5, atol=1e-5)
