@@ -8,11 +8,12 @@ vocabulary 8192), same weights, same inputs, fp32, one process with this machine
 - generation: greedy decoding with the KV cache (transformers' `generate`, no early stop);
 - inference: per-token log-probs of a batch (transformers: logits, log-softmax, gather);
 - training: one step of forward, backward and AdamW (transformers: the same loss, torch AdamW
-  with foreach);
+  with foreach, torch's default; and again with AdamW's fused kernel, the one the runtime uses,
+  so that the ratio is not the optimizer's alone);
 - ops per decode step: aten operators dispatched per generated token (a TorchDispatchMode count
   of a longer generation minus a shorter one);
-- dp=2: the runtime's data-parallel train step against torch DDP + AdamW on 2 gloo ranks
-  (`bench/runtime.py`'s measurement, same model).
+- dp=2: the runtime's data-parallel train step against torch DDP + AdamW (foreach, and fused)
+  on 2 gloo ranks (`bench/runtime.py`'s measurement, same model).
 
 Runs are interleaved (A B A B ..., the order swapped every round) because this machine is shared
 and noisy; each ratio is runtime / peer per round, printed as min and median. Nothing is
@@ -95,7 +96,7 @@ def interleaved(pairs: dict[str, tuple], rounds: int) -> dict[str, list[float]]:
     return ratios
 
 
-def _ddp_ratio(steps: int) -> float:
+def _ddp_ratio(steps: int) -> tuple[float, float]:
     """bench/runtime.py's dp=2 train step against DDP, on this benchmark's model."""
     import torch.multiprocessing as mp
 
@@ -130,7 +131,7 @@ def _ddp_worker(path: str, rank: int, ranks: int, port: int, args: argparse.Name
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     t = mod._bench_train(rank, ranks, args)
     if rank == 0:
-        queue.put(t["ours"] / t["ddp"])
+        queue.put((t["ours"] / t["ddp"], t["ours"] / t["ddp_fused"]))
     dist.destroy_process_group()
 
 
@@ -151,6 +152,7 @@ def main() -> None:
     mask = torch.ones(tb, ts - 1, dtype=torch.bool)
     loss = make_loss("sft", AlgorithmConfig())
     opt = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=0.0, foreach=True)
+    opt_fused = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=0.0, fused=True)
 
     def ours_gen() -> None:
         runner.generate(prompts, gen_len=gen, temperature=0.0, seed=0)
@@ -171,15 +173,17 @@ def main() -> None:
     def ours_train() -> None:
         runner.train({"tokens": tokens, "mask": mask}, loss=loss, denoms=[float(mask.numel())], lr=LR)
 
-    def hf_train() -> None:
-        opt.zero_grad(set_to_none=False)
+    def hf_train(optimizer: torch.optim.Optimizer = opt) -> None:
+        optimizer.zero_grad(set_to_none=False)
         logits = hf(tokens).logits[:, :-1].float()
         lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
         (-lp.mean()).backward()
-        opt.step()
+        optimizer.step()
 
     ratios = interleaved({"generation": (ours_gen, hf_gen), "inference": (ours_inf, hf_inf),
-                          "train step": (ours_train, hf_train)}, 1 if args.quick else args.rounds)
+                          "train step": (ours_train, hf_train),
+                          "train step, fused AdamW": (ours_train, lambda: hf_train(opt_fused))},
+                         1 if args.quick else args.rounds)
     long_, short = gen + 8, 8
 
     def ours_ops(n: int) -> int:
@@ -200,7 +204,9 @@ def main() -> None:
         print(f"  {name:26s} {min(r):7.3f} {statistics.median(r):7.3f}")
     print(f"ops per decode step: runtime {ops_ours:.0f}, transformers {ops_hf:.0f} ({ops_ours / ops_hf:.2f}x)")
     if not args.quick:
-        print(f"dp=2 train step, runtime / torch DDP (median of 8): {_ddp_ratio(8):.3f}")
+        foreach, fused = _ddp_ratio(8)
+        print(f"dp=2 train step, runtime / torch DDP (median of 8): {foreach:.3f} (AdamW foreach), "
+              f"{fused:.3f} (AdamW fused)")
 
 
 if __name__ == "__main__":

@@ -241,11 +241,15 @@ def _chunk_logits(h: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.nn.functional.linear(h.to(dtype), w.to(dtype)).float()
 
 
-def _chunk_logprobs(logits: Tensor, targets: Tensor, tp: TensorParallel, vocab_size: int) -> tuple[Tensor, Tensor]:
-    """(log-probs [n], log-sum-exp [n]) of the targets from vocab-sharded fp32 logits [n, V/tp]."""
+def _chunk_logprobs(logits: Tensor, targets: Tensor, tp: TensorParallel,
+                    vocab_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """From vocab-sharded fp32 logits [n, V/tp]: the targets' log-probs [n], the log-sum-exp [n]
+    and what backward makes the softmax from: the log-softmax [n, V] itself with one rank (one
+    fused pass, which the composite logsumexp is not), else the logits."""
     if tp.size == 1:
-        lse = torch.logsumexp(logits, dim=-1)
-        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse, lse
+        logp = _kept_form(logits, tp)
+        picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return picked, logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - picked, logp
     lo, hi = tp.vocab_range(vocab_size)
     peak = logits.max(dim=-1).values
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp.group)
@@ -253,7 +257,16 @@ def _chunk_logprobs(logits: Tensor, targets: Tensor, tp: TensorParallel, vocab_s
     both = torch.stack([shifted.exp().sum(dim=-1), _picked(shifted, targets, lo, hi)])  # one all-reduce
     dist.all_reduce(both, group=tp.group)
     log_sum = both[0].log()
-    return both[1] - log_sum, peak + log_sum
+    return both[1] - log_sum, peak + log_sum, logits
+
+
+def _kept_form(logits: Tensor, tp: TensorParallel) -> Tensor:
+    return torch.log_softmax(logits, dim=-1) if tp.size == 1 else logits
+
+
+def _softmax_(kept: Tensor, lse: Tensor, tp: TensorParallel) -> Tensor:
+    """softmax, in place, from what `_chunk_logprobs` keeps."""
+    return kept.exp_() if tp.size == 1 else kept.sub_(lse[:, None]).exp_()
 
 
 def _picked(logits: Tensor, targets: Tensor, lo: int, hi: int) -> Tensor:
@@ -272,11 +285,11 @@ class _HeadLogprobs(torch.autograd.Function):
         out, lses, kept = [], [], None
         for lo in range(0, n, rows):
             logits = _chunk_logits(h[lo:lo + rows], w, dtype)
-            lp, lse = _chunk_logprobs(logits, targets[lo:lo + rows], tp, vocab_size)
+            lp, lse, rest = _chunk_logprobs(logits, targets[lo:lo + rows], tp, vocab_size)
             out.append(lp)
             lses.append(lse)
             if keep:
-                kept = logits
+                kept = rest
         ctx.tp, ctx.vocab_size, ctx.dtype, ctx.rows, ctx.kept = tp, vocab_size, dtype, rows, kept
         if grads:
             ctx.save_for_backward(h, w, targets, torch.cat(lses))
@@ -292,10 +305,10 @@ class _HeadLogprobs(torch.autograd.Function):
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         for lo in range(0, h.shape[0], rows):
             hc, g = h[lo:lo + rows], grad[lo:lo + rows]
-            logits = ctx.kept if ctx.kept is not None else _chunk_logits(hc, w, dtype)
-            # d log p[t] / d logits = onehot(t) - softmax(logits)
-            dlogits = logits.sub_(lse[lo:lo + rows, None]).exp_().mul_(-g[:, None])
             t = targets[lo:lo + rows]
+            rest = ctx.kept if ctx.kept is not None else _kept_form(_chunk_logits(hc, w, dtype), tp)
+            # d log p[t] / d logits = onehot(t) - softmax(logits)
+            dlogits = _softmax_(rest, lse[lo:lo + rows], tp).mul_(-g[:, None])
             inside = (t >= lo_v) & (t < hi_v)
             dlogits.scatter_add_(-1, (t - lo_v).masked_fill(~inside, 0).unsqueeze(-1),
                                  g.masked_fill(~inside, 0.0).unsqueeze(-1))
