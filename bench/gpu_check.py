@@ -7,7 +7,8 @@ A Llama-shape model (1.2B parameters: hidden 2048, 16 layers, 32 query heads ove
 heads, vocabulary 32000) in bf16 on one GPU, the same weights in the runtime and in
 transformers (sdpa attention):
 
-- generate: greedy, KV cache, 16 prompts x 128 tokens + 128 new tokens;
+- generate: greedy, KV cache, 16 prompts x 128 tokens + 128 new tokens (decode steps as CUDA
+  graphs; `generate_eager_decode` is the same call with the steps issued from Python);
 - inference: per-token log-probs of 8 x 1024 tokens;
 - train: forward, backward and AdamW over 4 x 1024 tokens.
 
@@ -132,8 +133,17 @@ def main() -> int:
         runner = ModelRunner(spec, head="lm", trainable=True, groups=solo_groups(Layout()),
                              state=lambda p: init_tensor(p, seed=0), device=device, dtype=dtype)
         loss = make_loss("sft", AlgorithmConfig())
+        def eager_generate() -> None:  # the decode steps issued from Python, for the graphs' effect
+            import runtime.generate as gen
+            gen.CUDA_GRAPHS = False
+            try:
+                runner.generate(prompts, gen_len=g["gen"], temperature=0.0, seed=0)
+            finally:
+                gen.CUDA_GRAPHS = True
+
         calls = {
             "generate": lambda: runner.generate(prompts, gen_len=g["gen"], temperature=0.0, seed=0),
+            "generate_eager_decode": eager_generate,
             "inference": lambda: runner.forward(itoks, what="logprobs"),
             "train": lambda: runner.train({"tokens": ttoks, "mask": mask}, loss=loss, denoms=[float(mask.numel())],
                                           lr=LR),

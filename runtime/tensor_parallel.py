@@ -224,12 +224,12 @@ def head_logprobs(h: Tensor, weight: Tensor, targets: Tensor, tp: TensorParallel
 
     The logits are made a chunk of at most `chunk_elements` (tokens x V/tp) at a time, in the
     compute dtype (autocast's, else `h`'s), and turned into fp32 log-probs there: the full fp32
-    ``[n, V]`` logits never exist, nor the ``slice_backward`` and log-softmax copies autograd
-    would keep over them. Backward makes each chunk's logits again (one more head matmul,
-    Liger-style) unless all of them fit one chunk: those are kept instead, which costs no extra
-    peak memory because a pipeline's last stage runs a micro-batch's backward right after its
-    forward. Gradients are those of the unfused ops to rounding (each chunk's weight gradient is
-    accumulated in fp32)."""
+    ``[n, V]`` logits never exist, nor the ``slice_backward`` and upcast copies autograd would
+    keep over them. Backward makes each chunk's logits again (one more head matmul, Liger-style)
+    unless all of them fit one chunk: that chunk's log-softmax (with one rank; the logits with
+    several) is kept instead, which costs no extra peak memory because a pipeline's last stage
+    runs a micro-batch's backward right after its forward. Gradients are those of the unfused
+    ops to rounding (each chunk's weight gradient is accumulated in fp32)."""
     device = h.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
     rows = max(1, chunk_elements // max(1, weight.shape[0]))
