@@ -67,7 +67,7 @@ def aligned(samples: Rows, key: str) -> Tensor:
     """A [B, gen_len] generate output placed at the response positions of [B, s-1]."""
     t = samples[key]
     b, s = samples["tokens"].shape
-    out = torch.zeros((b, s - 1), dtype=t.dtype)
+    out = torch.zeros((b, s - 1), dtype=t.dtype, device=t.device)
     out[:, s - 1 - t.shape[1]:] = t
     return out
 
@@ -77,11 +77,12 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: flo
     after the last masked-in token (its next value is 0)."""
     b, t_len = rewards.shape
     adv = torch.zeros_like(rewards)
-    running = torch.zeros(b, dtype=rewards.dtype)
+    running = torch.zeros(b, dtype=rewards.dtype, device=rewards.device)
+    end = torch.zeros(b, dtype=rewards.dtype, device=rewards.device)
     m = mask.to(rewards.dtype)
     for t in reversed(range(t_len)):
-        cont = m[:, t + 1] if t + 1 < t_len else torch.zeros(b, dtype=rewards.dtype)
-        next_v = values[:, t + 1] * cont if t + 1 < t_len else torch.zeros(b, dtype=rewards.dtype)
+        cont = m[:, t + 1] if t + 1 < t_len else end
+        next_v = values[:, t + 1] * cont if t + 1 < t_len else end
         delta = rewards[:, t] + gamma * next_v - values[:, t]
         running = delta + gamma * lam * cont * running
         adv[:, t] = running * m[:, t]
@@ -98,7 +99,7 @@ def whiten(x: Tensor, mask: Tensor) -> Tensor:
 
 def last_index(mask: Tensor) -> Tensor:
     """Index of the last True per row of `mask` [B, T] (0 when none)."""
-    t = torch.arange(mask.shape[1]).expand_as(mask)
+    t = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     return torch.where(mask, t, torch.zeros_like(t)).max(dim=1).values
 
 
@@ -182,8 +183,8 @@ class Glue:
         tokens, gen_len = samples["tokens"], samples["mask"].shape[1]
         if rows is not None and self.tokenizer is not None:
             responses = [self.tokenizer.decode(t[m].tolist()) for t, m in zip(tokens[:, -gen_len:], samples["mask"])]
-            return text_scores(self.reward_fn, rows, responses, name=str(self.algo.reward_fn))
-        return self.reward_fn(tokens[:, :-gen_len], tokens[:, -gen_len:]).float()
+            return text_scores(self.reward_fn, rows, responses, name=str(self.algo.reward_fn)).to(tokens.device)
+        return self.reward_fn(tokens[:, :-gen_len], tokens[:, -gen_len:]).float().to(tokens.device)
 
     def _sample_rows(self, call: PlanCall | None, rows: dict[str, list[RowInfo]],
                      handle: str) -> list[RowInfo] | None:
@@ -230,7 +231,7 @@ class Glue:
             values = roles["values"][0]["values"][:, :-1] * mask
             kl = (old_lp - ref_lp) * mask
             rewards = -algo.kl_coef * kl
-            rewards[torch.arange(rewards.shape[0]), last_index(mask)] += scores
+            rewards[torch.arange(rewards.shape[0], device=rewards.device), last_index(mask)] += scores.to(rewards.device)
             adv = gae(rewards, values, mask, gamma=algo.gamma, lam=algo.lam)
             rows.update(advantages=whiten(adv, mask), returns=(adv + values) * mask, old_values=values)
             stats["kl_mean"] = float(kl.sum() / mask.sum().clamp(min=1))

@@ -137,7 +137,7 @@ class Mailbox:
             n = split.stop - split.start
             if d == mine:
                 assert local is not None
-                parts.append((n, {k: v.cpu() for k, v in local.items()}))
+                parts.append((n, dict(local)))  # stays where it was computed
             else:
                 size = sum(n * math.prod(s) * torch.empty((), dtype=t).element_size() for s, t in shapes.values())
                 buf = torch.empty(size, dtype=torch.uint8, device=device)

@@ -275,7 +275,9 @@ class PlanRunner:
     def readable(self, handle: str, value: Any, state: StepState) -> Any:
         """`value` of `handle` as a host step gets it: for a dataset's prompts and what is generated
         from them, the rows plus their text (``prompt_text``, ``extras`` of the dataset row and, for
-        samples, ``response_text``: the tokens up to EOS, decoded); other values as they are."""
+        samples, ``response_text``: the tokens up to EOS, decoded); other values as they are. Host
+        steps are host code: their tensors are on the CPU (call outputs stay on the device)."""
+        value = rows_on(value, torch.device("cpu"))
         tok = self.glue.tokenizer
         if tok is None or not isinstance(value, dict):
             return value
@@ -353,7 +355,7 @@ class PlanRunner:
             mask = aligned(data, "mask") if "logprobs" in data else data.get("mask")  # samples or graph input
             mask = None if mask is None else mask[split.start:split.stop]
             last = torch.full((out.shape[0],), s - 1) if mask is None else last_index(mask) + 1
-            return {"scores": out.cpu().gather(1, last[:, None])[:, 0]}, shapes
+            return {"scores": out.gather(1, last.to(out.device)[:, None])[:, 0]}, shapes
         return {what: out}, shapes
 
     def _train(self, call: PlanCall, runner: ModelRunner | None, store: dict,
@@ -361,7 +363,8 @@ class PlanRunner:
         """(statistics of the batch, this replica's shares of the loss statistics)."""
         if runner is None:
             return {}, {}
-        batch = self.glue.train_batch(call, {h: self._get(store, h) for h in call.inputs}, dataset_rows=rows)
+        inputs = {h: rows_on(self._get(store, h), self.device) for h in call.inputs}  # dataset rows come from the host
+        batch = self.glue.train_batch(call, inputs, dataset_rows=rows)
         assert call.loss is not None
         on_device = {k: v.to(self.device) for k, v in batch.rows.items()}
         stats = runner.train(on_device, loss=make_loss(call.loss, self.plan.algorithm), denoms=batch.denoms,
@@ -470,10 +473,17 @@ class PlanRunner:
         """The call's output on this rank, sent to and received from the other ranks that read it."""
         if not self.distributed:
             assert local is not None
-            return {k: v.cpu() for k, v in local.items()}
+            return dict(local)  # stays where it was computed
         where = self.calls[call.name].where
         return mail.share(local, mesh=where.mesh, layout=where.layout, rows=call.seqs, shapes=shapes,
                           needers=self.readers[call.outputs[0]], device=self.device)
+
+
+def rows_on(rows: Any, device: torch.device) -> Any:
+    """`rows` with every tensor on `device` (a host step's output may hold other values)."""
+    if not isinstance(rows, dict):
+        return rows
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in rows.items()}
 
 
 def _check_shape(call: PlanCall, tokens: torch.Tensor, want: tuple[int, int]) -> None:

@@ -42,7 +42,7 @@ from torch import Tensor
 from plans.errors import PlannerError
 from plans.graph import HostStep, unique_name
 from plans.plan import Plan, PlanCall
-from runtime.executor import DEFAULT_TIMEOUT_S, PlanRunner, StepState
+from runtime.executor import DEFAULT_TIMEOUT_S, PlanRunner, StepState, rows_on
 from runtime.groups import init_default_group
 
 
@@ -246,11 +246,12 @@ class _Iteration:
             raise self._differs(f"skipped {', '.join(map(repr, missing))}, which it made when it was traced")
 
     def value(self, handle: LiveData, metrics: dict[str, float | int]) -> Any:
-        """What `handle` holds on this rank once the iteration is over."""
+        """What `handle` holds on this rank once the iteration is over (its tensors on the CPU, as
+        the caller's loop gets them whatever device computed them)."""
         if handle.call is not None and handle.call.kind == "train":
             prefix = f"{handle.call.name}."
             return {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}
-        return self.state.get(handle.name)
+        return rows_on(self.state.get(handle.name), torch.device("cpu"))
 
 
 def _leaves(obj: Any) -> list[Any]:

@@ -123,3 +123,37 @@ def test_call_outputs_from_the_host_and_the_gpu_join_on_the_gpu() -> None:
     inc = Incoming(shapes={"x": ((3,), torch.float32)}, parts=[(2, here), (1, arrived)])
     out = inc.get()["x"]
     assert out.is_cuda and out.shape == (3, 3)
+
+
+def test_a_ppo_step_keeps_call_outputs_on_the_gpu_and_matches_the_cpu_reference(monkeypatch) -> None:  # noqa: ANN001
+    """examples/tiny_ppo.py's plan through the executor in one process on the GPU: every call
+    output stays on the device from call to call, and the metrics are the CPU reference's."""
+    import runpy
+    from pathlib import Path
+
+    from planner.compile import compile_graph
+    from plans import parse_cluster
+    from runtime.executor import PlanRunner
+
+    graph = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "tiny_ppo.py"))["graph"]
+    plan = compile_graph(graph, parse_cluster("cpu:1x4"), time_limit_s=0)
+    seen: list[str] = []
+    share = PlanRunner._share
+
+    def recording(self, call, local, shapes, mail):  # noqa: ANN001, ANN202
+        out = share(self, call, local, shapes, mail)
+        seen.extend(v.device.type for v in out.values() if isinstance(v, torch.Tensor))
+        return out
+
+    monkeypatch.setattr(PlanRunner, "_share", recording)
+    metrics = {}
+    for device in ("cpu", "cuda"):
+        runner = PlanRunner(plan, rank=0, world_size=1, reference=True, seed=0, dtype=torch.float32,
+                            device=torch.device(device))
+        metrics[device] = [runner.step(s) for s in (1, 2)]
+        if device == "cuda":
+            assert seen and set(seen[len(seen) // 2:]) == {"cuda"}, seen
+    for got, want in zip(metrics["cuda"], metrics["cpu"]):
+        for key, value in want.items():
+            if not key.endswith("time_s"):
+                assert abs(got[key] - value) <= 1e-3 * max(1.0, abs(value)), (key, got[key], value)
