@@ -18,8 +18,9 @@ stages) are reduced after the backward, in that order. Buckets fire in the order
 reaches them, the same on every rank of the group.
 - ZeRO 3: parameters are split further along dim 0 across the group (the boxes of
   `plans.sharding.shard_box`); `Zero3Gather` all-gathers a layer's parameters when it runs and
-  reduce-scatters their gradients in backward, so each rank stores only its own slices at rest
-  (and gradients and optimizer state for them). As FSDP's forward prefetch, while a use runs the
+  reduce-scatters their gradients in backward (asynchronously: backward goes on while a layer's
+  sums travel, and they are added to the slices' gradients before the step), so each rank
+  stores only its own slices at rest (and gradients and optimizer state for them). As FSDP's forward prefetch, while a use runs the
   gather of the next one (in the order the uses came the first time, either way along it: the
   recomputed forward of backward goes back) is already under way, one use ahead. Autograd keeps a gathered weight until its
   layer's backward unless recompute is ``full`` (the gather is then inside the checkpointed
@@ -48,6 +49,7 @@ from runtime.model import Shard
 
 BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's default bucket_cap_mb)
 ALIGN_ELEMENTS = 16  # parameters start at 64-byte boundaries of the flat buffer
+SCATTERS_IN_FLIGHT = 2  # ZeRO-3 gradient reduce-scatters running while backward goes on
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class Zero3Gather:
         self._last = -1
         self._ahead: _Ahead | None = None
         self.served_ahead = 0  # uses whose gather was already under way when they came
+        self._scattering: list[tuple[Any, Tensor, Tensor, list[str], list[int]]] = []  # reduce-scatters under way
 
     def __call__(self, names: list[str]) -> list[Tensor]:
         return list(_GatherRows.apply(self, names, *[self.shard.params[n] for n in names]))
@@ -163,7 +166,10 @@ class Zero3Gather:
             whole.append(torch.cat(parts).view(shape))
         return whole
 
-    def reduce_scatter(self, names: list[str], grads: tuple[Tensor | None, ...]) -> list[Tensor]:
+    def reduce_scatter(self, names: list[str], grads: tuple[Tensor | None, ...]) -> None:
+        """Start summing the gathered gradients over the group into each rank's slices; backward
+        goes on meanwhile (`finish` adds them to the slices' gradients). At most
+        SCATTERS_IN_FLIGHT run at once, so their buffers stay a layer or two."""
         offsets, longest = self._layout(names)
         ref = self.shard.params[names[0]]
         send = torch.zeros(self.dp.size, longest, dtype=ref.dtype, device=ref.device)
@@ -175,12 +181,26 @@ class Zero3Gather:
             for r, (lo, hi) in enumerate(bounds):
                 send[r, offsets[r][i]:offsets[r][i] + (hi - lo) * row] = g[lo:hi].reshape(-1)
         recv = torch.empty(longest, dtype=ref.dtype, device=ref.device)
-        reduce_scatter_into(recv, send.view(-1), group=self.dp.group)
-        out = []
-        for n, off in zip(names, offsets[self.dp.index]):
+        work = reduce_scatter_into(recv, send.view(-1), group=self.dp.group, async_op=True)
+        self._scattering.append((work, send, recv, names, offsets[self.dp.index]))
+        while len(self._scattering) > SCATTERS_IN_FLIGHT:
+            self._land(self._scattering.pop(0))
+
+    def finish(self) -> None:
+        """Wait for every reduce-scatter started in backward and add its sums to the gradients."""
+        while self._scattering:
+            self._land(self._scattering.pop(0))
+
+    def _land(self, item: tuple[Any, Tensor, Tensor, list[str], list[int]]) -> None:
+        work, _send, recv, names, offsets = item
+        work.wait()
+        for n, off in zip(names, offsets):
             p = self.shard.params[n]
-            out.append(recv[off:off + p.numel()].view(p.shape))
-        return out
+            got = recv[off:off + p.numel()].view(p.shape)
+            if p.grad is None:
+                p.grad = got.clone()
+            else:
+                p.grad.add_(got)
 
 
 @dataclass
@@ -203,7 +223,10 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
-        return (None, None, *ctx.z.reduce_scatter(ctx.names, grads))
+        # The slices' gradients arrive by reduce-scatter after backward has gone on (`finish`):
+        # autograd gets none for them here.
+        ctx.z.reduce_scatter(ctx.names, grads)
+        return (None, None, *([None] * len(ctx.names)))
 
 
 class DataParallel:
@@ -327,6 +350,8 @@ class DataParallel:
         did not fill), then sum the late parameters over the tensor-parallel group (replicated
         ones under sequence parallel), across the stages sharing a tied embedding, and over the
         data-parallel group."""
+        if isinstance(self.shard.gather, Zero3Gather):
+            self.shard.gather.finish()
         self._check_grads_in_buffer()
         if self._buckets:
             self._finish_buckets()

@@ -136,7 +136,8 @@ def all_gather_into(out: Any, inp: Any, *, group: Any, async_op: bool = False) -
     return fn(out, inp, group=group, async_op=async_op)
 
 
-def reduce_scatter_into(out: Any, inp: Any, *, group: Any) -> None:
-    """Sum `inp` over `group` and keep this rank's dim-0 block of it in `out`."""
+def reduce_scatter_into(out: Any, inp: Any, *, group: Any, async_op: bool = False) -> Any:
+    """Sum `inp` over `group` and keep this rank's dim-0 block of it in `out` (with `async_op`,
+    returns the work handle to wait on)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # renamed in torch 2.13
-    fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=async_op)

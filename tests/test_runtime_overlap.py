@@ -3,7 +3,8 @@
 - Data parallel: gradient buckets start their reduction during the backward pass, as soon as
   each is complete (ZeRO 0 and 2), and the step equals the single-process one.
 - ZeRO-3: after the first forward, each layer's gather is already under way when the layer
-  comes (prefetch), in forward and in the recomputed forward of backward, with the same result.
+  comes (prefetch), in forward and in the recomputed forward of backward; gradients are
+  reduce-scattered while backward goes on; the step equals the single-process one.
 - Pipeline generation: with two stages and two groups, the first stage runs the second group's
   prefill before it waits for the first group's token (both groups in flight), and the tokens
   are those of one group.
@@ -99,8 +100,16 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                          state=_state, device=CPU, adam=ADAM)
     runner.forward(_batch()["tokens"], what="logprobs")  # the first forward learns the order of the uses
     before = runner.shard.gather.served_ahead
+    in_flight: list[int] = []
+    reduce = runner.dp.reduce_gradients
+
+    def counting() -> None:
+        in_flight.append(len(runner.shard.gather._scattering))  # reduce-scatters still under way
+        reduce()
+
+    runner.dp.reduce_gradients = counting  # type: ignore[method-assign]
     got = _train(runner)
-    report["zero3"] = {"served_ahead": runner.shard.gather.served_ahead - before,
+    report["zero3"] = {"served_ahead": runner.shard.gather.served_ahead - before, "in_flight": in_flight,
                        "layers": SPEC.num_hidden_layers, "diff": _max_diff(ref, got, layout, rank)}
 
     # Pipelined generation: what the first stage does, in order.
@@ -154,11 +163,13 @@ def test_gradient_buckets_are_reduced_during_backward(reports: list[dict]) -> No
 
 
 @pytest.mark.slow
-def test_zero3_gathers_the_next_use_ahead(reports: list[dict]) -> None:
+def test_zero3_gathers_the_next_use_ahead_and_reduces_gradients_while_backward_goes_on(
+        reports: list[dict]) -> None:
     for rep in reports:
         got = rep["zero3"]
         # forward and the recomputed forward of backward: every layer but the first of each pass
         assert got["served_ahead"] >= 2 * (got["layers"] - 1), got
+        assert got["in_flight"] and all(n > 0 for n in got["in_flight"]), got  # backward did not wait for them
         assert got["diff"] < 1e-5, got
 
 
