@@ -169,7 +169,7 @@ def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, 
         for lo, hi in bounds:  # waves: each group's cache is freed before the next is made
             g = group(lo, hi)
             run([g])
-            g.cache = None  # type: ignore[assignment]
+            g.cache, g.step = None, None  # type: ignore[assignment]  # (a captured graph holds the cache)
             done.append(g)
     else:
         done = [group(lo, hi) for lo, hi in bounds]
