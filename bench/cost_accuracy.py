@@ -31,7 +31,15 @@
      sharded over data parallel. We predict micro-batch 1, interleave 2, sequence parallel, ZeRO-1,
      flash attention (framework ``torch``), MFU by the 6N + 12*L*h*s convention.
 
-Run: ``python bench/cost_accuracy.py [--calibration FILE] [--worst N]``.
+3. Out of sample on the vTrain rows (``--cross-validate``): leave one model size out. For each
+   size, the coefficients are fitted again, from the same fixed start as `planner calibrate`, on
+   every row of the other sizes (both files, equal weight), and the held-out size's rows are
+   predicted with that fit. Each row is thus predicted by coefficients that never saw its model;
+   the in-sample error (the shipped fit, which saw every row) is printed beside it, with the
+   mean signed error of each (a systematic sign says the model is biased, not noisy). Slow: one
+   fit per size.
+
+Run: ``python bench/cost_accuracy.py [--calibration FILE] [--worst N] [--cross-validate]``.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from cost_models.calibration import Calibration, default_calibration, load_calibration  # noqa: E402
 from cost_models.estimate import estimate_training, training_layout  # noqa: E402
-from cost_models.fit import Setup, mape, predict  # noqa: E402
+from cost_models.fit import START, Setup, fit, mape, predict  # noqa: E402
 from cost_models.measured import MeasuredRun, read_measured  # noqa: E402
 from plans import PlannerError, parse_cluster, resolve_model  # noqa: E402
 
@@ -98,6 +106,37 @@ def report_measured(name: str, runs: list[MeasuredRun], cal: Calibration, worst:
         print(f"    {r.source:28s} {r.label:>9s} tp{lay.tp} pp{lay.pp} dp{lay.dp} mb{b:<3d} gb{r.global_batch:<5d}"
               f" measured {1e3 * r.iteration_s:9.1f} ms  predicted {1e3 * p:9.1f} ms  {pct(p, r.iteration_s):+6.1f}%")
     return total
+
+
+def signed(pred: list[float], runs: list[MeasuredRun]) -> float:
+    """Mean signed percentage error (negative: predictions too short)."""
+    return sum(pct(p, r.iteration_s) for p, r in zip(pred, runs)) / len(runs)
+
+
+def cross_validate(files: dict[str, list[MeasuredRun]], cal: Calibration, setup: Setup, sweeps: int) -> None:
+    """Leave-one-model-size-out: per size, refit on the others and predict it."""
+    sizes = sorted({r.label for runs in files.values() for r in runs}, key=lambda x: float(x.rstrip("B")))
+    print(f"\nout of sample, vTrain: leave one model size out ({len(sizes)} sizes: {', '.join(sizes)}),"
+          f" refit each time from the fixed start ({sweeps} sweeps at most)")
+    held: dict[str, list[float | None]] = {name: [None] * len(runs) for name, runs in files.items()}
+    for size in sizes:
+        train = [[r for r in runs if r.label != size] for runs in files.values()]
+        train = [g for g in train if g]
+        fitted, obj = fit(train, Calibration(coefficients=START), setup, sweeps=sweeps)
+        tested = 0
+        for name, runs in files.items():
+            idx = [i for i, r in enumerate(runs) if r.label == size]
+            for i, p in zip(idx, predict([runs[i] for i in idx], fitted, setup)):
+                held[name][i] = p
+            tested += len(idx)
+        print(f"  without {size:>6s}: fit MAPE {obj:5.2f}% on the others, {tested} held-out rows predicted", flush=True)
+    print(f"  {'file':28s} {'rows':>5s} {'in-sample MAPE':>15s} {'signed':>8s} {'out-of-sample MAPE':>19s} {'signed':>8s}")
+    for name, runs in files.items():
+        inside = predict(runs, cal, setup)
+        outside = [p for p in held[name] if p is not None]
+        assert len(outside) == len(runs)
+        print(f"  {name:28s} {len(runs):5d} {mape(inside, runs):14.2f}% {signed(inside, runs):+7.2f}% "
+              f"{mape(outside, runs):18.2f}% {signed(outside, runs):+7.2f}%")
 
 
 def megatron_flops(b: int, s: int, l: int, h: int, v: int) -> float:
@@ -156,6 +195,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibration", type=Path, help="calibration file (default: the shipped one)")
     ap.add_argument("--worst", type=int, default=8, help="worst rows to list per file")
+    ap.add_argument("--cross-validate", action="store_true",
+                    help="also refit leaving each vTrain model size out, and report out-of-sample errors (slow)")
+    ap.add_argument("--sweeps", type=int, default=8, help="most coordinate-search sweeps per refit (default 8)")
     ap.add_argument("--vtrain-intra-gbps", type=float, default=None,
                     help="NVLink per GPU of the vTrain cluster, Gbit/s (default: the A100 datasheet's 2400)")
     args = ap.parse_args()
@@ -166,17 +208,21 @@ def main() -> None:
     if vtrain is None or not vtrain.is_dir():
         print("vTrain data not found (looked for ../shared/data/vtrain; set PLANNER_DATA_DIR): skipping measured rows")
     else:
-        results = {}
+        results, files = {}, {}
+        setup = dataclasses.replace(VTRAIN, intra_node_gbps=args.vtrain_intra_gbps)
         for csv in sorted(vtrain.glob("*.csv")):
             try:
                 runs = read_measured(csv)
             except PlannerError as e:
                 print(f"{csv.name}: cannot read: {e}")
                 continue
-            setup = dataclasses.replace(VTRAIN, intra_node_gbps=args.vtrain_intra_gbps)
+            files[csv.name] = runs
             results[csv.name] = report_measured(csv.name, runs, cal, args.worst, setup)
-        print("\nsummary: " + ", ".join(f"{k} MAPE {v:.2f}%" for k, v in results.items())
+        print("\nsummary (in sample: the shipped coefficients were fitted on these rows): "
+              + ", ".join(f"{k} MAPE {v:.2f}%" for k, v in results.items())
               + "   (vTrain's own simulator: 8.37% single-node, 14.73% multi-node)")
+        if args.cross_validate and files:
+            cross_validate(files, cal, setup, args.sweeps)
     report_megatron(cal)
     report_llama3(cal)
 
