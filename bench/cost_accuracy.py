@@ -113,25 +113,28 @@ def signed(pred: list[float], runs: list[MeasuredRun]) -> float:
     return sum(pct(p, r.iteration_s) for p, r in zip(pred, runs)) / len(runs)
 
 
-def cross_validate(files: dict[str, list[MeasuredRun]], cal: Calibration, setup: Setup, sweeps: int) -> None:
-    """Leave-one-model-size-out: per size, refit on the others and predict it."""
-    sizes = sorted({r.label for runs in files.values() for r in runs})  # "3.6B" (multi-node), "h1024-l12" (single)
+def cross_validate(files: dict[str, list[MeasuredRun]], cal: Calibration, setup: Setup, sweeps: int,
+                   only: str | None = None) -> None:
+    """Leave-one-model-size-out: per size (of file `only`, else of every file), refit on the
+    others and predict it."""
+    held_files = {only: files[only]} if only else files
+    sizes = sorted({r.label for runs in held_files.values() for r in runs})  # "3.6B" (multi-node), "h1024-l12"
     print(f"\nout of sample, vTrain: leave one model size out ({len(sizes)} sizes: {', '.join(sizes)}),"
           f" refit each time from the fixed start ({sweeps} sweeps at most)")
-    held: dict[str, list[float | None]] = {name: [None] * len(runs) for name, runs in files.items()}
+    held: dict[str, list[float | None]] = {name: [None] * len(runs) for name, runs in held_files.items()}
     for size in sizes:
         train = [[r for r in runs if r.label != size] for runs in files.values()]
         train = [g for g in train if g]
         fitted, obj = fit(train, Calibration(coefficients=START), setup, sweeps=sweeps)
         tested = 0
-        for name, runs in files.items():
+        for name, runs in held_files.items():
             idx = [i for i, r in enumerate(runs) if r.label == size]
             for i, p in zip(idx, predict([runs[i] for i in idx], fitted, setup)):
                 held[name][i] = p
             tested += len(idx)
         print(f"  without {size:>6s}: fit MAPE {obj:5.2f}% on the others, {tested} held-out rows predicted", flush=True)
     print(f"  {'file':28s} {'rows':>5s} {'in-sample MAPE':>15s} {'signed':>8s} {'out-of-sample MAPE':>19s} {'signed':>8s}")
-    for name, runs in files.items():
+    for name, runs in held_files.items():
         inside = predict(runs, cal, setup)
         outside = [p for p in held[name] if p is not None]
         assert len(outside) == len(runs)
@@ -198,6 +201,8 @@ def main() -> None:
     ap.add_argument("--cross-validate", action="store_true",
                     help="also refit leaving each vTrain model size out, and report out-of-sample errors (slow)")
     ap.add_argument("--sweeps", type=int, default=8, help="most coordinate-search sweeps per refit (default 8)")
+    ap.add_argument("--cv-file", default=None,
+                    help="hold out only the sizes of this vTrain file, e.g. ground_truth_multi.csv (default: every file's)")
     ap.add_argument("--vtrain-intra-gbps", type=float, default=None,
                     help="NVLink per GPU of the vTrain cluster, Gbit/s (default: the A100 datasheet's 2400)")
     args = ap.parse_args()
@@ -222,7 +227,9 @@ def main() -> None:
               + ", ".join(f"{k} MAPE {v:.2f}%" for k, v in results.items())
               + "   (vTrain's own simulator: 8.37% single-node, 14.73% multi-node)")
         if args.cross_validate and files:
-            cross_validate(files, cal, setup, args.sweeps)
+            if args.cv_file and args.cv_file not in files:
+                raise SystemExit(f"--cv-file {args.cv_file!r}: not one of {sorted(files)}")
+            cross_validate(files, cal, setup, args.sweeps, args.cv_file)
     report_megatron(cal)
     report_llama3(cal)
 
