@@ -7,6 +7,16 @@ second one, so reductions and the optimizer work on a few large tensors:
 - ZeRO 1: all-reduce gradients; each rank keeps Adam state for, and updates, one contiguous
   1/dp of the flat buffer, then the buffer is all-gathered (Rajbhandari et al. 2020).
 - ZeRO 2: as 1, but each rank receives only the sum of its part (a reduce to its owner).
+- ZeRO 3: parameters are split further along dim 0 across the group (the boxes of
+  `plans.sharding.shard_box`); `Zero3Gather` all-gathers a layer's parameters when it runs and
+  reduce-scatters their gradients in backward (asynchronously: backward goes on while a layer's
+  sums travel, and they are added to the slices' gradients before the step), so each rank
+  stores only its own slices at rest (and gradients and optimizer state for them). As FSDP's
+  forward prefetch, while a use runs, the gather of the next one (in the order the uses came the
+  first time, either way along it: the recomputed forward of backward goes back) is already
+  under way. Autograd keeps a gathered weight until its layer's backward unless recompute is
+  ``full`` (the gather is then inside the checkpointed layer and redone in backward, as FSDP
+  does); generation gathers a stage once per call.
 
 As in DDP (Li et al. 2020), the reduction overlaps the backward pass: the buffer is cut into
 buckets of about BUCKET_BYTES of consecutive parameters, and during the backward of a
@@ -16,15 +26,6 @@ for them all. Parameters whose gradients need another reduction first (replicate
 under sequence parallel, summed over the tensor-parallel group; a tied embedding shared by two
 stages) are reduced after the backward, in that order. Buckets fire in the order autograd
 reaches them, the same on every rank of the group.
-- ZeRO 3: parameters are split further along dim 0 across the group (the boxes of
-  `plans.sharding.shard_box`); `Zero3Gather` all-gathers a layer's parameters when it runs and
-  reduce-scatters their gradients in backward (asynchronously: backward goes on while a layer's
-  sums travel, and they are added to the slices' gradients before the step), so each rank
-  stores only its own slices at rest (and gradients and optimizer state for them). As FSDP's forward prefetch, while a use runs the
-  gather of the next one (in the order the uses came the first time, either way along it: the
-  recomputed forward of backward goes back) is already under way, one use ahead. Autograd keeps a gathered weight until its
-  layer's backward unless recompute is ``full`` (the gather is then inside the checkpointed
-  layer and redone in backward, as FSDP does); generation gathers a stage once per call.
 
 Gradients are sums, not means: losses are normalised by the global token (or sequence) count
 of the minibatch, so the summed gradient over ranks and micro-batches equals the gradient of the
@@ -237,7 +238,7 @@ class DataParallel:
         dp = groups.dp
         names = list(shard.params)
         # Each parameter starts at a multiple of ALIGN_ELEMENTS (64 bytes): matmul kernels run
-        # slower on weights at an arbitrary offset (measured ~10% on this CPU's mm).
+        # slower on weights at an arbitrary offset than on separately allocated ones.
         starts, numel = {}, 0
         for n in names:
             starts[n] = numel
@@ -311,10 +312,7 @@ class DataParallel:
     def _accumulated(self, b: int, name: str, p: Tensor) -> None:
         if not self._armed:
             return
-        lo, hi = self.views[name]
-        if p.grad is not None and p.grad.data_ptr() != self.grad[lo:hi].data_ptr():
-            self.grad[lo:hi] += p.grad.reshape(-1)  # autograd allocated a new tensor: fold it in
-            p.grad = self.grad[lo:hi].view(p.shape)
+        self._fold(name)
         bucket = self._buckets[b]
         bucket.pending.discard(name)
         if not bucket.pending and not bucket.started:
@@ -322,20 +320,21 @@ class DataParallel:
 
     def _start(self, bucket: _Bucket) -> None:
         bucket.started = True
-        self._waiting.extend(self._reduce_range(bucket.lo, bucket.hi, async_op=True))
+        self._waiting.extend(self._reduce_range(bucket.lo, bucket.hi))
 
-    def _reduce_range(self, lo: int, hi: int, *, async_op: bool) -> list[Any]:
-        """Sum gradients [lo, hi) of the flat buffer over the data-parallel group: everywhere
-        (ZeRO 0/1), or on the rank whose partition holds them (ZeRO 2)."""
+    def _reduce_range(self, lo: int, hi: int) -> list[Any]:
+        """Start summing gradients [lo, hi) of the flat buffer over the data-parallel group:
+        everywhere (ZeRO 0/1), or on the rank whose partition holds them (ZeRO 2); the work
+        handles to wait on."""
         dp = self.groups.dp
         if self.zero in (0, 1):
-            return [dist.all_reduce(self.grad[lo:hi], group=dp.group, async_op=async_op)]
+            return [dist.all_reduce(self.grad[lo:hi], group=dp.group, async_op=True)]
         works = []
         for r in range(dp.size):
             a, b = split_range(self.flat.numel(), dp.size, r)
             a, b = max(a, lo), min(b, hi)
             if a < b:
-                works.append(dist.reduce(self.grad[a:b], dst=dp.ranks[r], group=dp.group, async_op=async_op))
+                works.append(dist.reduce(self.grad[a:b], dst=dp.ranks[r], group=dp.group, async_op=True))
         return works
 
     def zero_grad(self) -> None:
@@ -371,8 +370,10 @@ class DataParallel:
         dp = self.groups.dp
         if dp.size == 1 or self.zero == 3:  # ZeRO-3 gradients were reduce-scattered in backward
             return
-        for n in sorted(self._late, key=lambda n: self.views[n][0]):
-            self._reduce_range(*self.views[n], async_op=False)
+        works = [w for n in sorted(self._late, key=lambda n: self.views[n][0])
+                 for w in self._reduce_range(*self.views[n])]
+        for work in works:  # issued together, waited once
+            work.wait()
 
     def _finish_buckets(self) -> None:
         if not self._armed:  # a backward that was not armed (a caller outside `train`): reduce now
@@ -423,11 +424,16 @@ class DataParallel:
         self.steps = steps
 
     def _check_grads_in_buffer(self) -> None:
-        for n, (lo, hi) in self.views.items():
-            p = self.shard.params[n]
-            if p.grad is not None and p.grad.data_ptr() != self.grad[lo:hi].data_ptr():
-                self.grad[lo:hi] += p.grad.reshape(-1)  # autograd allocated a new tensor: fold it in
-                p.grad = self.grad[lo:hi].view(p.shape)
+        for n in self.views:
+            self._fold(n)
+
+    def _fold(self, name: str) -> None:
+        """Keep `name`'s gradient in the flat buffer: if autograd allocated a new tensor, add it in."""
+        lo, hi = self.views[name]
+        p = self.shard.params[name]
+        if p.grad is not None and p.grad.data_ptr() != self.grad[lo:hi].data_ptr():
+            self.grad[lo:hi] += p.grad.reshape(-1)
+            p.grad = self.grad[lo:hi].view(p.shape)
 
 
 @dataclass

@@ -243,16 +243,13 @@ def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor,
     if spec.model_type == "llama":
         cos, sin = (rope or Rope(spec, row_positions(positions, pad)))(q.dtype)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    causal = True
-    if cache is not None and cache.static:
+    causal, static = True, cache is not None and cache.static
+    if cache is not None and static:  # the slots by index, then the whole buffer under the mask
         kc, vc = cache.kv[layer]
         kc.index_copy_(2, positions, k)
         vc.index_copy_(2, positions, v)
-        mask = _attention_mask(positions, kc.shape[2], window=spec.sliding_window, pad=pad, always=True)
-        core = _attention_core(q, kc, vc, False, mask)
-        out = tpx.exit(F.linear(core.transpose(1, 2).reshape(b, s, -1), w["o_proj.weight"]), shard.tp, sp=sp)
-        return out + w["o_proj.bias"] if "o_proj.bias" in w else out
-    if cache is not None:
+        k, v, causal = kc, vc, False
+    elif cache is not None:
         start = cache.length
         kc, vc = cache.kv[layer]
         kc[:, :, start:start + s] = k
@@ -262,7 +259,7 @@ def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor,
             if s != 1:
                 raise ValueError("a KV cache extends by one position at a time after the prefill")
             causal = False  # one query attends to every cached position
-    mask = _attention_mask(positions, k.shape[2], window=spec.sliding_window, pad=pad)
+    mask = _attention_mask(positions, k.shape[2], window=spec.sliding_window, pad=pad, always=static)
     core = checkpointed(_attention_core, q, k, v, causal, mask, enabled=shard.recompute == "selective")
     out = F.linear(core.transpose(1, 2).reshape(b, s, -1), w["o_proj.weight"])
     out = tpx.exit(out, shard.tp, sp=sp)

@@ -183,20 +183,10 @@ def vocab_embedding(tokens: Tensor, weight: Tensor, tp: TensorParallel, *, vocab
 
 
 def vocab_logprobs(logits: Tensor, targets: Tensor, tp: TensorParallel, *, vocab_size: int) -> Tensor:
-    """log softmax(logits)[target] for vocab-sharded `logits` [..., V/tp] and `targets` [...], in fp32."""
-    logits = logits.float()
-    if tp.size == 1:  # logsumexp: no second [..., V] tensor of log-probs beside the logits
-        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    lo, hi = tp.vocab_range(vocab_size)
-    with torch.no_grad():
-        peak = logits.max(dim=-1).values
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp.group)
-    shifted = logits - peak.unsqueeze(-1)
-    sum_exp = reduce_sum(shifted.exp().sum(dim=-1), tp)
-    inside = (targets >= lo) & (targets < hi)
-    local_t = (targets - lo).masked_fill(~inside, 0)
-    picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
-    return reduce_sum(picked, tp) - sum_exp.log()
+    """log softmax(logits)[target] for vocab-sharded `logits` [..., V/tp] and `targets` [...], in
+    fp32, without autograd (generation's chosen tokens; training's go through `head_logprobs`)."""
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    return _chunk_logprobs(flat, targets.reshape(-1), tp, vocab_size)[0].view(targets.shape)
 
 
 def vocab_choose(scores: Tensor, tp: TensorParallel, *, vocab_size: int) -> Tensor:
