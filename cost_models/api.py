@@ -14,20 +14,23 @@ A forward-only token costs a third; a decoded token ``2*N + 4*L*h*ctx``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from cost_models import comm
 from cost_models.calibration import Calibration, default_calibration
-from cost_models.framework import Framework, resolve_framework
+from cost_models.framework import UNCALIBRATED_ATTENTION_SHARE, Framework, resolve_framework
 from cost_models.generation import decode_split, generate_times
 from cost_models.hardware import Hardware, effective_hardware
 from cost_models.memory import (
     forward_working_bytes,
+    fragmentation_bytes,
     in_flight_microbatches,
     kv_cache_bytes,
     layer_activation_bytes,
+    nccl_bytes,
     reserve_bytes,
     stage_params,
     state_bytes,
@@ -93,7 +96,10 @@ class CostModel:
         self.cluster = cluster
         self.calibration = calibration or default_calibration(cluster.gpu)
         self.framework = resolve_framework(framework)
-        self.hw: Hardware = effective_hardware(cluster, self.calibration)
+        hw = effective_hardware(cluster, self.calibration)
+        if not self.framework.gpu_calibrated and cluster.gpu != "cpu":  # a CPU calibration measured the runtime itself
+            hw = dataclasses.replace(hw, attn_flops=min(hw.attn_flops, UNCALIBRATED_ATTENTION_SHARE * hw.peak_flops))
+        self.hw: Hardware = hw
         self._calls: dict[tuple, CallCost] = {}
         self._reallocs: dict[tuple, ReallocCost] = {}
 
@@ -121,10 +127,10 @@ class CostModel:
         if call.kind == "train":
             step = train_step(spec, fw, hw, layout, topo, head=head, seqs=call.seqs // call.minibatches, seq_len=call.seq_len)
             times = {k: v * call.minibatches for k, v in step.parts.items()}
-            mem = self._train_memory(decl, layout, seqs=call.seqs // call.minibatches, seq_len=call.seq_len)
+            mem = self._train_memory(decl, layout, topo, seqs=call.seqs // call.minibatches, seq_len=call.seq_len)
         elif call.kind == "inference":
             times = forward_pass(spec, fw, hw, layout, topo, head=head, seqs=call.seqs, seq_len=call.seq_len).parts
-            mem = self._forward_memory(decl, layout, seqs=call.seqs, seq_len=call.seq_len,
+            mem = self._forward_memory(decl, layout, topo, seqs=call.seqs, seq_len=call.seq_len,
                                        logits="all" if call.returns == "logprobs" else "none")
         else:
             dec = decode_layout or layout
@@ -133,7 +139,7 @@ class CostModel:
             times = dict(parts.parts)
             if dec != layout:
                 times["reshard"] = times.get("reshard", 0.0) + self.realloc_cost(decl, (mesh, layout), (mesh, dec)).time_s
-            mem = self._generate_memory(decl, layout, dec, call)
+            mem = self._generate_memory(decl, layout, dec, call, topo)
         state = sum(v for k, v in mem.items() if k in ("params", "grads", "optimizer"))
         return CallCost(
             time_s=sum(times.values()),
@@ -153,7 +159,7 @@ class CostModel:
         return [stage_params(spec, head=head, layers=n, first=i == 0, last=i == pp - 1, tp=layout.tp, layer_params=lp)
                 for i, n in enumerate(layers)]
 
-    def _train_memory(self, decl: ModelDecl, layout: Layout, *, seqs: int, seq_len: int) -> dict[str, int]:
+    def _train_memory(self, decl: ModelDecl, layout: Layout, topo: Topology, *, seqs: int, seq_len: int) -> dict[str, int]:
         spec, fw = decl.spec, self.framework
         b, m, tp, pp = microbatch_size(seqs, layout), layout.micro_batches, layout.tp, layout.pp
         s_loc = seq_len // layout.cp
@@ -170,18 +176,36 @@ class CostModel:
             mem = state_bytes(params[st], fw, layout=layout, trainable=decl.trainable)
             mem["activations"] = int(per_layer * layers[st] * in_flight_microbatches(layout, st, m) + working)
             if st == pp - 1 and decl.head == "lm":
-                mem["logits"] = int(LOGIT_TRAIN_BYTES * b * s_loc * spec.vocab_size / tp)
+                mem["logits"] = self._logits_bytes(LOGIT_TRAIN_BYTES, b * s_loc * spec.vocab_size / tp)
             mem["buffers"] = int((4 * act_bytes if pp > 1 else 0) + self._zero3_buffer(spec, layout))
-            mem["reserve"] = reserve_bytes(self.cluster.mem_bytes)
+            mem.update(self._outside_tensors(layout, mem, topo))
             if sum(mem.values()) > sum(best.values()):
                 best = mem
         return best
+
+    def _logits_bytes(self, per_logit: int, logits: float) -> int:
+        """The head's live logits: all of them, or one chunk where the framework makes them in chunks."""
+        chunk = self.framework.logits_chunk_elements
+        return int(per_logit * (logits if chunk is None else min(logits, chunk)))
+
+    def _outside_tensors(self, layout: Layout, mem: dict[str, int], topo: Topology) -> dict[str, int]:
+        """Context and workspaces; on GPUs also NCCL buffers of the layout's communicators and the
+        allocator's fragmentation of `mem`'s transient tensors (`cost_models.memory`)."""
+        out = {"reserve": reserve_bytes(self.cluster.mem_bytes)}
+        if self.cluster.gpu == "cpu":  # gloo and malloc: neither buffer pool is there
+            return out
+        groups = [topo.group(layout, k) for k in ("tp", "cp", "dpcp")]
+        used = [g for g in groups if g.n > 1]
+        out["nccl"] = nccl_bytes(collectives=len(used), cross_node=sum(g.spans_nodes for g in used),
+                                 p2p_peers=min(2, layout.pp - 1))
+        out["fragmentation"] = fragmentation_bytes(mem)
+        return out
 
     def _zero3_buffer(self, spec: ModelSpec, layout: Layout) -> float:
         # ZeRO-3 gathers one layer's weights for compute and prefetches the next.
         return 2 * layer_params_per_rank(spec, layout.tp) * self.framework.param_bytes if layout.zero == 3 else 0.0
 
-    def _forward_memory(self, decl: ModelDecl, layout: Layout, *, seqs: int, seq_len: int, logits: str) -> dict[str, int]:
+    def _forward_memory(self, decl: ModelDecl, layout: Layout, topo: Topology, *, seqs: int, seq_len: int, logits: str) -> dict[str, int]:
         """Inference or prefill: weights, one layer's live tensors and the head's logits per micro-batch.
 
         `logits` is "all" (per-token log-probs), "last" (prefill samples the next token) or "none".
@@ -193,18 +217,19 @@ class CostModel:
         mem["activations"] = int(forward_working_bytes(spec, fw, b=b, s=s_loc, tp=tp, kv_len=seq_len))
         if logits != "none":
             positions = s_loc if logits == "all" else 1
-            mem["logits"] = int(LOGIT_INFER_BYTES * b * positions * spec.vocab_size / tp)
+            mem["logits"] = self._logits_bytes(LOGIT_INFER_BYTES, b * positions * spec.vocab_size / tp)
         mem["buffers"] = int(self._zero3_buffer(spec, layout) + (4.0 * b * s_loc * spec.hidden_size / tp if layout.pp > 1 else 0))
-        mem["reserve"] = reserve_bytes(self.cluster.mem_bytes)
+        mem.update(self._outside_tensors(layout, mem, topo))
         return mem
 
-    def _generate_memory(self, decl: ModelDecl, layout: Layout, dec: Layout, call: Call) -> dict[str, int]:
+    def _generate_memory(self, decl: ModelDecl, layout: Layout, dec: Layout, call: Call,
+                         topo: Topology) -> dict[str, int]:
         """The larger of the prefill peak and the decode peak (see `cost_models.generation`)."""
         spec = decl.spec
         split = decode_split(call.seqs, dec)
         wave_seqs = -(-call.seqs // split.waves)
         pre_layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, layout.pp, layout.interleave))
-        pre = self._forward_memory(decl, layout, seqs=wave_seqs, seq_len=call.prompt_len, logits="last")
+        pre = self._forward_memory(decl, layout, topo, seqs=wave_seqs, seq_len=call.prompt_len, logits="last")
         pre["kv_cache"] = int(kv_cache_bytes(spec, seqs=wave_seqs / (layout.dp * layout.cp), ctx=call.prompt_len,
                                              layers=pre_layers, tp=layout.tp))
         layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, dec.pp, dec.interleave))
@@ -214,9 +239,11 @@ class CostModel:
         decode["logits"] = int(LOGIT_INFER_BYTES * split.seqs_per_group * spec.vocab_size / dec.tp)
         decode["activations"] = int(forward_working_bytes(spec, self.framework, b=split.seqs_per_group, s=1, tp=dec.tp,
                                                           kv_len=call.seq_len))
-        decode["reserve"] = pre["reserve"]
         if dec != layout:  # both placements' weights are live while the layout changes
             decode["buffers"] = pre["params"]
+        decode.update(self._outside_tensors(dec, decode, topo))
+        if dec != layout:  # the prefill layout's communicators stay
+            decode["nccl"] = max(decode["nccl"], pre["nccl"])
         return decode if sum(decode.values()) >= sum(pre.values()) else pre
 
     # ---- moving parameters and data --------------------------------------------------------

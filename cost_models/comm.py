@@ -23,6 +23,11 @@ at random, so after work w a rank's lag is a random walk of slices, standard dev
 falls in the work), and the collective ends when the rank furthest behind arrives: each rank
 waits ``lag * E[max of n standard normals]`` on average. Devices of their own run their kernels
 at a steady pace (sigma 0).
+
+A collective hidden under compute is not free: NCCL runs one thread block per channel, each on a
+streaming multiprocessor of its own, for as long as the collective lasts; over NVLink it opens 32
+channels (NVIDIA/nccl#1685's log on 8 H100s), so the kernels beside it run on the other SMs and
+take ``1 / (1 - 32/SMs)`` as long while they overlap (`overlap_interference_s`).
 """
 
 from __future__ import annotations
@@ -113,6 +118,17 @@ def p2p_s(nbytes: float, *, cross_node: bool, senders_per_node: int, hw: Hardwar
     if cross_node:
         return nbytes / (hw.node_net_bytes_s / max(1, senders_per_node)) + hw.inter_latency_s
     return nbytes / hw.intra_bytes_s + hw.intra_latency_s
+
+
+NCCL_CHANNELS = 32  # channels (one thread block, one SM, each) NCCL opens over NVLink on A100/H100 nodes
+
+
+def overlap_interference_s(hidden_s: float, hw: Hardware) -> float:
+    """Compute time lost while collectives run for `hidden_s` under it, their SMs taken away."""
+    if hw.sm_count is None or hidden_s <= 0:
+        return 0.0
+    share = min(0.5, NCCL_CHANNELS / hw.sm_count)
+    return hidden_s * share / (1.0 - share)
 
 
 @cache

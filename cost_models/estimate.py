@@ -77,6 +77,7 @@ class TrainingEstimate:
     peak_flops: float
     peak_mem_bytes: int
     mem_capacity_bytes: int
+    mem_usable_bytes: int  # the capacity less the cluster's headroom: what a plan may use
     time_breakdown_s: dict[str, float]
     mem_breakdown_bytes: dict[str, int]
 
@@ -90,7 +91,7 @@ class TrainingEstimate:
 
     @property
     def fits(self) -> bool:
-        return self.peak_mem_bytes <= self.mem_capacity_bytes
+        return self.peak_mem_bytes <= self.mem_usable_bytes
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -101,6 +102,7 @@ class TrainingEstimate:
             "mfu": self.mfu,
             "peak_mem_bytes": self.peak_mem_bytes,
             "mem_capacity_bytes": self.mem_capacity_bytes,
+            "mem_usable_bytes": self.mem_usable_bytes,
             "fits": self.fits,
             "breakdown": {"time_s": self.time_breakdown_s, "memory_bytes": self.mem_breakdown_bytes},
         }
@@ -115,5 +117,5 @@ def estimate_training(spec: ModelSpec, cluster: ClusterSpec, layout: Layout, *, 
     return TrainingEstimate(
         iteration_s=cost.time_s, model_flops=cost.model_flops, tokens=global_batch * seq_len, gpus=layout.size,
         peak_flops=cm.hw.peak_flops, peak_mem_bytes=cost.peak_mem_bytes, mem_capacity_bytes=cluster.mem_bytes,
-        time_breakdown_s=cost.breakdown_s, mem_breakdown_bytes=cost.mem_breakdown_bytes,
+        mem_usable_bytes=cluster.usable_mem_bytes, time_breakdown_s=cost.breakdown_s, mem_breakdown_bytes=cost.mem_breakdown_bytes,
     )

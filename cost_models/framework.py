@@ -7,8 +7,23 @@ kernels a training step launches and which bytes it keeps. Two presets:
   attention scores materialised (baddbmm, fused scale-mask-softmax, dropout, bmm), hidden and
   attention dropout, fp16 gradients accumulated per micro-batch and all-reduced after the last
   backward (no bucketing, so no overlap with backward), mixed-precision Adam.
-- ``torch``: the planner's runtime: fused (flash) causal attention, no dropout, gradients
-  reduced in bf16 after backward, the same mixed-precision Adam.
+- ``torch``: the planner's runtime (`runtime/`) as it is written: PyTorch's fused (flash) causal
+  attention, no dropout, fp32 weights, gradients and Adam states in one flat buffer under bf16
+  autocast, so every matmul weight is cast to bf16 on each forward pass and every weight gradient
+  cast back and accumulated in fp32; the residual stream stays fp32, and RMSNorm, rotary
+  embedding and residual adds run as separate eager kernels (`runtime/model.py`); gradients are
+  reduced in fp32 buckets during the last backward and ZeRO-3 gathers one use ahead. Not yet
+  calibrated on a GPU (`bench/gpu_check.sh` measures it): GEMM, attention and bandwidth
+  efficiencies are the A100/H100 ones fitted on Megatron-LM runs, the kernels are its own.
+
+The byte counts of the eager kernels follow the ops `runtime/model.py` runs, per element:
+RMSNorm on an fp32 input: ``pow`` (4+4), ``mean`` (4), ``x * rsqrt`` (4+4), cast to bf16 (4+2),
+times the fp32 weight (2+4) and autocast's cast for the next matmul (4+2): 38 bytes in six
+kernels, its backward about twice that; a residual add of a bf16 branch to the fp32 stream (2+4+4),
+backward a cast and an accumulation (6 + 12); rotary embedding on q and k: roll, two products and a
+sum (4+4+4+6), as much backward; SwiGLU as ``silu`` (2+2) and a product (2+2+2), backward the
+product's two gradients and silu's (3 x 6); the attention output's transpose back to [b, s, h]
+(2+2), forward and backward.
 """
 
 from __future__ import annotations
@@ -43,6 +58,26 @@ class Framework:
     # otherwise PyTorch runs scale, mask, fp32 cast, softmax and cast back as separate kernels.
     fused_softmax_multiple: int = 1
     fused_softmax_max_keys: int = 1 << 30
+    # Bytes per element of each kernel of a norm, a residual add and rotary embedding (per q/k
+    # element), forward and backward; one kernel per entry. Defaults: fused kernels on bf16.
+    norm_fwd: tuple[float, ...] = (4.0,)
+    norm_bwd: tuple[float, ...] = (6.0,)
+    residual_fwd: tuple[float, ...] | None = None  # None: bias-dropout-add (7 bytes) or add (6)
+    residual_bwd: tuple[float, ...] | None = None
+    rope_fwd: tuple[float, ...] = (4.0,)
+    rope_bwd: tuple[float, ...] = (4.0,)
+    # SwiGLU per element of the f-wide intermediate (None: one fused kernel, 6 bytes forward, 10 backward).
+    swiglu_fwd: tuple[float, ...] | None = None
+    swiglu_bwd: tuple[float, ...] | None = None
+    # Fused attention's output goes back from [b, heads, s, d] to [b, s, h] by a copy (2+2 per element).
+    attn_out_copy: bool = False
+    # Casting fp32 weights to the compute dtype on each forward pass, bytes per weight (one kernel
+    # per matrix); 0 where bf16 weights are kept beside fp32 master weights.
+    weight_cast_bytes: float = 0.0
+    gpu_calibrated: bool = True  # False: its efficiencies were never measured on a GPU
+    # The LM head makes at most this many logits at a time (fused head and log-probs) and its
+    # backward makes each chunk again when there is more than one; None: all logits at once.
+    logits_chunk_elements: int | None = None
 
 
 FRAMEWORKS: dict[str, Framework] = {
@@ -51,11 +86,23 @@ FRAMEWORKS: dict[str, Framework] = {
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=False,
         fused_softmax_multiple=4, fused_softmax_max_keys=2048,
     ),
+    # Fused AdamW over fp32 p, g, m, v: read 16, write 12, zero the gradient 4. A micro-batch's
+    # weight gradient: bf16 to fp32 (2+4), accumulated (4+4+4).
     "torch": Framework(
-        name="torch", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
-        optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=False, zero3_prefetch=False,
+        name="torch", attention="flash", dropout=False, param_bytes=4, grad_bytes=4, optimizer_bytes=8,
+        optimizer_step_bytes=32, grad_accum_bytes=18, overlap_grad_reduce=True, zero3_prefetch=True,
+        norm_fwd=(8.0, 4.0, 8.0, 6.0, 6.0, 6.0), norm_bwd=(12.0, 8.0, 12.0, 12.0, 8.0, 8.0, 8.0, 8.0),
+        residual_fwd=(10.0,), residual_bwd=(6.0, 12.0), rope_fwd=(4.0, 4.0, 4.0, 6.0), rope_bwd=(4.0, 4.0, 4.0, 6.0),
+        swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), attn_out_copy=True,
+        weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26,
     ),
 }
+
+
+# Until a stack's attention is measured on a GPU, its fused attention is timed at the low end of
+# what FlashAttention-2 reaches on an A100: 50-73% of the peak over its benchmarks (Dao 2023,
+# arXiv:2307.08691), forward at the top, backward and short sequences lower.
+UNCALIBRATED_ATTENTION_SHARE = 0.50
 
 
 def resolve_framework(fw: str | Framework) -> Framework:

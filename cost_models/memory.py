@@ -11,17 +11,36 @@
   query attention, no dropout) are counted from the same list of saved tensors.
 - 1F1B keeps ``pp - stage`` micro-batches in flight on a stage; the interleaved schedule keeps
   ``pp * (1 + (pp-1)/(pp*v))`` on the first stage (Korthikanti et al. 2022, section 4.2.3).
+- Outside tensors, on a GPU (none of it on CPU ranks, which use gloo and malloc):
+  - ``reserve``: the CUDA context (with lazy module loading about 0.5 GiB) and the cuBLAS and
+    attention workspaces;
+  - ``nccl``: each NCCL communicator a call's layout uses on the rank keeps per channel a
+    connection's buffers, 10 MiB (Simple + LL128 + LL) and 2 MiB, measured by NCCL's allocation
+    log (NVIDIA/nccl#1685), on 32 channels over NVLink; memory grows linearly with channels and a
+    ring keeps two connections at any scale, trees add theirs across nodes (NVIDIA/nccl#986). A
+    pipeline neighbour's send/recv shares one buffer per channel of the peer (NVIDIA/nccl#1450);
+  - ``fragmentation``: the caching allocator's split blocks that no request fits. GMLake (Guo
+    et al., ASPLOS 2024) measured 15% on average (up to 33%) over eight LLMs' training on
+    A100-80GB; it falls on the tensors that come and go (activations, logits, buffers), not on
+    the model states allocated once at the start.
+  A per-GPU headroom (`plans.cluster.default_headroom_gib`) is kept on top of all this.
 """
 
 from __future__ import annotations
 
+from cost_models.comm import NCCL_CHANNELS
 from cost_models.framework import Framework
 from plans.layout import Layout
 from plans.model import Head, ModelSpec
 
 GIB = 1024**3
-RESERVE_MAX_BYTES = 2 * GIB  # CUDA context, cuBLAS/NCCL workspaces, allocator fragmentation
+MIB = 1024**2
+RESERVE_MAX_BYTES = 1 * GIB  # CUDA context, cuBLAS and attention workspaces
 RESERVE_FRACTION = 0.05  # ... bounded by this share of a small device
+NCCL_CHANNEL_BYTES = 12 * MIB  # one connection's buffers per channel (10 MiB + 2 MiB)
+NCCL_P2P_CHANNELS = 4  # channels of one send/recv peer
+FRAGMENTATION = 0.15  # of the transient tensors' bytes (GMLake's average)
+TRANSIENT = ("activations", "logits", "buffers")
 
 
 def layer_activation_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, sp: bool,
@@ -105,8 +124,20 @@ def state_bytes(params: float, fw: Framework, *, layout: Layout, trainable: bool
 
 
 def reserve_bytes(capacity_bytes: int) -> int:
-    """Memory the framework holds outside tensors (context, workspaces, fragmentation)."""
+    """Memory the CUDA context and the libraries' workspaces hold outside tensors."""
     return int(min(RESERVE_MAX_BYTES, RESERVE_FRACTION * capacity_bytes))
+
+
+def nccl_bytes(*, collectives: int, cross_node: int, p2p_peers: int) -> int:
+    """NCCL buffers of a rank in `collectives` communicators (`cross_node` of them spanning nodes,
+    which add tree connections) with `p2p_peers` pipeline neighbours."""
+    ring = NCCL_CHANNELS * NCCL_CHANNEL_BYTES
+    return int(collectives * ring + cross_node * ring + p2p_peers * NCCL_P2P_CHANNELS * NCCL_CHANNEL_BYTES)
+
+
+def fragmentation_bytes(mem: dict[str, int]) -> int:
+    """The caching allocator's unusable share of the transient tensors."""
+    return int(FRAGMENTATION * sum(mem.get(k, 0) for k in TRANSIENT))
 
 
 def kv_cache_bytes(spec: ModelSpec, *, seqs: float, ctx: int, layers: int, tp: int) -> float:

@@ -157,20 +157,28 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     qkv = gemm(m, (a + 2 * kv) * d // tp, h)
     out = gemm(m, h, a * d // tp)
     if gpt:
-        ups, act_fwd, act_bwd = [gemm(m, f // tp, h)], mem(4.0 * m * f / tp), mem(6.0 * m * f / tp)
+        ups, act_fwd, act_bwd = [gemm(m, f // tp, h)], [mem(4.0 * m * f / tp)], [mem(6.0 * m * f / tp)]
     else:
-        ups, act_fwd, act_bwd = [gemm(m, 2 * f // tp, h)], mem(6.0 * m * f / tp), mem(10.0 * m * f / tp)
+        ups = [gemm(m, 2 * f // tp, h)]
+        act_fwd = [mem(x * m * f / tp) for x in fw.swiglu_fwd or (6.0,)]
+        act_bwd = [mem(x * m * f / tp) for x in fw.swiglu_bwd or (10.0,)]
     down = gemm(m, h, f // tp)
     att_f, att_b = _attention(spec, fw, b=b, s_q=s_loc, s_k=kv_len or s, tp=tp, causal=kv_len is None)
-    rope = [] if gpt else [mem(4.0 * m * (a + kv) * d / tp)]
+    qk = m * (a + kv) * d / tp
+    rope_f = [] if gpt else [mem(x * qk) for x in fw.rope_fwd]
+    rope_b = [] if gpt else [mem(x * qk) for x in fw.rope_bwd]
 
-    norm_f, norm_b = mem(4.0 * mn * h), mem(6.0 * mn * h)
-    add_f, add_b = mem(add_bytes * mn * h), mem((5 if drop else 6) * mn * h)
-    fwd = (norm_f, qkv, *rope, *att_f, out, add_f, norm_f, *ups, act_fwd, down, add_f)
-    bwd: list[Kernel] = [add_b, *gemm_bwd(down), act_bwd]
+    norm_f, norm_b = [mem(x * mn * h) for x in fw.norm_fwd], [mem(x * mn * h) for x in fw.norm_bwd]
+    add_f = [mem(x * mn * h) for x in fw.residual_fwd or (add_bytes,)]
+    add_b = [mem(x * mn * h) for x in fw.residual_bwd or (5 if drop else 6,)]
+    mats = (qkv, out, *ups, down)
+    casts = [mem(fw.weight_cast_bytes * g.k * g.n) for g in mats] if fw.weight_cast_bytes else []
+    copy = [mem(4.0 * m * a * d / tp)] if fw.attn_out_copy and fw.attention == "flash" else []
+    fwd = (*casts, *norm_f, qkv, *rope_f, *att_f, *copy, out, *add_f, *norm_f, *ups, *act_fwd, down, *add_f)
+    bwd: list[Kernel] = [*add_b, *gemm_bwd(down), *act_bwd]
     for g in ups:
         bwd += gemm_bwd(g)
-    bwd += [norm_b, add_b, *gemm_bwd(out), *att_b, *rope, *gemm_bwd(qkv), norm_b]
+    bwd += [*norm_b, *add_b, *gemm_bwd(out), *copy, *att_b, *rope_b, *gemm_bwd(qkv), *norm_b]
 
     act = 2.0 * m * h  # one [s, b, h] activation, bytes
     if tp == 1:
@@ -208,7 +216,9 @@ def head_work(spec: ModelSpec, fw: Framework, *, head: Head, b: int, s: int, tp:
     g = gemm(m, -(-v // tp), h)
     logits = float(m) * v / tp
     fwd = (mem(4.0 * mn * h), g, mem((CE_FWD_BYTES if loss else LOGPROB_BYTES) * logits))
-    bwd = (mem(CE_BWD_BYTES * logits), *gemm_bwd(g), mem(6.0 * mn * h))
+    chunk = fw.logits_chunk_elements
+    again = (g,) if chunk is not None and logits > chunk else ()  # each chunk's logits made again
+    bwd = (*again, mem(CE_BWD_BYTES * logits), *gemm_bwd(g), mem(6.0 * mn * h))
     return fwd, bwd
 
 

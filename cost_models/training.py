@@ -273,7 +273,8 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
     if layout.zero <= 1:
         t = comm.all_reduce_s(grad, g, hw) if layout.zero == 0 else comm.reduce_scatter_s(grad, g, hw)
         if fw.overlap_grad_reduce:
-            return max(t - last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw)) + wait
+            exposed = max(t - last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw))
+            return exposed + comm.overlap_interference_s(t - exposed, hw) + wait
         return t + wait
     if layout.zero == 3 and not fw.zero3_prefetch:
         n = zero3_groups
@@ -283,10 +284,12 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
         return m * (gathers + n * comm.reduce_scatter_s(grad / n, g, hw) + waits)
     rs = comm.reduce_scatter_s(grad, g, hw)
     exposed = rs + (m - 1) * max(0.0, rs - microbatch_s) + wait
+    hidden = (m - 1) * min(rs, microbatch_s)
     if layout.zero == 3:
         gathers = (3 if layout.recompute == "full" else 2) * comm.all_gather_s(params * fw.param_bytes, g, hw)
         exposed += m * max(0.0, gathers - microbatch_s)
-    return exposed
+        hidden += m * min(gathers, microbatch_s)
+    return exposed + comm.overlap_interference_s(hidden, hw)
 
 
 def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head,
@@ -330,5 +333,9 @@ def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
                                   layer_params=lp) for i, n in enumerate(layers))
         g = topo.group(layout, "dpcp")
         gather = comm.all_gather_s(params * fw.param_bytes, g, hw)
-        out.add("dp_comm", m * (max(0.0, gather - stage_s[crit]) if fw.zero3_prefetch else gather))
+        if fw.zero3_prefetch:
+            hidden = min(gather, stage_s[crit])
+            out.add("dp_comm", m * (gather - hidden + comm.overlap_interference_s(hidden, hw)))
+        else:
+            out.add("dp_comm", m * gather)
     return out

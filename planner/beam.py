@@ -51,7 +51,7 @@ def beam_search(problem: Problem, *, width: int = 16, allowed: Allowed | None = 
 
     With ``exact=False`` partial plans are scored with reallocation lower bounds (cheap) and only
     the final survivors are simulated exactly."""
-    cap = problem.cluster.mem_bytes
+    cap = problem.cluster.usable_mem_bytes
     order = assignment_order(problem)
     beam: list[list[int | None]] = [[None] * len(problem.slots)]
     for step, i in enumerate(order):

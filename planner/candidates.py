@@ -169,7 +169,7 @@ def pareto(cands: list[Candidate]) -> list[Candidate]:
 def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpace) -> dict[int, list[Candidate]]:
     """Pruned candidates per mesh size, costed on the block at rank 0 (placement comes later)."""
     cluster = cm.cluster
-    cap = cluster.mem_bytes
+    cap = cluster.usable_mem_bytes
     # A non-train call of a trainable model runs on a transient copy of the parameters.
     view = decl if call.kind == "train" else decl.model_copy(update={"trainable": False})
     out: dict[int, list[Candidate]] = {}
@@ -292,7 +292,7 @@ def graph_candidates(graph: Graph, cm: CostModel, space: SearchSpace,
             progress(n + 1, c.name)
         out[c.name] = call_candidates(c, graph.models[c.model], cm, space)
     homes = graph.home_calls()
-    cap = cm.cluster.mem_bytes
+    cap = cm.cluster.usable_mem_bytes
     for c in graph.calls:
         home = homes[c.model]
         if home == c.name:

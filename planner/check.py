@@ -56,7 +56,7 @@ def check_plan(plan: Plan, *, targets: tuple[str, ...] = ()) -> PlanCheck:
 
 def memory_problems(plan: Plan) -> list[str]:
     """Calls whose estimated peak memory (as stated, and as re-estimated) exceeds a GPU."""
-    cap = plan.cluster.mem_bytes
+    cap = plan.cluster.usable_mem_bytes
     cm = CostModel(plan.cluster)
     out = []
     for c in plan.calls:
@@ -66,5 +66,6 @@ def memory_problems(plan: Plan) -> list[str]:
         cost = cm.call_cost(c, decl, c.mesh, c.layout)
         peak = max(c.est_peak_mem_bytes, cost.peak_mem_bytes)
         if peak > cap:
-            out.append(f"call {c.name!r} needs {peak / GIB:.1f} GiB per GPU, more than the {cap / GIB:.0f} GiB of a {plan.cluster.gpu}")
+            out.append(f"call {c.name!r} needs {peak / GIB:.1f} GiB per GPU, more than the {cap / GIB:.1f} GiB a plan may use of a {plan.cluster.gpu} "
+                       f"({plan.cluster.mem_bytes / GIB:.0f} GiB less a headroom of {plan.cluster.headroom_bytes / GIB:.1f} GiB)")
     return out

@@ -92,6 +92,11 @@ MAX_TIME_LIMIT_S = 86_400.0
 CPSAT_TABLE_LIMIT = 2_000_000
 
 
+def headroom_words(cl: ClusterSpec) -> str:
+    """How the usable memory per GPU comes about, for error messages."""
+    return f"{cl.mem_bytes / GIB:.0f} GiB less a headroom of {cl.headroom_bytes / GIB:.1f} GiB"
+
+
 def _no_fit_error(graph: Graph, cm: CostModel, call_name: str, space: SearchSpace,
                   baseline: str | None) -> PlannerError:
     call = graph.call(call_name)
@@ -99,7 +104,7 @@ def _no_fit_error(graph: Graph, cm: CostModel, call_name: str, space: SearchSpac
     need, size = min_memory_needed(call, decl, cm, space)
     within = f" (baseline {baseline} allows meshes of up to {size} GPUs)" if baseline else ""
     cl = cm.cluster
-    have = cl.mem_bytes / GIB
+    have = cl.usable_mem_bytes / GIB
     spec = decl.spec.display_name()
     if need < 0:
         sizes = mesh_sizes(cl, space)
@@ -114,8 +119,9 @@ def _no_fit_error(graph: Graph, cm: CostModel, call_name: str, space: SearchSpac
         )
     return PlannerError(
         f"call {call_name!r} ({spec}, {call.kind}) does not fit: its best layout on {size} GPUs needs "
-        f"{need / GIB:.1f} GiB per GPU, and a {cl.gpu} has {have:.0f} GiB{within}",
-        hint="use more or larger GPUs, a smaller batch or sequence length, or a smaller model",
+        f"{need / GIB:.1f} GiB per GPU, and a {cl.gpu} has {have:.1f} GiB{within} ({headroom_words(cl)})",
+        hint="use more or larger GPUs, a smaller batch or sequence length, or a smaller model; "
+        "--mem-headroom lowers the margin at your own risk",
     )
 
 
@@ -129,7 +135,8 @@ def _no_joint_fit_error(problem: Problem, baseline: str | None) -> PlannerError:
     return PlannerError(
         f"graph {problem.graph.name!r} does not fit on {cl.short()}{rule}: each call fits alone, but the models' "
         f"resident states need at least {resident / GIB:.1f} GiB per GPU even spread over the largest meshes, and "
-        f"the leanest call needs {work / GIB:.1f} GiB more while it runs, against {cl.mem_bytes / GIB:.0f} GiB per GPU",
+        f"the leanest call needs {work / GIB:.1f} GiB more while it runs, against {cl.usable_mem_bytes / GIB:.1f} GiB per GPU "
+        f"({headroom_words(cl)})",
         hint="use more GPUs or GPUs with more memory, a smaller batch or sequence length, or smaller models",
     )
 

@@ -183,7 +183,7 @@ class _Model:
         """Per atom: resident state of the models homed on it plus the chosen op's transient need
         (with a parameter copy unless the call is its home's twin) fits in the GPU."""
         p, m = self.p, self.m
-        cap = p.cluster.mem_bytes
+        cap = p.cluster.usable_mem_bytes
         resident: list[list] = [[] for _ in range(p.n_atoms)]
         for s in p.slots:
             if s.home is None:

@@ -47,7 +47,7 @@ def exhaustive(problem: Problem, *, allowed=None, max_assignments: int = 100_000
     if total > max_assignments:
         raise ValueError(f"{total} assignments exceed the limit of {max_assignments}")
     orders = list(topological_orders(problem))
-    cap = problem.cluster.mem_bytes
+    cap = problem.cluster.usable_mem_bytes
     best: tuple[float, list[int], list[Op]] | None = None
     for choice in product(*(range(n) for n in sizes)):
         ch = list(choice)

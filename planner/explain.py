@@ -308,7 +308,7 @@ def alternatives(plan: Plan, problem: Problem, choice: list[int], cm: CostModel,
                  base: Schedule, orders: list[list[Op]], top: int) -> list[CallChoice]:
     """For each call, the chosen option and the `top` strongest others (the fastest of each mesh
     size), each tried in the plan in place of the chosen one."""
-    cap = cm.cluster.mem_bytes
+    cap = cm.cluster.usable_mem_bytes
     in_space = {s.index: {(c.mesh.size, c.layout, c.decode_layout) for c in s.cands} for s in problem.slots}
     costed = {s.index: _options(plan, problem, s.index, cm, space) for s in problem.slots}
     out = []

@@ -62,7 +62,8 @@ def estimate_lines(plan: Plan) -> list[str]:
     e, s = plan.estimate, plan.search
     lines = [
         f"iteration {fmt_s(e.iteration_s)}   {e.tokens_per_s:,.0f} tokens/s   MFU {e.mfu * 100:.1f}%   "
-        f"peak {fmt_gib(e.peak_mem_bytes)} of {plan.cluster.mem_gib:g} GiB per GPU",
+        f"peak {fmt_gib(e.peak_mem_bytes)} of {fmt_gib(plan.cluster.usable_mem_bytes)} usable per GPU"
+        f" ({plan.cluster.mem_gib:g} GiB less {plan.cluster.mem_headroom_gib:g} GiB headroom)",
     ]
     if s.method.startswith("imported"):  # planner import: the config's own placement, costed
         lines.append(f"{s.method}: the config's placement as costed ({s.status or 'fits'})")

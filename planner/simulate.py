@@ -136,6 +136,6 @@ def simulate(problem: Problem, choice: Sequence[int | None], order: list[Op] | N
             free[a] = t0 + r_time
     _, peak = op_memory(problem, choice)
     makespan = max(end.values(), default=0.0)
-    cap = problem.cluster.mem_bytes
+    cap = problem.cluster.usable_mem_bytes
     return Schedule(start, run, end, realloc, peak, makespan, makespan / problem.unroll,
                     all(p <= cap for p in peak))

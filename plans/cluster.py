@@ -34,7 +34,12 @@ class ClusterSpec(Strict):
         None, ge=1e-3, le=1e6, description="Network bandwidth per node, one direction, Gbit/s (default: datasheet)."
     )
     mem_gib: float | None = Field(
-        None, ge=2**-10, le=2**20, description="Usable memory per GPU, GiB (default: datasheet)."
+        None, ge=2**-10, le=2**20, description="Memory per GPU, GiB (default: datasheet)."
+    )
+    mem_headroom_gib: float | None = Field(
+        None, ge=0, le=2**20,
+        description="Memory per GPU every plan leaves free, GiB: a margin for what the cost model does not count "
+        "(default: 1 GiB + 2.5% of the memory; see `default_headroom_gib`).",
     )
 
     @field_validator("gpu")
@@ -54,6 +59,12 @@ class ClusterSpec(Strict):
             object.__setattr__(self, "inter_node_gbps", sheet.nic_gbps_per_node)
         if self.mem_gib is None:
             object.__setattr__(self, "mem_gib", sheet.mem_gib)
+        assert self.mem_gib is not None
+        if self.mem_headroom_gib is None:
+            object.__setattr__(self, "mem_headroom_gib", default_headroom_gib(self.mem_gib))
+        elif self.mem_headroom_gib >= self.mem_gib:
+            raise ValueError(f"mem_headroom_gib {self.mem_headroom_gib:g} leaves nothing of the {self.mem_gib:g} GiB "
+                             "per GPU; give a headroom below the memory (0 packs plans to the edge)")
         return self
 
     @property
@@ -66,8 +77,19 @@ class ClusterSpec(Strict):
 
     @property
     def mem_bytes(self) -> int:
+        """Device memory per GPU."""
         assert self.mem_gib is not None
         return int(self.mem_gib * GIB)
+
+    @property
+    def headroom_bytes(self) -> int:
+        assert self.mem_headroom_gib is not None
+        return int(self.mem_headroom_gib * GIB)
+
+    @property
+    def usable_mem_bytes(self) -> int:
+        """What a plan may use per GPU: the memory less the headroom. Every fit is checked against this."""
+        return self.mem_bytes - self.headroom_bytes
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpus_per_node
@@ -80,6 +102,7 @@ class ClusterSpec(Strict):
             ("intra_node_gbps", sheet.nvlink_gbps),
             ("inter_node_gbps", sheet.nic_gbps_per_node),
             ("mem_gib", sheet.mem_gib),
+            ("mem_headroom_gib", default_headroom_gib(self.mem_gib or sheet.mem_gib)),
         ):
             value = getattr(self, key)
             if value != default:
@@ -90,7 +113,21 @@ class ClusterSpec(Strict):
 
 
 _SHORTHAND = re.compile(r"^(?P<gpu>[A-Za-z0-9_.\-]+):(?P<nodes>\d{1,9})x(?P<per>\d{1,9})$")
-_OVERRIDES = ("intra_node_gbps", "inter_node_gbps", "mem_gib")
+_OVERRIDES = ("intra_node_gbps", "inter_node_gbps", "mem_gib", "mem_headroom_gib")
+
+# The default headroom. What the cost model counts per GPU (`cost_models.memory`: the CUDA context
+# and workspaces, the NCCL buffers of the call's communicators, the caching allocator's
+# fragmentation) still leaves out communicators other calls created on the same GPU, transient
+# spikes inside kernels and library versions that allocate more. A fixed part and a share of the
+# capacity, as inference engines keep (vLLM's default gpu_memory_utilization 0.9 leaves 10%; a
+# training step's working set is more regular, so less): 3 GiB of an 80 GiB GPU, 4.5 of an H200.
+HEADROOM_FIXED_GIB = 1.0
+HEADROOM_SHARE = 0.025
+
+
+def default_headroom_gib(mem_gib: float) -> float:
+    """The headroom a cluster keeps unless it says otherwise (bounded by half of a small memory)."""
+    return min(HEADROOM_FIXED_GIB + HEADROOM_SHARE * mem_gib, 0.5 * mem_gib)
 
 
 def _validated(data: dict[str, Any], *, source: str) -> ClusterSpec:
@@ -156,6 +193,13 @@ def load_cluster_file(path: Path) -> ClusterSpec:
         raise PlannerError(f"cluster file {where} must hold a mapping of ClusterSpec fields",
                            hint="e.g. {gpu: a100-80gb, nodes: 2, gpus_per_node: 8}")
     return _validated(data, source=f"cluster file {where}")
+
+
+def with_headroom(cluster: ClusterSpec, gib: float | None) -> ClusterSpec:
+    """`cluster` keeping `gib` GiB per GPU free (None: as it is)."""
+    if gib is None:
+        return cluster
+    return _validated({**cluster.model_dump(), "mem_headroom_gib": gib}, source=f"--mem-headroom {gib:g}")
 
 
 def resolve_cluster(cluster: str | ClusterSpec | dict[str, Any]) -> ClusterSpec:

@@ -77,6 +77,11 @@ def sft_70b() -> Plan:
                          parse_cluster("h100-sxm:8x8"), time_limit_s=0)
 
 
+def sft_70b_tp2_pp4() -> Plan:
+    """`sft_70b` with its train call pinned to tp2 pp4 ZeRO-2 (the search may pick another)."""
+    return with_layout(sft_70b(), "model_train", Layout(dp=8, tp=2, pp=4, zero=2, micro_batches=64))
+
+
 def with_layout(plan: Plan, call: str, layout: Layout) -> Plan:
     """The plan with one call's layout replaced (validated like any plan)."""
     data = plan.model_dump(mode="json")

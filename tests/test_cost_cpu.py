@@ -83,19 +83,24 @@ def test_generation_decodes_gen_len_minus_one_steps_and_pays_a_host_overhead_per
     assert with_overhead["overhead"] - two.get("overhead", 0.0) == pytest.approx(3 * 0.2e-3)
 
 
-def test_torch_zero3_gathers_each_layer_when_it_runs():
-    """tiny-llama (4 layers) dp2 ZeRO-3, one micro-batch: the runtime all-gathers 7 parameter groups
-    (4 layers, embeddings, final norm, head) in the forward and reduce-scatters their gradients
-    in the backward, each a blocking collective; a prefetching framework hides the gathers."""
+def test_torch_zero3_prefetches_the_next_gather():
+    """tiny-llama (4 layers) dp2 ZeRO-3, one micro-batch: the runtime starts each parameter group's
+    all-gather one use ahead, under the compute before it. Without prefetch the 7 groups (4 layers,
+    embeddings, final norm, head) would each be gathered in the forward and reduce-scattered in
+    the backward as blocking collectives."""
+    import dataclasses
+
     cm = cost_model(parse_cluster("cpu:1x2"))
-    cost = cm.call_cost(TRAIN, DECL, Mesh.block(0, 2), Layout(dp=2, zero=3))
+    fw = resolve_framework("torch")
+    assert fw.zero3_prefetch
+    blocking = CostModel(parse_cluster("cpu:1x2"), cm.calibration,
+                         framework=dataclasses.replace(fw, name="blocking", zero3_prefetch=False))
+    cost = blocking.call_cost(TRAIN, DECL, Mesh.block(0, 2), Layout(dp=2, zero=3))
     g = cm.group(Mesh.block(0, 2), Layout(dp=2, zero=3), "dpcp")
     params = TINY.num_params()  # one stage holds every parameter
-    fw = resolve_framework("torch")
     expected = 7 * all_gather_s(params * fw.param_bytes / 7, g, cm.hw) + 7 * reduce_scatter_s(params * fw.grad_bytes / 7, g, cm.hw)
     assert cost.breakdown_s["dp_comm"] == pytest.approx(expected, rel=1e-6)
-    prefetched = CostModel(parse_cluster("cpu:1x2"), cm.calibration, framework="megatron")
-    assert prefetched.call_cost(TRAIN, DECL, Mesh.block(0, 2), Layout(dp=2, zero=3)).breakdown_s["dp_comm"] < expected
+    assert cm.call_cost(TRAIN, DECL, Mesh.block(0, 2), Layout(dp=2, zero=3)).breakdown_s["dp_comm"] < expected
 
 
 def test_gpu_calibrations_have_none_of_the_cpu_terms():

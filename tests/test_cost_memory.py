@@ -69,18 +69,23 @@ def test_stage_params_of_whole_model_is_num_params():
         assert est == spec.num_params()
 
 
-@pytest.mark.parametrize("zero,per_param", [(0, 2 + 2 + 12), (1, 2 + 2 + 12 / 8), (2, 2 + (2 + 12) / 8), (3, 16 / 8)])
-def test_model_states_by_zero_stage(zero, per_param):
+@pytest.mark.parametrize("framework,zero,per_param,frozen_bytes", [
+    ("megatron", 0, 2 + 2 + 12, 2), ("megatron", 1, 2 + 2 + 12 / 8, 2), ("megatron", 2, 2 + (2 + 12) / 8, 2),
+    ("megatron", 3, 16 / 8, 2),
+    # the runtime: fp32 weights and gradients, Adam m and v (no separate master copy)
+    ("torch", 0, 4 + 4 + 8, 4), ("torch", 1, 4 + 4 + 8 / 8, 4), ("torch", 2, 4 + (4 + 8) / 8, 4), ("torch", 3, 16 / 8, 4),
+])
+def test_model_states_by_zero_stage(framework, zero, per_param, frozen_bytes):
     """Rajbhandari et al. 2020: 2 (weights) + 2 (gradients) + 12 (fp32 master, Adam m, v) bytes per
-    parameter, sharded over the data-parallel group stage by stage."""
+    parameter under mixed precision, sharded over the data-parallel group stage by stage."""
     spec = resolve_model("llama-2-7b")
-    cm = CostModel(parse_cluster("a100-80gb:1x8"))
+    cm = CostModel(parse_cluster("a100-80gb:1x8"), framework=framework)
     call = Call(name="t", model="m", kind="train", seqs=64, seq_len=512, loss="sft")
     cost = cm.call_cost(call, ModelDecl(spec=spec, trainable=True), Mesh.block(0, 8), Layout(dp=8, zero=zero, micro_batches=8))
     assert cost.state_mem_bytes == pytest.approx(spec.num_params() * per_param, rel=1e-6)
     frozen = cm.call_cost(Call(name="i", model="m", kind="inference", seqs=8, seq_len=512, returns="logprobs"),
                           ModelDecl(spec=spec), Mesh.block(0, 8), Layout(dp=8))
-    assert frozen.state_mem_bytes == spec.num_params() * 2
+    assert frozen.state_mem_bytes == spec.num_params() * frozen_bytes
 
 
 def test_full_recompute_keeps_only_layer_inputs_in_flight():

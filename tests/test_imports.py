@@ -15,8 +15,10 @@ from planner.exports import export_plan
 from planner.pinned import pinned_plan
 from plans.cluster import parse_cluster
 from plans.errors import PlannerError
+from plans.layout import Layout
 from plans.plan import Plan, save_plan
 from tests.engines.matrix import plans as matrix_plans
+from tests.observe_fixtures import with_layout
 
 
 @cache
@@ -46,10 +48,10 @@ def imported(plan: Plan, target: str, call: str | None, models: dict[str, str]) 
 
 
 # Plans each target expresses whole (an empty cannot_express), from the engine-test matrix.
-EXPRESSED = [("grpo_7b", "openrlhf", None), ("ppo_7b_colocated_z3", "openrlhf", None),
+EXPRESSED = [("grpo_7b_z3", "openrlhf", None), ("ppo_7b_colocated_z3", "openrlhf", None),
              ("grpo_7b_z3", "verl", None), ("grpo_7b_tp2_z1", "verl", None),
              ("sft_70b_pp_interleave", "megatron", "model_train"), ("sft_7b_tp2_sp_z1", "megatron", "model_train"),
-             ("sft_7b_z3_full", "megatron", "model_train"), ("sft_7b", "deepspeed", "model_train")]
+             ("sft_7b_z3_full", "megatron", "model_train"), ("sft_7b_dp_z1", "deepspeed", "model_train")]
 
 
 @pytest.mark.parametrize(("name", "target", "call"), EXPRESSED, ids=[f"{n}-{t}" for n, t, _ in EXPRESSED])
@@ -75,7 +77,8 @@ def test_export_then_import_gives_back_the_layouts(name, target, call) -> None: 
 def test_a_partial_export_imports_as_what_the_engine_would_run() -> None:
     """Where the export differs from the plan (its cannot_express), the import is the engine's
     layout: the ZeRO stage verl's FSDP workers use, not the plan's."""
-    plan = matrix()["ppo_7b"]
+    plan = with_layout(matrix()["ppo_7b"], "actor_train", Layout(dp=4, tp=2, zero=2, micro_batches=4,
+                                                                 sequence_parallel=True))
     exp = export_plan(plan, "verl")
     assert any("ZeRO-2" in x for x in exp.cannot_express)
     back = imported(plan, "verl", None, {"actor": "llama-2-7b", "critic": "llama-2-7b", "reward": "llama-2-7b"})

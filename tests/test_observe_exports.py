@@ -17,7 +17,7 @@ import pytest
 from planner.exports import EXPORTERS, TARGETS, export_plan
 from plans.errors import PlannerError
 from plans.layout import Layout
-from tests.observe_fixtures import ppo_7b, sft_70b, tiny_ppo, tiny_ppo_rm, with_layout, with_placement
+from tests.observe_fixtures import ppo_7b, sft_70b, sft_70b_tp2_pp4, tiny_ppo, tiny_ppo_rm, with_layout, with_placement
 
 
 def _words(text: str) -> list[str]:
@@ -107,7 +107,8 @@ def test_openrlhf_rollout_micro_batch_keeps_every_actor_rank_busy() -> None:
 def test_openrlhf_states_what_it_cannot_express() -> None:
     exp = export_plan(tiny_ppo(), "openrlhf")
     assert any("GPU placement of each role" in x for x in exp.cannot_express)
-    pp = with_layout(ppo_7b(), "critic_train", Layout(dp=2, pp=4, zero=1, micro_batches=8))  # on 8 GPUs
+    pp = with_layout(with_layout(ppo_7b(), "critic_train", Layout(dp=2, pp=4, zero=1, micro_batches=8)),  # on 8 GPUs
+                     "actor_train", Layout(dp=4, tp=2, zero=2, micro_batches=4, sequence_parallel=True))
     exp = export_plan(pp, "openrlhf")
     assert any("critic_train: pipeline parallel pp=4" in x for x in exp.cannot_express)
     assert any("one ZeRO stage for every model" in x for x in exp.cannot_express)
@@ -159,7 +160,8 @@ def test_verl_states_per_role_placements() -> None:
     exp = export_plan(tiny_ppo(), "verl")  # ref on [2-3], critic train on [1], actor on [0]
     assert any("ref_inference runs on GPUs [2-3] only" in x for x in exp.cannot_express)
     assert any("ZeRO-0" in x for x in exp.cannot_express)  # FSDP shards everything
-    rm = export_plan(tiny_ppo_rm(), "verl")  # the reward model alone on GPU 4, but 7 GPUs left are not whole nodes
+    # the reward model alone on GPU 4, but 7 GPUs left are not whole nodes
+    rm = export_plan(with_placement(tiny_ppo_rm(), {"reward_inference": (4, Layout())}), "verl")
     assert rm.data["reward"]["reward_model"]["enable_resource_pool"] is False
     assert any("reward_inference runs on GPUs [4] only" in x for x in rm.cannot_express)
     pool = export_plan(with_placement(tiny_ppo_rm(), {
@@ -190,7 +192,7 @@ def test_rlhf_exports_carry_the_kv_budget_the_plan_was_costed_with() -> None:
 def test_megatron_sets_what_its_validate_args_requires() -> None:
     """The defects: tp/cp > 1 without CUDA_DEVICE_MAX_CONNECTIONS=1, Megatron FSDP without its
     checkpoint format, dropout left at Megatron's 0.1, --lr without a decay style."""
-    exp = export_plan(sft_70b(), "megatron")  # tp2 pp4 z2
+    exp = export_plan(sft_70b_tp2_pp4(), "megatron")
     assert _words(exp.text)[0] == "CUDA_DEVICE_MAX_CONNECTIONS=1"
     assert exp.env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     f = _flags(exp.text)
@@ -250,7 +252,7 @@ def test_deepspeed_batch_holds_for_the_world_deepspeed_sees(layout: Layout) -> N
 
 def test_deepspeed_refuses_layouts_its_config_cannot_build() -> None:
     with pytest.raises(PlannerError, match="PipelineModule takes neither AutoTP"):
-        export_plan(sft_70b(), "deepspeed")  # tp2 pp4
+        export_plan(sft_70b_tp2_pp4(), "deepspeed")
     with pytest.raises(PlannerError, match="pick one with --call"):
         export_plan(ppo_7b(), "deepspeed")
 

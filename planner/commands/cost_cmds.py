@@ -34,7 +34,7 @@ FRAMEWORK_HELP = ("Software stack whose kernels are timed: 'torch' (the planner'
 def estimate(
     model: str = typer.Option(..., "--model", help="Preset name, HF config.json path, or inline fields "
                               "(model_type=gpt,hidden_size=12288,num_hidden_layers=96,num_attention_heads=96,vocab_size=51200)."),
-    cluster: str = typer.Option(..., "--cluster", help="GPU:NODESxPER_NODE[,intra_node_gbps=..,inter_node_gbps=..,mem_gib=..] or a .yaml/.json file."),
+    cluster: str = typer.Option(..., "--cluster", help="GPU:NODESxPER_NODE[,intra_node_gbps=..,inter_node_gbps=..,mem_gib=..,mem_headroom_gib=..] or a .yaml/.json file."),
     tp: int = typer.Option(..., "--tp", help="Tensor-parallel degree."),
     pp: int = typer.Option(..., "--pp", help="Pipeline-parallel stages."),
     dp: int = typer.Option(..., "--dp", help="Data-parallel degree."),
@@ -48,6 +48,7 @@ def estimate(
     interleave: int = typer.Option(1, "--interleave", help="Virtual pipeline stages per rank (interleaved 1F1B)."),
     calibration: Path | None = typer.Option(None, "--calibration", help="Calibration file (planner calibrate / profile)."),
     framework: FrameworkName = typer.Option(FrameworkName.torch, "--framework", help=FRAMEWORK_HELP),
+    mem_headroom: float | None = typer.Option(None, "--mem-headroom", min=0, help="GiB per GPU every call leaves free, beyond what the cost model counts (context, NCCL buffers, fragmentation) [default: 1 GiB + 2.5% of the memory, 3 GiB of an 80 GiB GPU; 0 packs to the edge]."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Estimate one training iteration: time, throughput, MFU and memory per GPU.
@@ -56,15 +57,15 @@ def estimate(
     included; the attention term for full, non-causal scores; PaLM / Megatron-LM convention,
     recompute not counted); mfu divides it by the datasheet peak. With --json the object has
     iteration_s, tokens_per_s, model_flops, model_tflops_per_gpu, mfu, peak_mem_bytes,
-    mem_capacity_bytes, fits, and breakdown: {time_s: {kind: seconds}, memory_bytes: {kind: bytes}}.
+    mem_capacity_bytes, mem_usable_bytes (the capacity less the headroom), fits, and breakdown: {time_s: {kind: seconds}, memory_bytes: {kind: bytes}}.
     """
     from cost_models.calibration import load_calibration
     from cost_models.estimate import estimate_training, training_layout
-    from plans.cluster import parse_cluster
+    from plans.cluster import parse_cluster, with_headroom
     from plans.model import resolve_model
 
     spec = resolve_model(model)
-    cl = parse_cluster(cluster)
+    cl = with_headroom(parse_cluster(cluster), mem_headroom)
     cal = load_calibration(calibration) if calibration is not None else None
     layout = training_layout(spec, cl, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=micro_batch, global_batch=global_batch,
                              seq_len=seq_len, recompute=recompute.value, zero=zero, sequence_parallel=sequence_parallel,
@@ -83,8 +84,9 @@ def estimate(
     head.add_row("throughput", f"{est.to_json()['tokens_per_s']:,.0f} tokens/s")
     head.add_row("model TFLOP/s per GPU", f"{est.model_tflops_per_gpu:.1f}  (6N + attention)")
     head.add_row("MFU", f"{100 * est.mfu:.1f}%")
-    verdict = "fits" if est.fits else f"does NOT fit (over by {(est.peak_mem_bytes - est.mem_capacity_bytes) / GIB:.1f} GiB)"
-    head.add_row("peak memory per GPU", f"{est.peak_mem_bytes / GIB:.1f} of {est.mem_capacity_bytes / GIB:.0f} GiB: {verdict}")
+    verdict = "fits" if est.fits else f"does NOT fit (over by {(est.peak_mem_bytes - est.mem_usable_bytes) / GIB:.1f} GiB)"
+    head.add_row("peak memory per GPU", f"{est.peak_mem_bytes / GIB:.1f} of {est.mem_usable_bytes / GIB:.1f} GiB usable "
+                 f"({est.mem_capacity_bytes / GIB:.0f} GiB less {cl.headroom_bytes / GIB:.1f} GiB headroom): {verdict}")
     if tp > cl.gpus_per_node:
         head.add_row("note", f"tp={tp} spans nodes of {cl.gpus_per_node} GPUs: its all-reduces cross the network")
     console.print(head)

@@ -104,6 +104,7 @@ def compile_cmd(
     time_limit: Annotated[float, typer.Option("--time-limit", min=0, help="Search budget in seconds: CP-SAT work (deterministic, about wall seconds on an idle machine), so the same inputs give the same plan; 0 keeps the beam-search plan.")] = 10.0,
     baseline: Annotated[Optional[Baseline], typer.Option("--baseline", help="Emit a baseline's best plan instead: colocate, split, heuristic.")] = None,
     calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Cost-model calibration file (from `planner calibrate` or `planner profile`).")] = None,
+    mem_headroom: Annotated[Optional[float], typer.Option("--mem-headroom", min=0, help="GiB per GPU every call leaves free, beyond what the cost model counts (context, NCCL buffers, fragmentation) [default: 1 GiB + 2.5% of the memory, 3 GiB of an 80 GiB GPU; 0 packs to the edge].")] = None,
     actor: Annotated[Optional[str], typer.Option(help="Actor / policy model SPEC (algorithms).")] = None,
     critic: Annotated[Optional[str], typer.Option(help="Critic SPEC (ppo; default: the actor's).")] = None,
     ref: Annotated[Optional[str], typer.Option(help="Reference model SPEC (default: the actor's).")] = None,
@@ -128,7 +129,7 @@ def compile_cmd(
 ) -> None:
     from planner.compile import SearchProgress, compile_graph
     from planner.render import print_plan
-    from plans.cluster import resolve_cluster
+    from plans.cluster import resolve_cluster, with_headroom
     from plans.io import check_output
     from plans.plan import plan_to_json, save_plan
 
@@ -150,7 +151,7 @@ def compile_cmd(
     graph = loaded.graph
     if cluster is None and loaded.cluster is None:
         raise PlannerError("no cluster given", hint="pass --cluster GPU:NODESxPER_NODE, e.g. --cluster a100-80gb:2x8")
-    cl = resolve_cluster(cluster if cluster is not None else loaded.cluster)
+    cl = with_headroom(resolve_cluster(cluster if cluster is not None else loaded.cluster), mem_headroom)
     default_path = loaded.auto.plan_path if loaded.auto is not None else Path("plans") / f"{graph.name}.json"
     if not as_json or output is not None:
         check_output(output or default_path)

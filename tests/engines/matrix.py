@@ -68,6 +68,7 @@ def plans() -> dict[str, Plan]:
         "sft_7b_tp2_sp_z1": (sft7, {"model_train": Layout(dp=8, tp=2, zero=1, micro_batches=16,
                                                           sequence_parallel=True)}),
         "sft_7b_z3_full": (sft7, {"model_train": Layout(dp=16, zero=3, micro_batches=8, recompute="full")}),
+        "sft_7b_dp_z1": (sft7, {"model_train": Layout(dp=16, zero=1, micro_batches=8)}),
         "sft_70b_pp_interleave": (sft70, {"model_train": Layout(dp=4, tp=8, pp=2, interleave=5, zero=1,
                                                                 micro_batches=128, recompute="full",
                                                                 sequence_parallel=True)}),

@@ -1,0 +1,124 @@
+"""What keeps the cost model's numbers believable: no dense model above 60% MFU, plans that keep
+a memory headroom, and the memory outside tensors (context, NCCL buffers, fragmentation)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from cost_models import CostModel
+from cost_models.estimate import estimate_training, training_layout
+from planner.algorithms import ppo
+from planner.compile import compile_graph
+from plans import Layout, Mesh, parse_cluster, resolve_model
+from plans.cluster import default_headroom_gib
+from plans.errors import PlannerError
+from plans.graph import Call, ModelDecl
+from plans.hardware import GIB
+
+MFU_CAP = 0.60
+# Published measurements above the cap, by (model, gpu, framework): none so far. Megatron-LM's
+# best in Narayanan et al. 2021, Table 1 is 163 TFLOP/s per A100 counting the recompute (52%);
+# FSDP and DeepSpeed stacks report 35-55% for 7-8B models.
+PUBLISHED_ABOVE_CAP: dict[tuple[str, str, str], float] = {}
+
+MODELS = ("llama-2-7b", "llama-3-8b", "qwen2.5-7b", "llama-3-70b")
+GPUS = ("a100-80gb", "h100-sxm")
+FRAMEWORKS = ("torch", "megatron")
+# (tp, pp) on 8 and 32 GPUs; sequence lengths; micro-batches; ZeRO stages; recompute modes.
+SHAPES = ((1, 1), (2, 1), (4, 1), (8, 1), (4, 2), (8, 4))
+SEQS = (2048, 8192)
+MICRO = (1, 2, 4)
+
+
+def mfu_cases():
+    for model, gpu, fw, nodes, (tp, pp), seq, mb, zero, rec in itertools.product(
+            MODELS, GPUS, FRAMEWORKS, (1, 4), SHAPES, SEQS, MICRO, (0, 1, 3), ("none", "full")):
+        n = 8 * nodes
+        if tp * pp > n:
+            continue
+        yield model, gpu, fw, n, tp, pp, seq, mb, zero, rec
+
+
+def test_no_dense_estimate_above_60_percent_mfu():
+    """Every case of the grid above that fits in memory: 4 dense models x A100/H100 x the runtime
+    (`torch`) and Megatron-LM x 8 and 32 GPUs x 6 (tp, pp) shapes x 2k/8k tokens x micro-batch
+    1/2/4 x ZeRO 0/1/3 x no or full recompute."""
+    checked, worst = 0, (0.0, None)
+    for model, gpu, fw, n, tp, pp, seq, mb, zero, rec in mfu_cases():
+        spec = resolve_model(model)
+        cl = parse_cluster(f"{gpu}:{n // 8}x8")
+        dp = n // (tp * pp)
+        gb = dp * mb * max(8, 2 * pp)
+        try:
+            lay = training_layout(spec, cl, tp=tp, pp=pp, dp=dp, micro_batch=mb, global_batch=gb, seq_len=seq,
+                                  recompute=rec, zero=zero, sequence_parallel=tp > 1)
+        except PlannerError:
+            continue  # a layout the model cannot take (heads over tp, layers over pp)
+        est = estimate_training(spec, cl, lay, global_batch=gb, seq_len=seq, framework=fw)
+        if not est.fits:
+            continue
+        checked += 1
+        cap = PUBLISHED_ABOVE_CAP.get((model, gpu, fw), MFU_CAP)
+        assert est.mfu <= cap, f"{model} on {n} {gpu} ({fw}) {lay.short()} seq {seq}: MFU {est.mfu:.1%}"
+        worst = max(worst, (est.mfu, (model, gpu, fw, lay.short(), seq)))
+    assert checked > 1000, checked
+    assert worst[0] > 0.3  # the grid reaches realistic utilisations, not only starved ones
+
+
+def test_the_runtime_is_marked_uncalibrated_on_gpus():
+    from cost_models.framework import UNCALIBRATED_ATTENTION_SHARE, resolve_framework
+
+    assert not resolve_framework("torch").gpu_calibrated and resolve_framework("megatron").gpu_calibrated
+    cm = CostModel(parse_cluster("h100-sxm:1x8"))
+    assert cm.hw.attn_flops <= UNCALIBRATED_ATTENTION_SHARE * cm.hw.peak_flops + 1e-6
+
+
+def test_default_headroom_is_a_few_gib_and_a_share():
+    assert default_headroom_gib(80) == pytest.approx(3.0)
+    assert default_headroom_gib(141) == pytest.approx(4.525)
+    assert default_headroom_gib(1) == 0.5  # never more than half a small memory
+    cl = parse_cluster("h100-sxm:1x8")
+    assert cl.usable_mem_bytes == cl.mem_bytes - 3 * GIB
+    assert parse_cluster("h100-sxm:1x8,mem_headroom_gib=0").usable_mem_bytes == cl.mem_bytes
+    with pytest.raises(PlannerError, match="leaves nothing"):
+        parse_cluster("h100-sxm:1x8,mem_headroom_gib=80")
+
+
+def test_memory_outside_tensors_on_gpus_only():
+    """NCCL buffers per communicator of the layout (tp and dp rings, pipeline neighbours) and the
+    allocator's fragmentation of the transient tensors on a GPU; neither on gloo CPU ranks."""
+    from cost_models.comm import NCCL_CHANNELS
+    from cost_models.memory import FRAGMENTATION, NCCL_CHANNEL_BYTES, NCCL_P2P_CHANNELS
+
+    spec = resolve_model("llama-2-7b")
+    call = Call(name="t", model="m", kind="train", seqs=64, seq_len=2048, loss="sft")
+    decl = ModelDecl(spec=spec, trainable=True)
+    cm = CostModel(parse_cluster("a100-80gb:1x8"))
+    ring = NCCL_CHANNELS * NCCL_CHANNEL_BYTES
+    mem = cm.call_cost(call, decl, Mesh.block(0, 8), Layout(tp=2, pp=2, dp=2, micro_batches=8)).mem_breakdown_bytes
+    assert mem["nccl"] == 2 * ring + NCCL_P2P_CHANNELS * NCCL_CHANNEL_BYTES
+    assert mem["fragmentation"] == int(FRAGMENTATION * (mem["activations"] + mem.get("logits", 0) + mem["buffers"]))
+    alone = cm.call_cost(call, decl, Mesh.block(0, 1), Layout(micro_batches=64)).mem_breakdown_bytes
+    assert alone["nccl"] == 0
+    tiny = ModelDecl(spec=resolve_model("tiny-llama"), trainable=True)
+    cpu = CostModel(parse_cluster("cpu:1x4")).call_cost(call, tiny, Mesh.block(0, 4), Layout(dp=4)).mem_breakdown_bytes
+    assert "nccl" not in cpu and "fragmentation" not in cpu
+
+
+def test_a_plan_packed_to_the_edge_now_keeps_the_headroom():
+    """8B PPO on 8 H100s. With no headroom and memory sized so the fastest plan fills it to 99.7%,
+    the search packs some call above what the default headroom allows; with the default headroom
+    on the same GPUs every call keeps it, and the plan changes."""
+    graph = ppo("llama-3-8b", batch=512, prompt_len=1024, gen_len=1024)
+    roomy = compile_graph(graph, parse_cluster("h100-sxm:1x8,mem_gib=400,mem_headroom_gib=0"), time_limit_s=2)
+    mem_gib = roomy.estimate.peak_mem_bytes / GIB / 0.997
+    packed = compile_graph(graph, parse_cluster(f"h100-sxm:1x8,mem_gib={mem_gib!r},mem_headroom_gib=0"),
+                           time_limit_s=2)
+    kept = parse_cluster(f"h100-sxm:1x8,mem_gib={mem_gib!r}")
+    assert packed.estimate.peak_mem_bytes > kept.usable_mem_bytes  # fine without a headroom, not with one
+    plan = compile_graph(graph, kept, time_limit_s=2)
+    assert all(c.est_peak_mem_bytes <= kept.usable_mem_bytes for c in plan.calls)
+    assert [(c.mesh, c.layout) for c in plan.calls] != [(c.mesh, c.layout) for c in packed.calls]
+    assert plan.estimate.iteration_s >= packed.estimate.iteration_s
