@@ -103,6 +103,17 @@ class CostModel:
         self._calls: dict[tuple, CallCost] = {}
         self._reallocs: dict[tuple, ReallocCost] = {}
 
+    def costed_for(self) -> str:
+        """The stack these costs describe and what backs its efficiencies (stated in every plan)."""
+        fw, cal = self.framework, self.calibration
+        stack = "the planner runtime" if fw.name == "torch" else fw.name
+        if self.cluster.gpu == "cpu" or cal.gpu == self.cluster.gpu and cal.framework == fw.name:
+            return f"{stack} (framework {fw.name}), calibrated: {cal.source or 'no source recorded'}"
+        if fw.gpu_calibrated:
+            return f"{stack} (framework {fw.name}), efficiencies fitted on {cal.framework} runs"
+        return (f"{stack} (framework {fw.name}), not yet calibrated on a GPU: GEMM and bandwidth efficiencies fitted "
+                f"on {cal.framework} runs, attention at FlashAttention-2's low end; run bench/gpu_check.sh")
+
     # ---- calls ---------------------------------------------------------------------------
 
     def call_cost(self, call: Call, decl: ModelDecl, mesh: Mesh, layout: Layout, *,

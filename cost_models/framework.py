@@ -78,6 +78,9 @@ class Framework:
     # The LM head makes at most this many logits at a time (fused head and log-probs) and its
     # backward makes each chunk again when there is more than one; None: all logits at once.
     logits_chunk_elements: int | None = None
+    # Generation keeps one compute-dtype copy of the weights for the whole call (no per-step cast),
+    # and on a GPU each decode step of a group replays one captured CUDA graph: no host launches.
+    decode_cuda_graphs: bool = False
 
 
 FRAMEWORKS: dict[str, Framework] = {
@@ -94,7 +97,7 @@ FRAMEWORKS: dict[str, Framework] = {
         norm_fwd=(8.0, 4.0, 8.0, 6.0, 6.0, 6.0), norm_bwd=(12.0, 8.0, 12.0, 12.0, 8.0, 8.0, 8.0, 8.0),
         residual_fwd=(10.0,), residual_bwd=(6.0, 12.0), rope_fwd=(4.0, 4.0, 4.0, 6.0), rope_bwd=(4.0, 4.0, 4.0, 6.0),
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), attn_out_copy=True,
-        weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26,
+        weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26, decode_cuda_graphs=True,
     ),
 }
 

@@ -9,7 +9,9 @@ cache, each layer does its two tensor-parallel all-reduces on a tiny message (la
 and the host issues every kernel (often the bound in eager frameworks). Attention cost is linear
 in the context, so the decode phase is ``gen_len - 1`` steps at the mean context
 ``prompt_len + (gen_len + 1) / 2``. Choosing each token (sampling, cache bookkeeping) costs the
-host `decode_step_overhead_ms` besides its kernels.
+host `decode_step_overhead_ms` besides its kernels. The runtime casts its fp32 weights to the
+compute dtype once per call, and on a GPU replays each decode step as one CUDA graph, so its
+kernels cost the host nothing (`Framework.decode_cuda_graphs`).
 
 How the decode layout's ``micro_batches`` = m splits a replica's sequences:
 
@@ -21,6 +23,7 @@ How the decode layout's ``micro_batches`` = m splits a replica's sequences:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from cost_models import comm
@@ -28,7 +31,7 @@ from cost_models.compute import kernels_time_s
 from cost_models.framework import Framework
 from cost_models.hardware import Hardware
 from cost_models.memory import kv_cache_bytes
-from cost_models.ops import embedding_work, gemm, layer_work, mem
+from cost_models.ops import embedding_work, gemm, layer_params_per_rank, layer_work, mem
 from cost_models.training import StepTimes, Stretch, Topology, forward_pass, stretch_of
 from plans.layout import Layout
 from plans.model import ModelSpec
@@ -68,6 +71,9 @@ def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, 
     ef, _ = embedding_work(spec, fw, b=b, s=1, tp=tp, cp=1)
     head = (gemm(b, -(-spec.vocab_size // tp), spec.hidden_size), mem(SAMPLE_BYTES * b * spec.vocab_size / tp))
     ends = Stretch(kernels_time_s(ef + head, hw), 0.0, (len(ef) + len(head)) * hw.host_kernel_s)
+    if fw.decode_cuda_graphs and hw.sm_count is not None:  # a GPU replays the step: one launch, no per-kernel host cost
+        layer = dataclasses.replace(layer, host_s=0.0)
+        ends = dataclasses.replace(ends, host_s=hw.host_kernel_s)
     layers = [len(x) for x in stage_layers(spec.num_hidden_layers, pp, layout.interleave)]
     stage = max(layer.scale(n).wall_s(hw) for n in layers) + ends.wall_s(hw) / pp
     hop = comm.p2p_s(2.0 * b * spec.hidden_size, cross_node=topo.pp_cross_node(layout), senders_per_node=1, hw=hw) + \
@@ -81,6 +87,10 @@ def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout,
     """Wall time of prefill, cache writes, layout change and decode, by kind."""
     out = StepTimes()
     split = decode_split(seqs, decode)
+    if fw.weight_cast_bytes:  # the weights are cast once for the call, not on each step
+        lp = layer_params_per_rank(spec, decode.tp) * spec.num_hidden_layers / decode.pp
+        out.add("prefill", fw.weight_cast_bytes * lp / hw.mem_bytes_s)
+        fw = dataclasses.replace(fw, weight_cast_bytes=0.0)
     # Each wave prefills its own prompts: the prefill layout's micro-batches subdivide a wave.
     pre_layout = layout.model_copy(update={"micro_batches": layout.micro_batches * split.waves}) if split.waves > 1 else layout
     pre = forward_pass(spec, fw, hw, pre_layout, topo, head="lm", seqs=seqs, seq_len=prompt_len, last_token_logits=True)

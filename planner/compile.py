@@ -406,7 +406,8 @@ def build_plan(problem: Problem, choice: list[int], sched: Schedule, search: Sea
     tokens = max(c.tokens for c in graph.calls)
     peak_flops = cluster.sheet.peak_tflops * 1e12 * cluster.world_size
     estimate = Estimate(iteration_s=it, tokens_per_s=tokens / it if it > 0 else 0.0,
-                        mfu=flops / (it * peak_flops) if it > 0 else 0.0, peak_mem_bytes=max(sched.peak_bytes))
+                        mfu=flops / (it * peak_flops) if it > 0 else 0.0, peak_mem_bytes=max(sched.peak_bytes),
+                        costed_for=problem.cm.costed_for())
     return Plan(version=PLAN_VERSION, name=graph.name, cluster=cluster, models=graph.models, inputs=graph.inputs,
                 algorithm=graph.algorithm, calls=calls, reallocations=reallocs, transfers=transfers,
                 estimate=estimate, search=search, host_steps=graph.host_steps)

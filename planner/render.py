@@ -65,6 +65,8 @@ def estimate_lines(plan: Plan) -> list[str]:
         f"peak {fmt_gib(e.peak_mem_bytes)} of {fmt_gib(plan.cluster.usable_mem_bytes)} usable per GPU"
         f" ({plan.cluster.mem_gib:g} GiB less {plan.cluster.mem_headroom_gib:g} GiB headroom)",
     ]
+    if e.costed_for:
+        lines.append(f"costed for {e.costed_for}")
     if s.method.startswith("imported"):  # planner import: the config's own placement, costed
         lines.append(f"{s.method}: the config's placement as costed ({s.status or 'fits'})")
         return lines

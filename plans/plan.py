@@ -81,6 +81,8 @@ class Estimate(Strict):
     tokens_per_s: float = Field(ge=0, description="Tokens processed by all calls per second.")
     mfu: float = Field(ge=0, description="Model FLOPs utilisation over the cluster (6N+attention convention).")
     peak_mem_bytes: int = Field(ge=0, description="Highest estimated memory on any rank, bytes.")
+    costed_for: str | None = Field(None, description="The software stack the times are costed for, and what it was "
+                                   "calibrated on.")
 
 
 class SearchInfo(Strict):
