@@ -188,7 +188,8 @@ class CostModel:
             mem["activations"] = int(per_layer * layers[st] * in_flight_microbatches(layout, st, m) + working)
             if st == pp - 1 and decl.head == "lm":
                 mem["logits"] = self._logits_bytes(LOGIT_TRAIN_BYTES, b * s_loc * spec.vocab_size / tp)
-            mem["buffers"] = int((4 * act_bytes if pp > 1 else 0) + self._zero3_buffer(spec, layout))
+            mem["buffers"] = int((4 * act_bytes if pp > 1 else 0) + self._zero3_buffer(spec, layout, training=True))
+            mem = self._compute_dtype(mem)
             mem.update(self._outside_tensors(layout, mem, topo))
             if sum(mem.values()) > sum(best.values()):
                 best = mem
@@ -199,12 +200,19 @@ class CostModel:
         chunk = self.framework.logits_chunk_elements
         return int(per_logit * (logits if chunk is None else min(logits, chunk)))
 
+    def _compute_dtype(self, mem: dict[str, int]) -> dict[str, int]:
+        """`mem` with the tensors a call computes (activations, logits, KV cache) in the runtime's
+        compute dtype: the byte counts are bf16's; a CPU run computes in fp32, twice as many."""
+        if self.cluster.gpu != "cpu":
+            return mem
+        return {k: 2 * v if k in ("activations", "logits", "kv_cache") else v for k, v in mem.items()}
+
     def _outside_tensors(self, layout: Layout, mem: dict[str, int], topo: Topology) -> dict[str, int]:
         """Context and workspaces; on GPUs also NCCL buffers of the layout's communicators and the
         allocator's fragmentation of `mem`'s transient tensors (`cost_models.memory`)."""
+        if self.cluster.gpu == "cpu":  # no CUDA context; gloo and malloc: neither buffer pool is there
+            return {}
         out = {"reserve": reserve_bytes(self.cluster.mem_bytes)}
-        if self.cluster.gpu == "cpu":  # gloo and malloc: neither buffer pool is there
-            return out
         groups = [topo.group(layout, k) for k in ("tp", "cp", "dpcp")]
         used = [g for g in groups if g.n > 1]
         out["nccl"] = nccl_bytes(collectives=len(used), cross_node=sum(g.spans_nodes for g in used),
@@ -212,9 +220,14 @@ class CostModel:
         out["fragmentation"] = fragmentation_bytes(mem)
         return out
 
-    def _zero3_buffer(self, spec: ModelSpec, layout: Layout) -> float:
-        # ZeRO-3 gathers one layer's weights for compute and prefetches the next.
-        return 2 * layer_params_per_rank(spec, layout.tp) * self.framework.param_bytes if layout.zero == 3 else 0.0
+    def _zero3_buffer(self, spec: ModelSpec, layout: Layout, *, training: bool = False) -> float:
+        """ZeRO-3's gathered layers in flight (`Framework.zero3_gather_layers`) and, in training, the
+        gradients being reduce-scattered (`Framework.zero3_scatter_layers`), in layers' weights."""
+        if layout.zero != 3:
+            return 0.0
+        fw = self.framework
+        layers = fw.zero3_gather_layers + (fw.zero3_scatter_layers if training else 0.0)
+        return layers * layer_params_per_rank(spec, layout.tp) * fw.param_bytes
 
     def _forward_memory(self, decl: ModelDecl, layout: Layout, topo: Topology, *, seqs: int, seq_len: int, logits: str) -> dict[str, int]:
         """Inference or prefill: weights, one layer's live tensors and the head's logits per micro-batch.
@@ -230,6 +243,7 @@ class CostModel:
             positions = s_loc if logits == "all" else 1
             mem["logits"] = self._logits_bytes(LOGIT_INFER_BYTES, b * positions * spec.vocab_size / tp)
         mem["buffers"] = int(self._zero3_buffer(spec, layout) + (4.0 * b * s_loc * spec.hidden_size / tp if layout.pp > 1 else 0))
+        mem = self._compute_dtype(mem)
         mem.update(self._outside_tensors(layout, mem, topo))
         return mem
 
@@ -241,8 +255,8 @@ class CostModel:
         wave_seqs = -(-call.seqs // split.waves)
         pre_layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, layout.pp, layout.interleave))
         pre = self._forward_memory(decl, layout, topo, seqs=wave_seqs, seq_len=call.prompt_len, logits="last")
-        pre["kv_cache"] = int(kv_cache_bytes(spec, seqs=wave_seqs / (layout.dp * layout.cp), ctx=call.prompt_len,
-                                             layers=pre_layers, tp=layout.tp))
+        pre.update(self._compute_dtype({"kv_cache": int(kv_cache_bytes(
+            spec, seqs=wave_seqs / (layout.dp * layout.cp), ctx=call.prompt_len, layers=pre_layers, tp=layout.tp))}))
         layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, dec.pp, dec.interleave))
         decode = state_bytes(max(self._stage_params(spec, decl.head, dec)), self.framework, layout=dec,
                              trainable=decl.trainable)
@@ -252,6 +266,7 @@ class CostModel:
                                                           kv_len=call.seq_len))
         if dec != layout:  # both placements' weights are live while the layout changes
             decode["buffers"] = pre["params"]
+        decode = self._compute_dtype(decode)
         decode.update(self._outside_tensors(dec, decode, topo))
         if dec != layout:  # the prefill layout's communicators stay
             decode["nccl"] = max(decode["nccl"], pre["nccl"])

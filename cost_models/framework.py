@@ -1,12 +1,14 @@
 """Software-stack traits: discrete implementation choices that change which kernels run.
 
 Coefficients (`cost_models.calibration`) say how fast a GPU runs a kernel; a `Framework` says which
-kernels a training step launches and which bytes it keeps. Two presets:
+kernels a training step launches and which bytes it keeps. Three presets:
 
 - ``megatron``: Megatron-LM GPT pretraining as in the vTrain measurements (Narayanan et al. 2021):
   attention scores materialised (baddbmm, fused scale-mask-softmax, dropout, bmm), hidden and
   attention dropout, fp16 gradients accumulated per micro-batch and all-reduced after the last
   backward (no bucketing, so no overlap with backward), mixed-precision Adam.
+- ``megatron-core``: Megatron-Core with Transformer Engine and stacks built like it: fused kernels,
+  flash attention, bf16 weights beside fp32 master weights, communication overlapped.
 - ``torch``: the planner's runtime (`runtime/`) as it is written: PyTorch's fused (flash) causal
   attention, no dropout, fp32 weights, gradients and Adam states in one flat buffer under bf16
   autocast, so every matmul weight is cast to bf16 on each forward pass and every weight gradient
@@ -81,6 +83,16 @@ class Framework:
     # Generation keeps one compute-dtype copy of the weights for the whole call (no per-step cast),
     # and on a GPU each decode step of a group replays one captured CUDA graph: no host launches.
     decode_cuda_graphs: bool = False
+    # The ZeRO stage from which each rank keeps only its shard of the gradients (ZeRO-2 in
+    # DeepSpeed and Megatron; the runtime reduces ZeRO-2 buckets to their owner but keeps one
+    # gradient buffer of the whole stage, so only ZeRO-3 shards it).
+    grads_sharded_from_zero: int = 2
+    # ZeRO-3 buffers, in layers' weights: gathered weights in flight (the layer computing and the
+    # one prefetched) and, in training, gradients on their way to the reduce-scatter. The runtime
+    # keeps per gather the gathered buffer and the unpacked weights (2 copies, 2 gathers in flight)
+    # and per reduce-scatter the layer's gradients and their packed copy (2, `SCATTERS_IN_FLIGHT` 2).
+    zero3_gather_layers: float = 2.0
+    zero3_scatter_layers: float = 0.0
 
 
 FRAMEWORKS: dict[str, Framework] = {
@@ -88,6 +100,14 @@ FRAMEWORKS: dict[str, Framework] = {
         name="megatron", attention="materialized", dropout=True, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=False,
         fused_softmax_multiple=4, fused_softmax_max_keys=2048,
+    ),
+    # Megatron-Core with Transformer Engine, and stacks built like it (Llama 3's, NeMo): fused
+    # (flash) attention and fused norm, rotary and SwiGLU kernels, no dropout, bf16 weights with
+    # fp32 master weights and Adam states, gradients reduced in buckets during backward
+    # (--overlap-grad-reduce) and sharded weights gathered ahead of use.
+    "megatron-core": Framework(
+        name="megatron-core", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
+        optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
     ),
     # Fused AdamW over fp32 p, g, m, v: read 16, write 12, zero the gradient 4. A micro-batch's
     # weight gradient: bf16 to fp32 (2+4), accumulated (4+4+4).
@@ -98,6 +118,7 @@ FRAMEWORKS: dict[str, Framework] = {
         residual_fwd=(10.0,), residual_bwd=(6.0, 12.0), rope_fwd=(4.0, 4.0, 4.0, 6.0), rope_bwd=(4.0, 4.0, 4.0, 6.0),
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), attn_out_copy=True,
         weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26, decode_cuda_graphs=True,
+        grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0,
     ),
 }
 

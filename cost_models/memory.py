@@ -118,7 +118,7 @@ def state_bytes(params: float, fw: Framework, *, layout: Layout, trainable: bool
     z = layout.zero
     out = {"params": int(params * fw.param_bytes / (dp if z >= 3 else 1))}
     if trainable:
-        out["grads"] = int(params * fw.grad_bytes / (dp if z >= 2 else 1))
+        out["grads"] = int(params * fw.grad_bytes / (dp if z >= fw.grads_sharded_from_zero else 1))
         out["optimizer"] = int(params * fw.optimizer_bytes / (dp if z >= 1 else 1))
     return out
 

@@ -113,7 +113,7 @@ class Explanation:
     work_bound_s: float
     critical_path: list[PathStep]
     bottleneck: PathStep | None
-    capacity_bytes: int
+    capacity_bytes: int  # what a plan may use per GPU: the memory less the cluster's headroom
     memory: list[GroupMemory]
     calls: list[CallChoice]
     notes: list[str] = field(default_factory=list)
@@ -409,6 +409,6 @@ def explain_plan(plan: Plan, *, cm: CostModel | None = None, space: SearchSpace 
         plan=plan.name, cluster=plan.cluster.short(), iteration_s=plan.estimate.iteration_s,
         iteration0_s=max(c.est_start_s + c.est_time_s for c in plan.calls), replay_iteration_s=base.iteration_s,
         lower_bound_s=plan.search.lower_bound_s, gap=plan.search.gap, chain_bound_s=chain_s, work_bound_s=work_s,
-        critical_path=path, bottleneck=bottleneck, capacity_bytes=plan.cluster.mem_bytes,
+        critical_path=path, bottleneck=bottleneck, capacity_bytes=plan.cluster.usable_mem_bytes,
         memory=memory_over_time(plan, problem, choice),
         calls=alternatives(plan, problem, choice, cm, space, base=base, orders=orders, top=top), notes=notes)

@@ -42,7 +42,7 @@ from runtime.checkpoint import CheckpointOptions, claim_directory, resume, save_
 from runtime.executor import DEFAULT_TIMEOUT_S, PlanRunner, check_runnable
 from runtime.faults import FaultHooks, SharedError
 from runtime.groups import init_default_group
-from runtime.observe import gather_events, progress_line, write_measured_trace
+from runtime.observe import MemoryMeter, gather_events, progress_line, write_measured_trace, write_memory
 from runtime.process import Interrupted, Interrupts, cpu_threads, device_problem, memory_problem, watch_parent
 from runtime.save_hf import DEFAULT_SHARD_MB, check_save_dir, save_hf
 
@@ -75,6 +75,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="compute dtype (default: bfloat16 on CUDA GPUs, float32 on the CPU; parameters and optimizer "
                     "state stay float32)")
     ap.add_argument("--trace-out", help="write the measured timeline of every rank to this trace JSON (rank 0)")
+    ap.add_argument("--memory-out", help="write every rank's peak allocated tensor bytes and the plan's estimate to "
+                    "this JSON (rank 0; on a CPU the run is profiled for it, so time it separately)")
     ap.add_argument("--quiet", action="store_true", help="print no progress lines")
     ap.add_argument("--checkpoint-dir", type=Path, help="save checkpoints in this directory (seen by every rank)")
     ap.add_argument("--checkpoint-every", type=int, help="save after every K steps (default: after the last only)")
@@ -158,7 +160,7 @@ def run(args: argparse.Namespace, interrupts: Interrupts) -> None:
                              keep=args.checkpoint_keep)
     ckpt.check()
     _check_launch(args, plan, world=world)
-    for path in (args.metrics_out, args.trace_out):
+    for path in (args.metrics_out, args.trace_out, args.memory_out):
         if path is not None and rank == 0:
             check_output(path)  # before any step, not after the run
     if args.save_hf is not None and rank == 0:
@@ -175,6 +177,9 @@ def run(args: argparse.Namespace, interrupts: Interrupts) -> None:
     if distributed:
         init_default_group("nccl" if cuda else "gloo", timeout_s=args.collective_timeout)
     lock = None
+    meter = MemoryMeter(device) if args.memory_out else None
+    if meter is not None:
+        meter.__enter__()
     try:
         hooks = FaultHooks.from_env(rank)
         seed_process(args.seed, rank)
@@ -210,6 +215,12 @@ def run(args: argparse.Namespace, interrupts: Interrupts) -> None:
         if args.save_hf is not None:
             for d in save_hf(runner, args.save_hf, shard_mb=args.save_hf_shard_mb):
                 say(f"saved HF model {d}", flush=True)
+        if meter is not None:
+            meter.__exit__()
+            peaks = gather_events([meter.peaks()], distributed=distributed, rank=rank, world_size=world)
+            if peaks is not None:
+                write_memory(args.memory_out, peaks, plan=plan, device=device.type)
+            meter = None
         if args.trace_out:
             events = gather_events(runner.recorder.events, distributed=distributed, rank=rank, world_size=world)
             if events is not None:
@@ -223,6 +234,8 @@ def run(args: argparse.Namespace, interrupts: Interrupts) -> None:
             _leave_together(timeout_s=min(args.collective_timeout, LEAVE_TIMEOUT_S))
         raise Reported(e.exit_code) from None
     finally:
+        if meter is not None:
+            meter.__exit__()
         if lock is not None:
             lock.release()
         if distributed and dist.is_initialized():

@@ -177,7 +177,7 @@ def _render_explanation(ex, console: Console) -> None:  # noqa: ANN001, C901 - o
     for g in ex.memory:
         t = Table(title=f"memory per GPU on {g.label}: resident " +
                   (", ".join(f"{m} {fmt_bytes(v)}" for m, v in g.resident.items()) or "nothing") +
-                  f"; peak {fmt_bytes(g.peak_bytes)} of {fmt_bytes(ex.capacity_bytes)}", title_justify="left")
+                  f"; peak {fmt_bytes(g.peak_bytes)} of {fmt_bytes(ex.capacity_bytes)} usable", title_justify="left")
         for col in ("from", "to", "running", "transient", "total"):
             t.add_column(col, justify="right" if col in ("from", "to", "total") else "left")
         for w in g.windows:
