@@ -134,13 +134,14 @@ def group_bars(items: list[Span], groups: list[GpuGroup], *, step: int, origin_s
 
 def default_step(items: list[Span]) -> int:
     """A representative measured step: the one of median length, warm-up step 0 left out when
-    there are later steps (ties: the earlier step)."""
+    there are later steps (ties, to the nanosecond: the earlier step)."""
     steps = steps_of(items)
     if not steps:
         raise PlannerError("the measured trace has no call or reallocation events")
     pool = steps[1:] if len(steps) > 1 else steps
-    lengths = sorted((step_window_s(items, k)[1] - step_window_s(items, k)[0], k) for k in pool)
-    return lengths[(len(lengths) - 1) // 2][1]
+    lengths = sorted((round(step_window_s(items, k)[1] - step_window_s(items, k)[0], 9), k) for k in pool)
+    median = lengths[(len(lengths) - 1) // 2][0]
+    return min(k for length, k in lengths if length == median)
 
 
 # ---- the chart -------------------------------------------------------------------------------

@@ -214,7 +214,7 @@ def test_costs_are_deterministic_and_cached():
 def test_zero_stages_trade_memory_for_traffic():
     """Across nodes on a slow network: ZeRO-1 moves what an all-reduce moves, ZeRO-2
     reduce-scatters every micro-batch, ZeRO-3 also gathers weights; each keeps less per GPU."""
-    cm = CostModel(parse_cluster("a100-80gb:2x8,inter_node_gbps=100"), CAL)
+    cm = CostModel(parse_cluster("a100-80gb:2x8,inter_node_gbps=100"), CAL, framework="megatron-core")
     decl = ModelDecl(spec=LLAMA, trainable=True)
     call = Call(name="t", model="m", kind="train", seqs=128, seq_len=1024, loss="sft")
     costs = [cm.call_cost(call, decl, Mesh.block(0, 16), Layout(dp=16, zero=z, micro_batches=8)) for z in range(4)]
