@@ -200,6 +200,66 @@ def _spawn(target: Callable[..., None], *, ranks: int, budget_s: float, what: st
         return np.loadtxt(out, ndmin=2)
 
 
+def _host_seconds(budget_s: float) -> float:
+    """Median seconds of one round of the runtime's negligible-width forward, train step and
+    generation (host-bound work) over about `budget_s`."""
+    from planner.runtime_profile import _negligible_fns
+
+    fns = list(_negligible_fns(3).values())
+    for fn in fns:
+        fn()
+    rounds, end = [], time.perf_counter() + budget_s
+    while time.perf_counter() < end or len(rounds) < 5:
+        t0 = time.perf_counter()
+        for fn in fns:
+            fn()
+        rounds.append(time.perf_counter() - t0)
+    return float(np.median(rounds))
+
+
+def _host_worker(rank: int, ranks: int, port: int, budget_s: float, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # As a rank runs: with its gloo process group (and that group's threads) up.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    try:
+        dist.barrier()
+        Path(f"{out}.{rank}").write_text(repr(_host_seconds(budget_s)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_host_share(*, ranks: int, budget_s: float) -> float:
+    """The host speed each of `ranks` single-thread processes keeps while all of them run
+    host-bound work at once, relative to one process alone (the median over the processes)."""
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = _host_seconds(budget_s / 2)
+    finally:
+        torch.set_num_threads(torch_threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "host")
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=_host_worker, args=(r, ranks, port, budget_s, out)) for r in range(ranks)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120 + budget_s * 4)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        try:
+            each = [float(Path(f"{out}.{r}").read_text()) for r in range(ranks)]
+        except (OSError, ValueError):
+            raise PlannerError(f"the host-sharing benchmark of {ranks} processes failed",
+                               hint="run with --ranks 1 to skip measurements between ranks") from None
+    return alone / float(np.median(each))
+
+
 def _repeat(fn: Callable[[], object], *, reps: int, sync: Callable[[], None]) -> float:
     """Median seconds per call of `fn` over exactly `reps` calls after one warm-up."""
     fn()
@@ -341,6 +401,10 @@ def _profile_cpu(*, budget_s: float, ranks: int, progress: Callable[[str], None]
         progress(f"drift between {ranks} processes sharing {cores} cores")
         sigma, slice_ms = fit_skew(measure_skew(ranks=ranks, budget_s=part))
         hw = hw.model_copy(update=dict(skew_ms_per_sqrt_s=sigma, skew_slice_ms=slice_ms))
+        progress(f"host work of {ranks} processes sharing {cores} cores")
+        equal = cores / (ranks * threads)
+        efficiency = min(1.0, max(0.05, measure_host_share(ranks=ranks, budget_s=part) / equal))
+        hw = hw.model_copy(update=dict(host_share_efficiency=round(efficiency, 4)))
     return Calibration(
         gpu="cpu", framework="torch", source=f"planner profile on cpu ({ranks} ranks of {threads} thread(s))",
         coefficients=Coefficients.model_validate(coef.model_dump()),
