@@ -208,7 +208,8 @@ def _host_seconds(budget_s: float) -> float:
     fns = list(_negligible_fns(3).values())
     for fn in fns:
         fn()
-    rounds, end = [], time.perf_counter() + budget_s
+    rounds: list[float] = []
+    end = time.perf_counter() + budget_s
     while time.perf_counter() < end or len(rounds) < 5:
         t0 = time.perf_counter()
         for fn in fns:
