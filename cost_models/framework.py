@@ -1,7 +1,7 @@
 """Software-stack traits: discrete implementation choices that change which kernels run.
 
 Coefficients (`cost_models.calibration`) say how fast a GPU runs a kernel; a `Framework` says which
-kernels a training step launches and which bytes it keeps. Three presets:
+kernels a training step launches and which bytes it keeps. Four presets:
 
 - ``megatron``: Megatron-LM GPT pretraining as in the vTrain measurements (Narayanan et al. 2021):
   attention scores materialised (baddbmm, fused scale-mask-softmax, dropout, bmm), hidden and
@@ -9,6 +9,8 @@ kernels a training step launches and which bytes it keeps. Three presets:
   backward (no bucketing, so no overlap with backward), mixed-precision Adam.
 - ``megatron-core``: Megatron-Core with Transformer Engine and stacks built like it: fused kernels,
   flash attention, bf16 weights beside fp32 master weights, communication overlapped.
+- ``vllm``: vLLM's generation (bf16 weights, fused kernels, CUDA-graph decode), the rollout
+  engine of verl and OpenRLHF exports.
 - ``torch``: the planner's runtime (`runtime/`) as it is written: PyTorch's fused (flash) causal
   attention, no dropout, fp32 weights, gradients and Adam states in one flat buffer under bf16
   autocast, so every matmul weight is cast to bf16 on each forward pass and every weight gradient
@@ -108,6 +110,13 @@ FRAMEWORKS: dict[str, Framework] = {
     "megatron-core": Framework(
         name="megatron-core", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
+    ),
+    # vLLM as verl and OpenRLHF run it for rollouts: bf16 weights, fused kernels, decode steps
+    # replayed as CUDA graphs (its generate calls; it does not train).
+    "vllm": Framework(
+        name="vllm", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
+        optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
+        decode_cuda_graphs=True,
     ),
     # Fused AdamW over fp32 p, g, m, v: read 16, write 12, zero the gradient 4. A micro-batch's
     # weight gradient: bf16 to fp32 (2+4), accumulated (4+4+4).

@@ -9,7 +9,9 @@
 
 Both write one JSON object per step (the same keys), so the two runs compare line by line; rank 0
 prints a progress line per step (`runtime.observe`, silenced by --quiet). --trace-out writes the
-measured timeline of all ranks as one planner trace (`plans.trace`). Problems with the plan or the
+measured timeline of all ranks as one planner trace (`plans.trace`); --memory-out the most tensor
+bytes each rank's allocator held, over the run and per call, beside the plan's estimates
+(`runtime.observe.MemoryMeter`). Problems with the plan or the
 launch are reported on every rank as one message, exit status 2.
 
 Checkpoints (`runtime.checkpoint`): --checkpoint-dir DIR saves the run's state after every

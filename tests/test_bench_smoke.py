@@ -20,6 +20,7 @@ SMOKE = {
                                str(ROOT / "cost_models" / "data" / "cpu.json")], "predicted"),
     "real_job.py": (["--steps", "2"], "transformers reloads the trained actor"),
     "realloc.py": (["--repeats", "1", "--cases", "1"], "moved/min"),
+    "rlhf_calls.py": ([], "published"),
     "rlhf_learning.py": (["--steps", "2", "--no-spread", str(ROOT / "plans" / "tiny_ppo.json")], "tiny_ppo"),
     "runtime.py": (["--steps", "1", "--batch", "2", "--seq", "16", "--gen-batch", "2", "--prompt", "4",
                     "--gen-len", "4"], "generation"),

@@ -26,6 +26,7 @@ class FrameworkName(str, Enum):
     torch = "torch"
     megatron = "megatron"
     megatron_core = "megatron-core"
+    vllm = "vllm"
 
 
 FRAMEWORK_HELP = ("Software stack whose kernels are timed: 'torch' (the planner's runtime: flash attention, fp32 "
