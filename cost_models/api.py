@@ -45,6 +45,9 @@ from plans.layout import Layout, Mesh
 from plans.model import Head, ModelSpec
 from plans.sharding import stage_layers
 
+# Host-side tensor ops per slice a reallocation packs, unpacks or copies (`runtime.realloc`: index
+# the source, slice the flat buffer, view it, copy).
+REALLOC_PIECE_OPS = 4
 LOGIT_TRAIN_BYTES = 8  # per logit: fp16 logits, fp32 softmax, fp16 gradient
 LOGIT_INFER_BYTES = 6  # fp16 logits and fp32 log-softmax
 
@@ -292,28 +295,36 @@ class CostModel:
         gpn, hw, pb = self.cluster.gpus_per_node, self.hw, self.framework.param_bytes
         vol = rank_volumes(decl.spec, head=decl.head, src=src, dst=dst, gpus_per_node=gpn)
         local_s = 2.0 * pb * vol.local_numel / max(1, dst[0].size) / hw.mem_bytes_s
+        # The host packs every slice it sends before the messages go and unpacks (or copies) every
+        # slice it gets after: the busiest packer, then the busiest unpacker.
+        assert vol.send_pieces is not None and vol.recv_pieces is not None and vol.local_pieces is not None
+        op_s = REALLOC_PIECE_OPS * hw.host_kernel_s
+        host_s = op_s * (int(vol.send_pieces.max(initial=0)) + int((vol.recv_pieces + vol.local_pieces).max(initial=0)))
         if vol.moved_numel == 0:
-            return ReallocCost(0, local_s)
+            return ReallocCost(0, local_s + host_s)
         intra = max(int(vol.send_intra.max()), int(vol.recv_intra.max())) * pb / hw.intra_bytes_s
         nodes = (vol.first + np.arange(len(vol.send_inter))) // gpn
         node_send = np.bincount(nodes - nodes[0], weights=vol.send_inter)
         node_recv = np.bincount(nodes - nodes[0], weights=vol.recv_inter)
         inter = max(float(node_send.max()), float(node_recv.max())) * pb / hw.node_net_bytes_s
         latency = hw.inter_latency_s if inter > 0 else hw.intra_latency_s
-        return ReallocCost(vol.moved_numel * pb, max(intra, inter) + latency + local_s)
+        return ReallocCost(vol.moved_numel * pb, max(intra, inter) + latency + local_s + host_s)
 
-    def data_transfer_s(self, nbytes: int, src_mesh: Mesh, dst_mesh: Mesh) -> float:
-        """Time to move `nbytes` of call outputs spread over `src_mesh` to the ranks of `dst_mesh`."""
+    def data_transfer_s(self, nbytes: int, src_mesh: Mesh, dst_mesh: Mesh, *, after_s: float = 0.0) -> float:
+        """Time to move `nbytes` of call outputs spread over `src_mesh` to the ranks of `dst_mesh`,
+        sent at the end of a call of `after_s`: ranks that time-share cores drifted apart over it,
+        and a message waits for its later end (`comm.skew_wait_s`; nothing on GPUs)."""
         if nbytes <= 0 or src_mesh == dst_mesh:
             return 0.0
         gpn, hw = self.cluster.gpus_per_node, self.hw
+        wait = comm.skew_wait_s(after_s, 2, hw)
         src_nodes = {r // gpn for r in src_mesh.ranks}
         dst_nodes = {r // gpn for r in dst_mesh.ranks}
         if src_nodes == dst_nodes and len(src_nodes) == 1:
             lanes = min(src_mesh.size, dst_mesh.size)
-            return nbytes / (lanes * hw.intra_bytes_s) + hw.intra_latency_s
+            return nbytes / (lanes * hw.intra_bytes_s) + hw.intra_latency_s + wait
         lanes = min(len(src_nodes), len(dst_nodes))
-        return nbytes / (lanes * hw.node_net_bytes_s) + hw.inter_latency_s
+        return nbytes / (lanes * hw.node_net_bytes_s) + hw.inter_latency_s + wait
 
     def group(self, mesh: Mesh, layout: Layout, kind: str) -> comm.Group:
         """Where `layout`'s `kind` group (tp, cp, dp, dpcp) sits on `mesh` (for reports and tests)."""

@@ -27,7 +27,9 @@ at a steady pace (sigma 0).
 A collective hidden under compute is not free: NCCL runs one thread block per channel, each on a
 streaming multiprocessor of its own, for as long as the collective lasts; over NVLink it opens 32
 channels (NVIDIA/nccl#1685's log on 8 H100s), so the kernels beside it run on the other SMs and
-take ``1 / (1 - 32/SMs)`` as long while they overlap (`overlap_interference_s`).
+take ``1 / (1 - 32/SMs)`` as long while they overlap (`overlap_interference_s`). On a CPU the
+collective's work (gloo's copies and socket sends) runs on the cores that compute: overlapping
+hides none of it.
 """
 
 from __future__ import annotations
@@ -124,9 +126,12 @@ NCCL_CHANNELS = 32  # channels (one thread block, one SM, each) NCCL opens over 
 
 
 def overlap_interference_s(hidden_s: float, hw: Hardware) -> float:
-    """Compute time lost while collectives run for `hidden_s` under it, their SMs taken away."""
-    if hw.sm_count is None or hidden_s <= 0:
+    """Compute time lost while collectives run for `hidden_s` under it, their SMs taken away.
+    On a CPU nothing is hidden: gloo's threads copy and send on the very cores that compute."""
+    if hidden_s <= 0:
         return 0.0
+    if hw.sm_count is None:
+        return hidden_s
     share = min(0.5, NCCL_CHANNELS / hw.sm_count)
     return hidden_s * share / (1.0 - share)
 

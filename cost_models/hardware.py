@@ -66,9 +66,6 @@ def effective_hardware(cluster: ClusterSpec, cal: Calibration) -> Hardware:
     intra_lat = hw.intra_latency_us if hw.intra_latency_us is not None else sheet.nvlink_latency_us
     inter_lat = hw.inter_latency_us if hw.inter_latency_us is not None else sheet.net_latency_us
     share = core_share(cluster, cal)
-    # Host-bound work (Python, eager dispatch) shares cores worse than arithmetic: scheduling and
-    # cache misses on every switch (a measured factor).
-    hshare = share * (hw.host_share_efficiency or 1.0) if share < 1 else share
     return Hardware(
         peak_flops=peak,
         gemm_flops=peak * co.gemm_efficiency * share,
@@ -84,12 +81,12 @@ def effective_hardware(cluster: ClusterSpec, cal: Calibration) -> Hardware:
         kernel_latency_s=co.kernel_latency_us * 1e-6,
         attn_head_s=co.attention_head_us * 1e-6 / share,
         attn_score_s=co.attention_score_ns * 1e-9 / share,
-        host_kernel_s=co.host_kernel_us * 1e-6 / hshare,
+        host_kernel_s=co.host_kernel_us * 1e-6 / share,
         host_collective_s=co.host_collective_us * 1e-6,
         host_overlap=co.host_overlap,
-        microbatch_overhead_s=co.microbatch_overhead_ms * 1e-3 / hshare,
-        decode_step_overhead_s=co.decode_step_overhead_ms * 1e-3 / hshare,
-        step_overhead_s=co.step_overhead_ms * 1e-3 / hshare,
+        microbatch_overhead_s=co.microbatch_overhead_ms * 1e-3 / share,
+        decode_step_overhead_s=co.decode_step_overhead_ms * 1e-3 / share,
+        step_overhead_s=co.step_overhead_ms * 1e-3 / share,
         mem_capacity_bytes=cluster.mem_bytes,
         # Ranks drift apart only while they time-share cores.
         skew_s_per_sqrt_s=(hw.skew_ms_per_sqrt_s or 0.0) * 1e-3 if share < 1 else 0.0,
@@ -103,4 +100,9 @@ def core_share(cluster: ClusterSpec, cal: Calibration) -> float:
     hw = cal.hardware
     if hw.cpu_cores is None:
         return 1.0
-    return min(1.0, hw.cpu_cores / (cluster.gpus_per_node * (hw.rank_threads or 1)))
+    equal = hw.cpu_cores / (cluster.gpus_per_node * (hw.rank_threads or 1))
+    if equal >= 1:
+        return 1.0
+    # Time-sharing costs more than the share: switches and the caches the ranks share (measured
+    # by `planner profile` as `share_efficiency`).
+    return equal * (hw.share_efficiency or 1.0)

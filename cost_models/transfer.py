@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,11 @@ class RankVolumes:
     recv_intra: np.ndarray
     recv_inter: np.ndarray
     local_numel: int
+    # Slices each rank packs to send, unpacks after receiving, and copies locally (each a few
+    # host-side tensor ops in the runtime, `runtime.realloc`).
+    send_pieces: np.ndarray | None = None
+    recv_pieces: np.ndarray | None = None
+    local_pieces: np.ndarray | None = None
 
     @property
     def moved_numel(self) -> int:
@@ -123,15 +129,17 @@ def _needs(shape: tuple[int, ...], tp_dim: int | None, stages: tuple[int, ...], 
 
 
 def _param_volumes(param: Param, spec: ModelSpec, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout], gpn: int,
-                   first: int, span: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+                   first: int, span: int) -> tuple[Any, ...]:
+    """(send intra, send inter, receive intra, receive inter, send pieces, receive pieces, local
+    pieces) per rank, and the elements kept locally."""
     (smesh, slay), (dmesh, dlay) = src, dst
-    zeros = [np.zeros(span, dtype=np.int64) for _ in range(4)]
+    zeros = [np.zeros(span, dtype=np.int64) for _ in range(7)]
     source = _source(param.shape, param.tp_dim, param_stages(param, spec, slay), slay, smesh, gpn)
     needs = _needs(param.shape, param.tp_dim, param_stages(param, spec, dlay), dlay, dmesh)
     if source is None or needs is None:
-        return zeros[0], zeros[1], zeros[2], zeros[3], 0
+        return (*zeros, 0)
     recv_all, lo_all, hi_all = needs
-    send_intra, send_inter, recv_intra, recv_inter = zeros
+    send_intra, send_inter, recv_intra, recv_inter, send_n, recv_n, local_n = zeros
     kept = 0
     # Receivers a chunk at a time: the receiver x cell overlap table of a large mesh would not fit
     # in memory at once.
@@ -162,8 +170,11 @@ def _param_volumes(param: Param, spec: ModelSpec, src: tuple[Mesh, Layout], dst:
         np.add.at(send_inter, sender[inter] - first, vol[inter])
         np.add.at(recv_intra, r[intra] - first, vol[intra])
         np.add.at(recv_inter, r[inter] - first, vol[inter])
+        np.add.at(send_n, sender[moved] - first, 1)
+        np.add.at(recv_n, r[moved] - first, 1)
+        np.add.at(local_n, r[is_local] - first, 1)
         kept += int(vol[is_local].sum())
-    return send_intra, send_inter, recv_intra, recv_inter, kept
+    return send_intra, send_inter, recv_intra, recv_inter, send_n, recv_n, local_n, kept
 
 
 def rank_volumes(spec: ModelSpec, *, head: Head, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout],
@@ -183,7 +194,7 @@ def _rank_volumes(spec: ModelSpec, head: Head, src: tuple[Mesh, Layout], dst: tu
     for i in range(spec.num_hidden_layers):
         groups.setdefault((s_owner[i], d_owner[i]), []).append(i)
     reps = {layers[0]: len(layers) for layers in groups.values()}
-    totals = [np.zeros(span, dtype=np.int64) for _ in range(4)]
+    totals = [np.zeros(span, dtype=np.int64) for _ in range(7)]
     local = 0
     seen: dict[tuple, tuple] = {}
     for param in parameters(spec, head=head):
@@ -197,4 +208,4 @@ def _rank_volumes(spec: ModelSpec, head: Head, src: tuple[Mesh, Layout], dst: tu
         for t, a in zip(totals, arrays):
             t += a * scale
         local += kept * scale
-    return RankVolumes(first, totals[0], totals[1], totals[2], totals[3], local)
+    return RankVolumes(first, totals[0], totals[1], totals[2], totals[3], local, totals[4], totals[5], totals[6])

@@ -187,9 +187,10 @@ class Problem:
         mi, mj = self.slots[i].cands[ki].mesh, self.slots[j].cands[kj].mesh
         if mi == mj or nbytes == 0:
             return 0.0
-        key = (edge, mi.first, mi.size, mj.first, mj.size)
+        after = self.slots[i].cands[ki].time_s  # the producer's call, since its ranks met the consumer's
+        key = (edge, mi.first, mi.size, mj.first, mj.size, after)
         if key not in self._transfer:
-            self._transfer[key] = self.cm.data_transfer_s(nbytes, mi, mj)
+            self._transfer[key] = self.cm.data_transfer_s(nbytes, mi, mj, after_s=after)
         return self._transfer[key]
 
 

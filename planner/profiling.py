@@ -200,12 +200,18 @@ def _spawn(target: Callable[..., None], *, ranks: int, budget_s: float, what: st
         return np.loadtxt(out, ndmin=2)
 
 
-def _host_seconds(budget_s: float) -> float:
-    """Median seconds of one round of the runtime's negligible-width forward, train step and
-    generation (host-bound work) over about `budget_s`."""
-    from planner.runtime_profile import _negligible_fns
+# Representative small-model work for the sharing measurement: the probe model's forward, train
+# step and generation of a few short sequences (as the tiny plans' calls: host work and small
+# GEMMs that live in the caches the processes share).
+SHARE_WORK = {"seqs": 4, "prompt": 8, "gen": 8}
 
-    fns = list(_negligible_fns(3).values())
+
+def _host_seconds(budget_s: float) -> float:
+    """Median seconds of one round of the runtime's forward, train step and generation of the
+    probe model over about `budget_s`."""
+    from planner.runtime_profile import PROBE, call_fns
+
+    fns = list(call_fns(PROBE, **SHARE_WORK).values())
     for fn in fns:
         fn()
     rounds: list[float] = []
@@ -233,8 +239,9 @@ def _host_worker(rank: int, ranks: int, port: int, budget_s: float, out: str) ->
 
 
 def measure_host_share(*, ranks: int, budget_s: float) -> float:
-    """The host speed each of `ranks` single-thread processes keeps while all of them run
-    host-bound work at once, relative to one process alone (the median over the processes)."""
+    """The speed each of `ranks` single-thread processes keeps while all of them run the
+    runtime's calls of a small model at once, relative to one process alone (the median over
+    the processes)."""
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -402,10 +409,10 @@ def _profile_cpu(*, budget_s: float, ranks: int, progress: Callable[[str], None]
         progress(f"drift between {ranks} processes sharing {cores} cores")
         sigma, slice_ms = fit_skew(measure_skew(ranks=ranks, budget_s=part))
         hw = hw.model_copy(update=dict(skew_ms_per_sqrt_s=sigma, skew_slice_ms=slice_ms))
-        progress(f"host work of {ranks} processes sharing {cores} cores")
+        progress(f"the runtime's calls on {ranks} processes sharing {cores} cores")
         equal = cores / (ranks * threads)
         efficiency = min(1.0, max(0.05, measure_host_share(ranks=ranks, budget_s=part) / equal))
-        hw = hw.model_copy(update=dict(host_share_efficiency=round(efficiency, 4)))
+        hw = hw.model_copy(update=dict(share_efficiency=round(efficiency, 4)))
     return Calibration(
         gpu="cpu", framework="torch", source=f"planner profile on cpu ({ranks} ranks of {threads} thread(s))",
         coefficients=Coefficients.model_validate(coef.model_dump()),

@@ -119,18 +119,24 @@ def _calls(seqs: int, seq_len: int, gen_len: int) -> dict[str, Call]:
 
 
 def _negligible_fns(layers: int) -> dict[str, Callable[[], object]]:
+    return call_fns(NEGLIGIBLE.format(layers=layers), seqs=1, prompt=NEG_PROMPT, gen=NEG_GEN)
+
+
+def call_fns(model: str, *, seqs: int, prompt: int, gen: int) -> dict[str, Callable[[], object]]:
+    """A forward (log-probs), a train step and a generation of `model` on one process."""
     from plans.graph import AlgorithmConfig
     from runtime.losses import make_loss
 
-    spec = resolve_model(NEGLIGIBLE.format(layers=layers))
+    spec = resolve_model(model)
     runner = _runner(spec)
-    n = NEG_PROMPT + NEG_GEN
-    tokens = torch.randint(0, spec.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(1, n - 1, dtype=torch.bool)
+    n = prompt + gen
+    tokens = torch.randint(0, spec.vocab_size, (seqs, n), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(seqs, n - 1, dtype=torch.bool)
     loss = make_loss("sft", AlgorithmConfig())
     return {"forward": lambda: runner.forward(tokens, what="logprobs"),
-            "train": lambda: runner.train({"tokens": tokens, "mask": mask}, loss=loss, denoms=[float(n - 1)], lr=1e-3),
-            "generate": lambda: runner.generate(tokens[:, :NEG_PROMPT], gen_len=NEG_GEN, temperature=1.0, seed=0)}
+            "train": lambda: runner.train({"tokens": tokens, "mask": mask}, loss=loss, denoms=[float(seqs * (n - 1))],
+                                          lr=1e-3),
+            "generate": lambda: runner.generate(tokens[:, :prompt], gen_len=gen, temperature=1.0, seed=0)}
 
 
 def _model(hardware: HardwareOverrides, coefficients: Coefficients, **update: float) -> CostModel:

@@ -12,7 +12,7 @@ from cost_models.comm import Group, all_gather_s, all_reduce_s, group_at
 from cost_models.training import pipeline_s
 from cost_models.transfer import rank_volumes
 from plans import Call, Layout, Mesh, ModelDecl, PlannerError, parse_cluster, resolve_model
-from plans.sharding import transfer_volume
+from plans.sharding import transfer_plan, transfer_volume
 
 # Round coefficients so the closed forms below can be written out by hand.
 COEF = Coefficients(gemm_efficiency=0.5, attention_efficiency=0.5, hbm_efficiency=0.5, nvlink_efficiency=0.5,
@@ -301,3 +301,27 @@ def test_interleaving_shrinks_the_bubble():
     assert inter.breakdown_s["pp_bubble"] == pytest.approx(plain.breakdown_s["pp_bubble"] / 2, rel=0.1)
     assert inter.breakdown_s["pp_comm"] > plain.breakdown_s["pp_comm"]  # v times the sends
     assert inter.mem_breakdown_bytes["activations"] > plain.mem_breakdown_bytes["activations"]
+
+
+@pytest.mark.parametrize("src,dst", [
+    ((Mesh.block(0, 8), Layout(tp=4, dp=2)), (Mesh.block(8, 8), Layout(tp=2, pp=2, dp=2))),
+    ((Mesh.block(0, 2), Layout(dp=2, zero=3)), (Mesh.block(0, 4), Layout(dp=4))),
+    ((Mesh.block(0, 4), Layout(tp=2, dp=2)), (Mesh.block(0, 4), Layout(pp=2, dp=2))),
+])
+def test_realloc_pieces_are_the_transfer_plans_and_cost_host_time(src, dst):
+    """The slices each rank packs, unpacks and copies are those of `plans.sharding.transfer_plan`
+    (what `runtime.realloc` loops over), and each costs the host a few tensor ops."""
+    from cost_models.api import REALLOC_PIECE_OPS
+
+    spec = resolve_model("tiny-llama")
+    vol = rank_volumes(spec, head="lm", src=src, dst=dst, gpus_per_node=8)
+    plan = transfer_plan(spec, head="lm", src=src, dst=dst, gpus_per_node=8)
+    for k in range(len(vol.send_pieces)):
+        r = vol.first + k
+        assert vol.send_pieces[k] == sum(t.src == r != t.dst for t in plan)
+        assert vol.recv_pieces[k] == sum(t.dst == r != t.src for t in plan)
+        assert vol.local_pieces[k] == sum(t.dst == r == t.src for t in plan)
+    cm = CostModel(parse_cluster("cpu:4x4"))
+    decl = ModelDecl(spec=spec)
+    host = REALLOC_PIECE_OPS * cm.hw.host_kernel_s * (vol.send_pieces.max() + (vol.recv_pieces + vol.local_pieces).max())
+    assert cm.realloc_cost(decl, src, dst).time_s >= host > 0

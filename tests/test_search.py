@@ -38,7 +38,7 @@ class TableCosts:
     def realloc_cost(self, decl, src, dst) -> ReallocCost:  # noqa: ANN001
         return ReallocCost(1000, self.realloc_s)
 
-    def data_transfer_s(self, nbytes, src, dst) -> float:  # noqa: ANN001
+    def data_transfer_s(self, nbytes, src, dst, *, after_s=0.0) -> float:  # noqa: ANN001
         return self.transfer_s
 
 
