@@ -2,9 +2,10 @@
 
 A tiny Llama actor samples 4 responses to each of 8 prompts; `runtime.tasks:pattern_reward`
 scores them (no reward model); a frozen reference gives the KL term of the loss. Compiled for a
-`cpu:1x4` cluster, the plan trains the actor with one layout and reallocates its parameters to
-the generation layout every step. The calls form one chain (generate -> reference -> train ->
-next generate), so no call can run beside another and the compiler keeps them on one mesh.
+`cpu:1x4` cluster, the plan runs every call data-parallel on all 4 ranks, so the actor generates
+from the very slices it trains (no reallocation). The calls form one chain (generate ->
+reference -> train -> next generate), so no call can run beside another and the compiler keeps
+them on one mesh.
 
 The reward rises from 0.25 to about 1.0 in 30 steps; Adam's epsilon and one optimizer step per
 call keep the 4-rank run within float tolerance of the single-process reference for all of them

@@ -2,8 +2,10 @@
 
 Tiny Llama actor and critic (a value head), a frozen reference, and a rule-based reward on the
 generated tokens (the toy task in `runtime/tasks.py`), on a `cpu:1x4` cluster. The compiled plan
-places the calls on several meshes and, every step, reallocates parameters from a model's
-training placement to the placement of its generation or inference call.
+places the calls on two meshes, the actor and the reference on ranks 0-1 and the critic on ranks
+2-3, each model's calls on the slices it trains: on 4 ranks sharing 2 cores, a reallocation's
+host work costs more than spreading a call wider saves (`bench/predict_vs_measure.py` measures
+it). Tests and `bench/rlhf_learning.py` place calls by hand where a model must move.
 
 Hyperparameters: the reward rises from 0.25 (random) to about 0.8 in 30 steps, with a light KL
 penalty (0.05 held the reward near 0.6). RL training amplifies float rounding (sampling is

@@ -1,7 +1,7 @@
 """`python -m runtime --trace-out`: the measured timeline, and the progress lines on rank 0.
 
-The tiny PPO example is compiled for `cpu:1x4` (its plan places calls on several meshes and
-reallocates a model every step) and run for a few steps on 4 gloo ranks: the trace must be a
+The tiny PPO example is placed by hand on `cpu:1x4` (calls on several meshes, a model
+reallocated every step) and run for a few steps on 4 gloo ranks: the trace must be a
 planner trace (`plans.trace.load_trace`) with exactly one span per call, step and rank of the
 call's mesh, one per reallocation, step and rank taking part in it, all on one time axis; and
 `planner timeline PLAN --measured TRACE` must render it next to the prediction.
@@ -35,12 +35,18 @@ def _run(args: list[str], *, timeout_s: float = 300) -> subprocess.CompletedProc
 
 @pytest.fixture(scope="module")
 def plan_path(tmp_path_factory) -> Path:
-    from planner.compile import compile_graph
-    from plans import parse_cluster
+    """The tiny PPO example placed by hand so that a model moves every step (the search, costing
+    the reallocation's host work on shared cores, now keeps the actor's generation on its home)."""
+    from planner.pinned import pinned_plan
+    from plans import Layout, Mesh, parse_cluster
 
     example = runpy.run_path(str(ROOT / "examples" / "tiny_ppo.py"))
+    two, other, four = Mesh.block(0, 2), Mesh.block(2, 2), Mesh.block(0, 4)
+    places = {"actor_generate": (four, Layout(dp=4), None), "ref_inference": (two, Layout(dp=2), None),
+              "critic_inference": (other, Layout(dp=2), None), "actor_train": (two, Layout(dp=2, zero=3), None),
+              "critic_train": (other, Layout(dp=2, zero=2), None)}
     path = tmp_path_factory.mktemp("plan") / "tiny_ppo.json"
-    save_plan(compile_graph(example["graph"], parse_cluster(example["CLUSTER"]), time_limit_s=2), path)
+    save_plan(pinned_plan(example["graph"], parse_cluster(example["CLUSTER"]), places, method="placed by hand"), path)
     return path
 
 
