@@ -113,3 +113,27 @@ def test_reference_run_writes_a_one_rank_trace_and_quiet_prints_nothing(plan_pat
     assert Counter((s.step, s.call) for s in items) == Counter((k, c.name) for k in (1, 2) for c in plan.calls)
     assert {s.rank for s in items} == {0} and all(s.cat == "call" for s in items)
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 2
+
+
+def test_the_memory_meter_reports_the_cpu_allocators_peak_over_the_run_and_per_call() -> None:
+    """`--memory-out` on a CPU: the CPU allocator's running total of allocated bytes, as the
+    profiler reports it, at its peak over the run and inside each call's range."""
+    import torch
+
+    from runtime.executor import CALL_MARK
+    from runtime.observe import MemoryMeter
+
+    mib = 1 << 20
+    with MemoryMeter(torch.device("cpu")) as meter:
+        keep = torch.zeros(mib // 4)  # 1 MiB held throughout
+        with torch.profiler.record_function(CALL_MARK + "big"):
+            big = torch.zeros(mib)  # 4 MiB for the call only
+            del big
+        with torch.profiler.record_function(CALL_MARK + "small"):
+            small = torch.zeros(mib // 8)
+            del small
+        del keep
+    got = meter.peaks()
+    assert 5 * mib <= got["peak"] < 6 * mib
+    assert 5 * mib <= got["calls"]["big"] < 6 * mib
+    assert 1 * mib <= got["calls"]["small"] < 2 * mib and 1 * mib <= got["starts"]["small"] < 2 * mib
