@@ -57,7 +57,7 @@ def check_plan(plan: Plan, *, targets: tuple[str, ...] = ()) -> PlanCheck:
 def memory_problems(plan: Plan) -> list[str]:
     """Calls whose estimated peak memory (as stated, and as re-estimated) exceeds a GPU."""
     cap = plan.cluster.usable_mem_bytes
-    cm = CostModel(plan.cluster)
+    cm = CostModel(plan.cluster, framework=plan.estimate.framework or "torch")
     out = []
     for c in plan.calls:
         decl = plan.models[c.model]

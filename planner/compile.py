@@ -161,12 +161,14 @@ def trivial_lower_bound(problem: Problem) -> float:
 
 def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 10.0, baseline: str | None = None,
                   calibration=None, beam_width: int = 16, workers: int = 1, space: SearchSpace | None = None,  # noqa: ANN001
-                  progress: Progress | None = None) -> Plan:
-    """The fastest plan found for `graph` on `cluster` (or the best plan of a baseline's rule)."""
+                  progress: Progress | None = None, framework: str = "torch") -> Plan:
+    """The fastest plan found for `graph` on `cluster` (or the best plan of a baseline's rule),
+    costed for the software stack `framework` (`cost_models.framework`; default: the planner's
+    runtime)."""
     say = progress or (lambda _msg: None)
     t0 = time.perf_counter()
     check_request(graph, time_limit_s=time_limit_s, beam_width=beam_width, workers=workers)
-    cm = CostModel(cluster) if calibration is None else CostModel(cluster, calibration=calibration)
+    cm = CostModel(cluster, calibration, framework=framework)
     rule: Restriction | None = restriction(baseline, graph, cm) if baseline else None
     space = rule.space if rule is not None else (space or SearchSpace())
     check_search_size(graph, cm, space)
@@ -407,7 +409,8 @@ def build_plan(problem: Problem, choice: list[int], sched: Schedule, search: Sea
     peak_flops = cluster.sheet.peak_tflops * 1e12 * cluster.world_size
     estimate = Estimate(iteration_s=it, tokens_per_s=tokens / it if it > 0 else 0.0,
                         mfu=flops / (it * peak_flops) if it > 0 else 0.0, peak_mem_bytes=max(sched.peak_bytes),
-                        costed_for=problem.cm.costed_for())
+                        costed_for=problem.cm.costed_for(),
+                        framework=None if problem.cm.framework.name == "torch" else problem.cm.framework.name)
     return Plan(version=PLAN_VERSION, name=graph.name, cluster=cluster, models=graph.models, inputs=graph.inputs,
                 algorithm=graph.algorithm, calls=calls, reallocations=reallocs, transfers=transfers,
                 estimate=estimate, search=search, host_steps=graph.host_steps)

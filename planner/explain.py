@@ -2,7 +2,7 @@
 lower bound, and, for every call, how its layout compares with the next-best candidates.
 
     ex = explain_plan(plan)            # re-costs with the shipped calibration
-    ex = explain_plan(plan, cm=CostModel(plan.cluster, calibration=cal))
+    ex = explain_plan(plan, cm=CostModel(plan.cluster, calibration=cal, framework=plan.estimate.framework or "torch"))
 
 The critical path and memory windows use the plan's own numbers (iteration 0 of its schedule)
 over the dependency graph of `planner.lowering`. The comparison of candidates re-costs every
@@ -389,7 +389,7 @@ def _try(problem: Problem, choice: list[int], slot: int, opt: Option, lay: Layou
 def explain_plan(plan: Plan, *, cm: CostModel | None = None, space: SearchSpace | None = None,
                  top: int = 5) -> Explanation:
     """Explain `plan` with cost model `cm` (default: the shipped calibration for its GPU)."""
-    cm = cm or CostModel(plan.cluster)
+    cm = cm or CostModel(plan.cluster, framework=plan.estimate.framework or "torch")
     space = space or SearchSpace()
     problem, choice = replay(plan, cm, space)
     chain_s, work_s = lower_bound_parts(problem)

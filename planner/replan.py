@@ -82,7 +82,7 @@ def replan(plan: Plan, cluster: ClusterSpec, *, time_limit_s: float = 10.0, base
     rule = baseline_of(plan) if baseline == "same" else baseline
     try:
         new = compile_graph(plan.graph(), cluster, time_limit_s=time_limit_s, baseline=rule,
-                            calibration=calibration, progress=progress)
+                            calibration=calibration, progress=progress, framework=plan.estimate.framework or "torch")
     except PlannerError as e:
         raise PlannerError(
             f"plan {plan.name!r} (on {plan.cluster.short()}) cannot be re-planned for {cluster.short()}: {e.message}",

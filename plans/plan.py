@@ -83,6 +83,8 @@ class Estimate(Strict):
     peak_mem_bytes: int = Field(ge=0, description="Highest estimated memory on any rank, bytes.")
     costed_for: str | None = Field(None, description="The software stack the times are costed for, and what it was "
                                    "calibrated on.")
+    framework: str | None = Field(None, description="The cost model's framework preset (`cost_models.framework`) the "
+                                  "estimates used; None: torch, the planner's runtime.")
 
 
 class SearchInfo(Strict):

@@ -122,3 +122,20 @@ def test_a_plan_packed_to_the_edge_now_keeps_the_headroom():
     assert all(c.est_peak_mem_bytes <= kept.usable_mem_bytes for c in plan.calls)
     assert [(c.mesh, c.layout) for c in plan.calls] != [(c.mesh, c.layout) for c in packed.calls]
     assert plan.estimate.iteration_s >= packed.estimate.iteration_s
+
+
+def test_a_plan_costed_for_another_stack_keeps_it_for_every_later_estimate() -> None:
+    """`planner compile --framework megatron-core` costs the plan for that stack; the plan records
+    it, and explain, check and exports re-cost with it (no disagreement with the plan's numbers)."""
+    from planner.algorithms import sft
+    from planner.check import memory_problems
+    from planner.explain import explain_plan
+
+    graph = sft("llama-2-7b", batch=64, seq_len=2048)
+    cluster = parse_cluster("a100-80gb:1x8")
+    plan = compile_graph(graph, cluster, time_limit_s=0, framework="megatron-core")
+    assert plan.estimate.framework == "megatron-core" and "megatron-core" in (plan.estimate.costed_for or "")
+    torch_plan = compile_graph(graph, cluster, time_limit_s=0)
+    assert torch_plan.estimate.framework is None and "not yet calibrated on a GPU" in (torch_plan.estimate.costed_for or "")
+    assert plan.estimate.iteration_s != torch_plan.estimate.iteration_s
+    assert explain_plan(plan).notes == [] and memory_problems(plan) == []

@@ -138,7 +138,8 @@ def explain(
     if calibration is not None:
         from cost_models import load_calibration
 
-        cm = CostModel(plan.cluster, calibration=load_calibration(calibration))
+        cm = CostModel(plan.cluster, calibration=load_calibration(calibration),
+                       framework=plan.estimate.framework or "torch")
     err = Console(stderr=True)
     with err.status("re-costing candidates", spinner="dots"):
         ex = explain_plan(plan, cm=cm, top=top)

@@ -104,6 +104,7 @@ def compile_cmd(
     time_limit: Annotated[float, typer.Option("--time-limit", min=0, help="Search budget in seconds: CP-SAT work (deterministic, about wall seconds on an idle machine), so the same inputs give the same plan; 0 keeps the beam-search plan.")] = 10.0,
     baseline: Annotated[Optional[Baseline], typer.Option("--baseline", help="Emit a baseline's best plan instead: colocate, split, heuristic.")] = None,
     calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Cost-model calibration file (from `planner calibrate` or `planner profile`).")] = None,
+    framework: Annotated[str, typer.Option("--framework", help="The stack the plan is costed for: torch (the planner's runtime, which runs the plan), megatron-core (Megatron-Core with Transformer Engine), megatron (Megatron-LM GPT as vTrain measured it) or vllm (vLLM generation); cost the stack you will run, e.g. megatron-core before `planner export --to megatron`.")] = "torch",
     mem_headroom: Annotated[Optional[float], typer.Option("--mem-headroom", min=0, help="GiB per GPU every call leaves free, beyond what the cost model counts (context, NCCL buffers, fragmentation) [default: 1 GiB + 2.5% of the memory, 3 GiB of an 80 GiB GPU; 0 packs to the edge].")] = None,
     actor: Annotated[Optional[str], typer.Option(help="Actor / policy model SPEC (algorithms).")] = None,
     critic: Annotated[Optional[str], typer.Option(help="Critic SPEC (ppo; default: the actor's).")] = None,
@@ -152,6 +153,9 @@ def compile_cmd(
     if cluster is None and loaded.cluster is None:
         raise PlannerError("no cluster given", hint="pass --cluster GPU:NODESxPER_NODE, e.g. --cluster a100-80gb:2x8")
     cl = with_headroom(resolve_cluster(cluster if cluster is not None else loaded.cluster), mem_headroom)
+    from cost_models.framework import resolve_framework
+
+    resolve_framework(framework)  # an unknown name is an error before any work
     default_path = loaded.auto.plan_path if loaded.auto is not None else Path("plans") / f"{graph.name}.json"
     if not as_json or output is not None:
         check_output(output or default_path)
@@ -168,7 +172,7 @@ def compile_cmd(
             status.update(f"{time.perf_counter() - t0:5.1f} s  {escape(str(p))}")
 
         plan = compile_graph(graph, cl, time_limit_s=time_limit, baseline=baseline.value if baseline else None,
-                             calibration=calib, progress=show)
+                             calibration=calib, progress=show, framework=framework)
     if loaded.auto is not None:  # the loop reuses this plan while it, the cluster and the options are unchanged
         from planner.auto import file_sha256, plan_hash
 

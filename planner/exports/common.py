@@ -198,7 +198,7 @@ def own_peak_bytes(plan: Plan, call: PlanCall) -> int:
 
     decl = plan.models[call.model]
     view = decl if call.kind == "train" else decl.model_copy(update={"trainable": False})
-    cost = CostModel(plan.cluster).call_cost(call, view, call.mesh, call.layout, decode_layout=call.decode_layout)
+    cost = CostModel(plan.cluster, framework=plan.estimate.framework or "torch").call_cost(call, view, call.mesh, call.layout, decode_layout=call.decode_layout)
     return int(cost.peak_mem_bytes)
 
 
