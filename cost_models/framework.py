@@ -17,8 +17,9 @@ kernels a training step launches and which bytes it keeps. Four presets:
   cast back and accumulated in fp32; the residual stream stays fp32, and RMSNorm, rotary
   embedding and residual adds run as separate eager kernels (`runtime/model.py`); gradients are
   reduced in fp32 buckets during the last backward and ZeRO-3 gathers one use ahead. Not yet
-  calibrated on a GPU (`bench/gpu_check.sh` measures it): GEMM, attention and bandwidth
-  efficiencies are the A100/H100 ones fitted on Megatron-LM runs, the kernels are its own.
+  calibrated on a GPU (`bench/gpu_check.sh` measures it): its GEMM and bandwidth efficiencies
+  are those fitted on Megatron-LM runs, its attention is timed at FlashAttention-2's low end
+  (`UNCALIBRATED_ATTENTION_SHARE`), and the kernels are its own.
 
 The byte counts of the eager kernels follow the ops `runtime/model.py` runs, per element:
 RMSNorm on an fp32 input: ``pow`` (4+4), ``mean`` (4), ``x * rsqrt`` (4+4), cast to bf16 (4+2),
