@@ -1,7 +1,7 @@
 """Software-stack traits: discrete implementation choices that change which kernels run.
 
 Coefficients (`cost_models.calibration`) say how fast a GPU runs a kernel; a `Framework` says which
-kernels a training step launches and which bytes it keeps. Four presets:
+kernels a training step launches and which bytes it keeps. Five presets:
 
 - ``megatron``: Megatron-LM GPT pretraining as in the vTrain measurements (Narayanan et al. 2021):
   attention scores materialised (baddbmm, fused scale-mask-softmax, dropout, bmm), hidden and
@@ -9,6 +9,7 @@ kernels a training step launches and which bytes it keeps. Four presets:
   backward (no bucketing, so no overlap with backward), mixed-precision Adam.
 - ``megatron-core``: Megatron-Core with Transformer Engine and stacks built like it: fused kernels,
   flash attention, bf16 weights beside fp32 master weights, communication overlapped.
+- ``rlhf-engine``: verl and OpenRLHF: ``megatron-core``'s training and vLLM's rollouts.
 - ``vllm``: vLLM's generation (bf16 weights, fused kernels, CUDA-graph decode), the rollout
   engine of verl and OpenRLHF exports.
 - ``torch``: the planner's runtime (`runtime/`) as it is written: PyTorch's fused (flash) causal
@@ -111,6 +112,14 @@ FRAMEWORKS: dict[str, Framework] = {
     "megatron-core": Framework(
         name="megatron-core", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
+    ),
+    # verl and OpenRLHF as they run a PPO/GRPO step: training on Megatron-Core or FSDP/DeepSpeed
+    # with bf16 weights beside fp32 master weights and overlapped communication, rollouts on vLLM
+    # with decode replayed as CUDA graphs (what `planner import` costs their configs with).
+    "rlhf-engine": Framework(
+        name="rlhf-engine", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
+        optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
+        decode_cuda_graphs=True,
     ),
     # vLLM as verl and OpenRLHF run it for rollouts: bf16 weights, fused kernels, decode steps
     # replayed as CUDA graphs (its generate calls; it does not train).

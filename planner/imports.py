@@ -78,6 +78,11 @@ def _zero(zero: int, dp: int) -> int:
     return zero if dp > 1 else 0
 
 
+# The stack each source's config runs on, and so what its import is costed for.
+FRAMEWORK_OF = {"verl": "rlhf-engine", "openrlhf": "rlhf-engine", "megatron": "megatron-core",
+                "deepspeed": "megatron-core"}
+
+
 def vllm_waves(graph: Graph, cluster: ClusterSpec, call: str, mesh: Mesh, layout: Layout, *, memory_share: float,
                max_num_seqs: int | None) -> tuple[Layout, str | None]:
     """The generate layout of a vLLM rollout: vLLM runs as many sequences at once as its KV budget
@@ -88,7 +93,7 @@ def vllm_waves(graph: Graph, cluster: ClusterSpec, call: str, mesh: Mesh, layout
 
     c = graph.call(call)
     view = graph.models[c.model].model_copy(update={"trainable": False})
-    cm = CostModel(cluster)
+    cm = CostModel(cluster, framework="vllm")
     per = c.seqs // layout.dp
     budget = memory_share * cluster.mem_bytes
     for mb in (m for m in range(1, per + 1) if per % m == 0):

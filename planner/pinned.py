@@ -27,12 +27,13 @@ Placement = tuple[Mesh, Layout, Layout | None]
 
 
 def pinned_plan(graph: Graph, cluster: ClusterSpec, placements: dict[str, Placement], *, method: str,
-                calibration=None) -> Plan:  # noqa: ANN001 - a Calibration
-    """The plan that runs each call of `graph` with its given (mesh, layout, decode layout)."""
+                calibration=None, framework: str = "torch") -> Plan:  # noqa: ANN001 - a Calibration
+    """The plan that runs each call of `graph` with its given (mesh, layout, decode layout),
+    costed for the stack `framework`."""
     missing = [c.name for c in graph.calls if c.name not in placements]
     if missing:
         raise PlannerError(f"no placement for calls {', '.join(missing)}")
-    cm = CostModel(cluster) if calibration is None else CostModel(cluster, calibration=calibration)
+    cm = CostModel(cluster, calibration, framework=framework)
 
     def candidate(call: Call) -> list[Candidate]:
         mesh, lay, dec = placements[call.name]

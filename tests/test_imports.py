@@ -94,6 +94,7 @@ def test_import_cli_costs_a_verl_config_from_its_defaults(cli, tmp_path) -> None
             "--cluster", "a100-80gb:1x8", "-o", str(out))
     assert r.code == 0, r.err
     plan = json.loads(out.read_text())
+    assert plan["estimate"]["framework"] == "rlhf-engine"  # costed for verl's own stack, not the runtime
     calls = {c["name"]: c for c in plan["calls"]}
     # verl 0.9.1 defaults: 1024 prompts, mini-batches of 256, rollout tp 2, FSDP (ZeRO-3) on 8 GPUs.
     assert calls["actor_generate"]["seqs"] == 1024 and calls["actor_train"]["minibatches"] == 4

@@ -27,6 +27,7 @@ class FrameworkName(str, Enum):
     megatron = "megatron"
     megatron_core = "megatron-core"
     vllm = "vllm"
+    rlhf_engine = "rlhf-engine"
 
 
 FRAMEWORK_HELP = ("Software stack whose kernels are timed: 'torch' (the planner's runtime: flash attention, fp32 "

@@ -366,7 +366,8 @@ def import_cmd(
         got = imports.from_megatron(words, spec, models, world=world)
     else:
         got = imports.from_deepspeed(imports.read_json(Path(source)), spec, models, world=world, seq_len=seq_len, pp=pp)
-    plan = pinned_plan(got.graph, spec, got.placements, method=f"imported from {source_kind.value}")
+    plan = pinned_plan(got.graph, spec, got.placements, method=f"imported from {source_kind.value}",
+                       framework=imports.FRAMEWORK_OF[source_kind.value])
     if output is not None:
         save_plan(plan, output)
     if as_json:
