@@ -206,7 +206,7 @@ def _spawn(target: Callable[..., None], *, ranks: int, budget_s: float, what: st
 SHARE_WORK = {"seqs": 4, "prompt": 8, "gen": 8}
 
 
-def _host_seconds(budget_s: float) -> float:
+def _calls_seconds(budget_s: float) -> float:
     """Median seconds of one round of the runtime's forward, train step and generation of the
     probe model over about `budget_s`."""
     from planner.runtime_profile import PROBE, call_fns
@@ -224,7 +224,7 @@ def _host_seconds(budget_s: float) -> float:
     return float(np.median(rounds))
 
 
-def _host_worker(rank: int, ranks: int, port: int, budget_s: float, out: str) -> None:
+def _share_worker(rank: int, ranks: int, port: int, budget_s: float, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -232,27 +232,27 @@ def _host_worker(rank: int, ranks: int, port: int, budget_s: float, out: str) ->
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
     try:
         dist.barrier()
-        Path(f"{out}.{rank}").write_text(repr(_host_seconds(budget_s)))
+        Path(f"{out}.{rank}").write_text(repr(_calls_seconds(budget_s)))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def measure_host_share(*, ranks: int, budget_s: float) -> float:
+def measure_core_share(*, ranks: int, budget_s: float) -> float:
     """The speed each of `ranks` single-thread processes keeps while all of them run the
     runtime's calls of a small model at once, relative to one process alone (the median over
     the processes)."""
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        alone = _host_seconds(budget_s / 2)
+        alone = _calls_seconds(budget_s / 2)
     finally:
         torch.set_num_threads(torch_threads)
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "host")
         ctx = mp.get_context("spawn")
         port = _free_port()
-        procs = [ctx.Process(target=_host_worker, args=(r, ranks, port, budget_s, out)) for r in range(ranks)]
+        procs = [ctx.Process(target=_share_worker, args=(r, ranks, port, budget_s, out)) for r in range(ranks)]
         for p in procs:
             p.start()
         for p in procs:
@@ -263,7 +263,7 @@ def measure_host_share(*, ranks: int, budget_s: float) -> float:
         try:
             each = [float(Path(f"{out}.{r}").read_text()) for r in range(ranks)]
         except (OSError, ValueError):
-            raise PlannerError(f"the host-sharing benchmark of {ranks} processes failed",
+            raise PlannerError(f"the core-sharing benchmark of {ranks} processes failed",
                                hint="run with --ranks 1 to skip measurements between ranks") from None
     return alone / float(np.median(each))
 
@@ -411,7 +411,7 @@ def _profile_cpu(*, budget_s: float, ranks: int, progress: Callable[[str], None]
         hw = hw.model_copy(update=dict(skew_ms_per_sqrt_s=sigma, skew_slice_ms=slice_ms))
         progress(f"the runtime's calls on {ranks} processes sharing {cores} cores")
         equal = cores / (ranks * threads)
-        efficiency = min(1.0, max(0.05, measure_host_share(ranks=ranks, budget_s=part) / equal))
+        efficiency = min(1.0, max(0.05, measure_core_share(ranks=ranks, budget_s=part) / equal))
         hw = hw.model_copy(update=dict(share_efficiency=round(efficiency, 4)))
     return Calibration(
         gpu="cpu", framework="torch", source=f"planner profile on cpu ({ranks} ranks of {threads} thread(s))",
