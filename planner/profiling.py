@@ -232,8 +232,11 @@ def _share_worker(rank: int, ranks: int, port: int, budget_s: float, out: str) -
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
     try:
         dist.barrier()
-        Path(f"{out}.{rank}").write_text(repr(_calls_seconds(budget_s)))
-        dist.barrier()
+        mine = _calls_seconds(budget_s)
+        each: list[float | None] = [None] * ranks
+        dist.all_gather_object(each, mine)
+        if rank == 0:
+            np.savetxt(out, np.array([each]))
     finally:
         dist.destroy_process_group()
 
@@ -248,23 +251,8 @@ def measure_core_share(*, ranks: int, budget_s: float) -> float:
         alone = _calls_seconds(budget_s / 2)
     finally:
         torch.set_num_threads(torch_threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "host")
-        ctx = mp.get_context("spawn")
-        port = _free_port()
-        procs = [ctx.Process(target=_share_worker, args=(r, ranks, port, budget_s, out)) for r in range(ranks)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=120 + budget_s * 4)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        try:
-            each = [float(Path(f"{out}.{r}").read_text()) for r in range(ranks)]
-        except (OSError, ValueError):
-            raise PlannerError(f"the core-sharing benchmark of {ranks} processes failed",
-                               hint="run with --ranks 1 to skip measurements between ranks") from None
+    each = _spawn(_share_worker, ranks=ranks, budget_s=budget_s, what="core-sharing", backend="gloo",
+                  hint="run with --ranks 1 to skip measurements between ranks")
     return alone / float(np.median(each))
 
 
