@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check test-engines bench timelines venv clean
+.PHONY: demo test check test-engines bench bench-smoke timelines venv clean
 
 venv: $(STAMP)
 
@@ -22,7 +22,12 @@ demo: $(STAMP)
 	$(VENV)/bin/planner validate plans/ppo_llama7b.json
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not bench"
+
+# Every benchmark script run to its end in a tiny mode (tests/test_bench_smoke.py; CI runs it
+# after make test): a broken benchmark is a red check, and make test stays under 15 minutes.
+bench-smoke: $(STAMP)
+	$(PY) -m pytest -q -m bench
 
 # Static checks (configured in pyproject.toml): ruff (pyflakes, import order, bugbear) and mypy
 # with the pydantic plugin over plans/ cost_models/ planner/ runtime/.

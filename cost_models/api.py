@@ -23,7 +23,7 @@ from cost_models import comm
 from cost_models.calibration import Calibration, default_calibration
 from cost_models.framework import UNCALIBRATED_ATTENTION_SHARE, Framework, resolve_framework
 from cost_models.generation import decode_split, generate_times
-from cost_models.hardware import Hardware, effective_hardware
+from cost_models.hardware import Hardware, core_share, effective_hardware
 from cost_models.memory import (
     forward_working_bytes,
     fragmentation_bytes,
@@ -95,16 +95,36 @@ class CostModel:
     """Estimates over one cluster with one calibration and one framework's kernels."""
 
     def __init__(self, cluster: ClusterSpec, calibration: Calibration | None = None, *,
-                 framework: str | Framework = "torch") -> None:
+                 framework: str | Framework = "torch", busy: int | None = None) -> None:
         self.cluster = cluster
         self.calibration = calibration or default_calibration(cluster.gpu)
         self.framework = resolve_framework(framework)
-        hw = effective_hardware(cluster, self.calibration)
+        self.busy = busy  # ranks of each node at work (None: all of them), for `at_busy`
+        hw = effective_hardware(cluster, self.calibration, busy=busy)
         if not self.framework.gpu_calibrated and cluster.gpu != "cpu":  # a CPU calibration measured the runtime itself
             hw = dataclasses.replace(hw, attn_flops=min(hw.attn_flops, UNCALIBRATED_ATTENTION_SHARE * hw.peak_flops))
         self.hw: Hardware = hw
         self._calls: dict[tuple, CallCost] = {}
         self._reallocs: dict[tuple, ReallocCost] = {}
+        self._at_busy: dict[int, CostModel] = {}
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether a node's ranks time-share its cores when all of them work (a CPU profiled with
+        fewer cores than ranks x threads). Every cost is priced with all ranks at work; a call
+        then runs faster while fewer of its node's ranks work (`at_busy`, `planner.simulate`)."""
+        return core_share(self.cluster, self.calibration) < 1.0
+
+    def at_busy(self, busy: int) -> CostModel:
+        """This cost model while only `busy` ranks of each node work (itself when that changes
+        nothing: all ranks busy, or ranks that do not share cores)."""
+        if self.busy is not None:
+            raise ValueError("at_busy is asked of the cost model priced with all ranks at work")
+        if busy >= self.cluster.gpus_per_node or not self.shares_cores:
+            return self
+        if busy not in self._at_busy:
+            self._at_busy[busy] = CostModel(self.cluster, self.calibration, framework=self.framework, busy=busy)
+        return self._at_busy[busy]
 
     def costed_for(self) -> str:
         """The stack these costs describe and what backs its efficiencies (stated in every plan)."""

@@ -52,8 +52,9 @@ class Hardware:
     skew_slice_s: float = 1e-3  # below this much work the lag grows linearly
 
 
-def effective_hardware(cluster: ClusterSpec, cal: Calibration) -> Hardware:
-    """Combine datasheet, cluster overrides and calibration into achieved rates."""
+def effective_hardware(cluster: ClusterSpec, cal: Calibration, *, busy: int | None = None) -> Hardware:
+    """Combine datasheet, cluster overrides and calibration into achieved rates, while `busy` ranks
+    of each node work (`core_share`; default: all of them)."""
     sheet = cluster.sheet
     hw = cal.hardware
     co: Coefficients = cal.coefficients
@@ -65,7 +66,7 @@ def effective_hardware(cluster: ClusterSpec, cal: Calibration) -> Hardware:
     inter_gbps = cluster.inter_node_gbps if cluster.inter_node_gbps != sheet.nic_gbps_per_node else (hw.inter_node_gbps or cluster.inter_node_gbps)
     intra_lat = hw.intra_latency_us if hw.intra_latency_us is not None else sheet.nvlink_latency_us
     inter_lat = hw.inter_latency_us if hw.inter_latency_us is not None else sheet.net_latency_us
-    share = core_share(cluster, cal)
+    share = core_share(cluster, cal, busy=busy)
     return Hardware(
         peak_flops=peak,
         gemm_flops=peak * co.gemm_efficiency * share,
@@ -94,13 +95,13 @@ def effective_hardware(cluster: ClusterSpec, cal: Calibration) -> Hardware:
     )
 
 
-def core_share(cluster: ClusterSpec, cal: Calibration) -> float:
-    """The fraction of its profiled speed a rank keeps while all ranks of its node work: 1 on
-    devices of their own; on a CPU, cores / (ranks x threads), at most 1."""
+def core_share(cluster: ClusterSpec, cal: Calibration, *, busy: int | None = None) -> float:
+    """The fraction of its profiled speed a rank keeps while `busy` ranks of its node work (default:
+    all of them): 1 on devices of their own; on a CPU, cores / (busy ranks x threads), at most 1."""
     hw = cal.hardware
     if hw.cpu_cores is None:
         return 1.0
-    equal = hw.cpu_cores / (cluster.gpus_per_node * (hw.rank_threads or 1))
+    equal = hw.cpu_cores / ((busy or cluster.gpus_per_node) * (hw.rank_threads or 1))
     if equal >= 1:
         return 1.0
     # Time-sharing costs more than the share: switches and the caches the ranks share (measured

@@ -166,12 +166,17 @@ def pareto(cands: list[Candidate]) -> list[Candidate]:
     return front
 
 
+def costed_view(call: Call, decl: ModelDecl) -> ModelDecl:
+    """The model as `call` is costed on it: a non-train call of a trainable model runs on a
+    transient copy of the parameters, which holds no gradients or optimizer states."""
+    return decl if call.kind == "train" else decl.model_copy(update={"trainable": False})
+
+
 def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpace) -> dict[int, list[Candidate]]:
     """Pruned candidates per mesh size, costed on the block at rank 0 (placement comes later)."""
     cluster = cm.cluster
     cap = cluster.usable_mem_bytes
-    # A non-train call of a trainable model runs on a transient copy of the parameters.
-    view = decl if call.kind == "train" else decl.model_copy(update={"trainable": False})
+    view = costed_view(call, decl)
     out: dict[int, list[Candidate]] = {}
     for size in mesh_sizes(cluster, space):
         mesh = Mesh.block(0, size)
@@ -244,7 +249,7 @@ def min_memory_needed(call: Call, decl: ModelDecl, cm: CostModel, space: SearchS
     mesh's size); -1 bytes when no layout is valid there."""
     cluster = cm.cluster
     size = max(mesh_sizes(cluster, space))
-    view = decl if call.kind == "train" else decl.model_copy(update={"trainable": False})
+    view = costed_view(call, decl)
     best = None
     for lay in layouts_for(call, decl, size, cluster):
         if space.layout_ok is not None and not space.layout_ok(call, decl, lay):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cost_models import CostModel
+from planner.candidates import costed_view
 from plans.errors import PlannerError
 from plans.graph import NamedCode, named_code
 from plans.hardware import GIB
@@ -60,10 +61,7 @@ def memory_problems(plan: Plan) -> list[str]:
     cm = CostModel(plan.cluster, framework=plan.estimate.framework or "torch")
     out = []
     for c in plan.calls:
-        decl = plan.models[c.model]
-        if c.kind != "train":
-            decl = decl.model_copy(update={"trainable": False})
-        cost = cm.call_cost(c, decl, c.mesh, c.layout)
+        cost = cm.call_cost(c, costed_view(c, plan.models[c.model]), c.mesh, c.layout)
         peak = max(c.est_peak_mem_bytes, cost.peak_mem_bytes)
         if peak > cap:
             out.append(f"call {c.name!r} needs {peak / GIB:.1f} GiB per GPU, more than the {cap / GIB:.1f} GiB a plan may use of a {plan.cluster.gpu} "

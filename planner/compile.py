@@ -144,13 +144,14 @@ def _no_joint_fit_error(problem: Problem, baseline: str | None) -> PlannerError:
 def lower_bound_parts(problem: Problem) -> tuple[float, float]:
     """(chain_s, work_s): the longest dependency chain at each call's fastest candidate, and all
     calls' least GPU-seconds spread over the cluster (per iteration); each bounds every plan."""
-    fastest = [min(c.time_s for c in s.cands) for s in problem.slots]
+    fastest = [min(problem.fastest_s(s.index, k) for k in range(len(s.cands))) for s in problem.slots]
     finish = [0.0] * len(problem.slots)
     for s in problem.slots:  # slots are in topological order
         ready = max((finish[i] for i, j, _ in problem.edges if j == s.index), default=0.0)
         finish[s.index] = ready + fastest[s.index]
     chain = max(finish, default=0.0)
-    work = sum(min(c.time_s * c.mesh.size for c in s.cands) for s in problem.slots) / problem.cluster.world_size
+    work = sum(min(problem.fastest_s(s.index, k) * c.mesh.size for k, c in enumerate(s.cands))
+               for s in problem.slots) / problem.cluster.world_size
     return chain, work
 
 
@@ -387,7 +388,7 @@ def build_plan(problem: Problem, choice: list[int], sched: Schedule, search: Sea
         flops += cand.cost.model_flops
         calls.append(PlanCall(**s.call.model_dump(), mesh=cand.mesh, layout=cand.layout,
                               decode_layout=cand.decode_layout, est_start_s=sched.run_start[(0, i)],
-                              est_time_s=cand.time_s, est_peak_mem_bytes=peak))
+                              est_time_s=sched.end[(0, i)] - sched.run_start[(0, i)], est_peak_mem_bytes=peak))
         if s.home is not None and not problem.shares_params(i, choice[i], choice[s.home]):
             nbytes, t = sched.realloc[i]
             reallocs.append(Reallocation(model=s.call.model, from_call=problem.slots[s.home].call.name,

@@ -102,7 +102,7 @@ class _Model:
     def _realloc_delays(self) -> None:
         p, m = self.p, self.m
         for s in p.slots:
-            dur = sum(self.ticks(c.time_s) * self.x[s.index][k] for k, c in enumerate(s.cands))
+            dur = sum(self.ticks(p.fastest_s(s.index, k)) * self.x[s.index][k] for k in range(len(s.cands)))
             if s.home is None:
                 m.add(self.L[s.index] == dur)
                 continue
@@ -216,8 +216,8 @@ class _Model:
         # Redundant energy cuts: every atom runs all its ops one after another. Implied by the
         # no-overlap constraints, but linear, so they tighten the bound CP-SAT can prove.
         for a in range(p.n_atoms):
-            work = [self.ticks(c.time_s) * self.x[s.index][k] for s in p.slots for k, c in enumerate(s.cands)
-                    if a in p.atoms(c)]
+            work = [self.ticks(p.fastest_s(s.index, k)) * self.x[s.index][k] for s in p.slots
+                    for k, c in enumerate(s.cands) if a in p.atoms(c)]
             if work:
                 m.add(p.unroll * sum(work) <= self.makespan)
         m.minimize(self.makespan)

@@ -21,6 +21,7 @@ from cost_models import CallCost, CostModel
 from planner.candidates import (
     Candidate,
     SearchSpace,
+    costed_view,
     graph_candidates,
     layouts_for,
     mesh_positions,
@@ -126,9 +127,7 @@ class Explanation:
 
 def _view(plan: Plan, call_name: str) -> ModelDecl:
     c = plan.call(call_name)
-    decl = plan.models[c.model]
-    # A non-train call of a trainable model runs on a transient copy (no gradients or optimizer).
-    return decl if c.kind == "train" else decl.model_copy(update={"trainable": False})
+    return costed_view(c, plan.models[c.model])
 
 
 def _find(cands: list[Candidate], mesh: Mesh, layout: Layout, decode: Layout | None) -> int | None:
@@ -396,9 +395,12 @@ def explain_plan(plan: Plan, *, cm: CostModel | None = None, space: SearchSpace 
     orders = [default_order(problem), _plan_order(problem, plan)]
     base = _best_schedule(problem, choice, orders)
     notes = []
+    if cm.shares_cores:
+        notes.append(f"the {plan.cluster.gpus_per_node} ranks of a node time-share its cores: call times in the tables "
+                     "are priced with all of them at work, and the schedule runs a call faster while fewer are")
     for s in problem.slots:
         pc = plan.call(s.call.name)
-        t = s.cands[choice[s.index]].time_s
+        t = base.end[(0, s.index)] - base.run_start[(0, s.index)]
         if abs(t - pc.est_time_s) > 1e-6 * max(t, 1e-12):
             notes.append(f"{pc.name}: the plan states {pc.est_time_s:.4g} s but this cost model gives {t:.4g} s "
                          "(was it compiled with --calibration?)")

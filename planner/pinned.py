@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from cost_models import CostModel
-from planner.candidates import Candidate
+from planner.candidates import Candidate, costed_view
 from planner.compile import build_plan
 from planner.problem import Problem, graph_slots, slot_edges
 from planner.simulate import simulate
@@ -47,7 +47,7 @@ def pinned_plan(graph: Graph, cluster: ClusterSpec, placements: dict[str, Placem
         bad = layout_problems(decl.spec, lay)
         if bad:
             raise PlannerError(f"{name}: layout {lay.short()} cannot shard {call.model}: {bad[0]}")
-        view = decl if call.kind == "train" else decl.model_copy(update={"trainable": False})
+        view = costed_view(call, decl)
         return [Candidate(mesh, lay, cm.call_cost(call, view, mesh, lay, decode_layout=dec), dec)]
 
     slots, index = graph_slots(graph, candidate)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cost_models import CostModel
-from planner.candidates import Candidate, SearchSpace, graph_candidates, mesh_positions, placed
+from planner.candidates import Candidate, SearchSpace, costed_view, graph_candidates, mesh_positions, placed
 from plans.errors import PlannerError
 from plans.graph import Call, Graph
 from plans.layout import Layout, Mesh
@@ -75,6 +75,7 @@ class Problem:
     realloc_work: int = 0  # source x destination mesh sizes summed over exact reallocation costings
     _realloc: dict[tuple, tuple[int, float]] = field(default_factory=dict, repr=False)
     _transfer: dict[tuple, float] = field(default_factory=dict, repr=False)
+    _busy: dict[tuple, float] = field(default_factory=dict, repr=False)
     _cache: dict[str, object] = field(default_factory=dict, repr=False)
 
     def cached(self, key: str, make):  # noqa: ANN001, ANN201 - memo of derived tables
@@ -92,6 +93,37 @@ class Problem:
 
     def atoms(self, cand: Candidate) -> range:
         return range(cand.mesh.first // self.atom_size, (cand.mesh.first + cand.mesh.size) // self.atom_size)
+
+    def ranks_per_node(self, cand: Candidate) -> dict[int, int]:
+        """Ranks of the candidate's mesh on each node it spans."""
+        gpn = self.cluster.gpus_per_node
+        out: dict[int, int] = {}
+        for r in range(cand.mesh.first, cand.mesh.first + cand.mesh.size):
+            out[r // gpn] = out.get(r // gpn, 0) + 1
+        return out
+
+    def busy_time_s(self, slot: int, k: int, busy: int) -> float:
+        """Seconds candidate k of `slot` takes while `busy` ranks of its busiest node work, its own
+        included (`CostModel.at_busy`): its priced time (`Candidate.time_s`) unless the node's
+        ranks time-share cores and some of them are idle."""
+        cand = self.slots[slot].cands[k]
+        cm = self.cm.at_busy(busy)
+        if cm is self.cm:
+            return cand.time_s
+        key = (slot, cand.mesh.size, cand.layout, cand.decode_layout, busy)
+        if key not in self._busy:
+            call = self.slots[slot].call
+            self._busy[key] = cm.call_cost(call, costed_view(call, self.graph.models[call.model]),
+                                           Mesh.block(0, cand.mesh.size), cand.layout,
+                                           decode_layout=cand.decode_layout).time_s
+        return self._busy[key]
+
+    def fastest_s(self, slot: int, k: int) -> float:
+        """The least time candidate k of `slot` can take: with no other rank of its nodes at work
+        (what every lower bound must assume); its priced time on ranks that do not share cores."""
+        if not self.cm.shares_cores:
+            return self.slots[slot].cands[k].time_s
+        return self.busy_time_s(slot, k, max(self.ranks_per_node(self.slots[slot].cands[k]).values()))
 
     def homes(self) -> dict[str, int]:
         return {s.call.model: s.index for s in self.slots if s.home is None}

@@ -13,6 +13,7 @@ iteration i+1 may overlap iteration i where dependencies allow.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -90,19 +91,53 @@ def default_order(problem: Problem) -> list[Op]:
     return [(u, s.index) for u in range(problem.unroll) for s in problem.slots]
 
 
+SHARING_ROUNDS = 8  # fixed-point rounds of the shared-core timing (it settles in 2-4 on the examples)
+
+
 def simulate(problem: Problem, choice: Sequence[int | None], order: list[Op] | None = None, *,
              exact: bool = True) -> Schedule:
     """Schedule an assignment (candidate index per slot; None leaves a slot out).
 
     With ``exact=False`` reallocations not yet costed use `Problem.realloc_s`'s lower bound
-    (search scoring); plans are always simulated exactly."""
+    (search scoring); plans are always simulated exactly.
+
+    Where a node's ranks time-share its cores (`CostModel.shares_cores`: a CPU with fewer cores
+    than ranks), every candidate is priced with all the node's ranks at work, but a call runs
+    faster while fewer of them are: each op advances at ``1 / busy_time_s(busy)`` of its work per
+    second, `busy` the ranks of its busiest node occupied at that moment (its own included). The
+    schedule and those speeds depend on each other, so they are iterated to a fixed point:
+    durations from the previous schedule's occupancy, a new schedule from those durations, until
+    no end moves (at most `SHARING_ROUNDS` rounds; deterministic either way)."""
     order = order or default_order(problem)
+    start, run, end, realloc, src = _serial(problem, choice, order, exact, None)
+    if problem.cm.shares_cores and end:
+        for _ in range(SHARING_ROUNDS):
+            dur = _shared_durations(problem, choice, start, run, end, src)
+            start2, run2, end2, realloc, src = _serial(problem, choice, order, exact, dur)
+            moved = max(abs(end2[op] - end[op]) for op in end)
+            start, run, end = start2, run2, end2
+            if moved <= 1e-12:
+                break
+    _, peak = op_memory(problem, choice)
+    makespan = max(end.values(), default=0.0)
+    cap = problem.cluster.usable_mem_bytes
+    return Schedule(start, run, end, realloc, peak, makespan, makespan / problem.unroll,
+                    all(p <= cap for p in peak))
+
+
+def _serial(problem: Problem, choice: Sequence[int | None], order: list[Op], exact: bool,
+            dur: dict[Op, float] | None) -> tuple[dict[Op, float], dict[Op, float], dict[Op, float],
+                                                  dict[int, tuple[int, float]], dict[Op, set[int]]]:
+    """Ops in priority order, each as soon as its inputs are in and its atoms free; an op runs
+    for `dur[op]` (default: its candidate's priced time). Also returns the atoms each op's
+    reallocation reads from besides its own."""
     preds = problem.cached("preds", lambda: _pred_map(problem))
     free = [0.0] * problem.n_atoms
     start: dict[Op, float] = {}
     run: dict[Op, float] = {}
     end: dict[Op, float] = {}
     realloc: dict[int, tuple[int, float]] = {}
+    sources: dict[Op, set[int]] = {}
     for op in order:
         u, i = op
         k = choice[i]
@@ -128,14 +163,46 @@ def simulate(problem: Problem, choice: Sequence[int | None], order: list[Op] | N
             if r_time > 0:
                 src_atoms = set(problem.atoms(problem.slots[slot.home].cands[h])) - atoms
         realloc[i] = (r_bytes, r_time)
+        sources[op] = src_atoms
         t0 = max([ready] + [free[a] for a in atoms | src_atoms])
-        start[op], run[op], end[op] = t0, t0 + r_time, t0 + r_time + cand.time_s
+        length = cand.time_s if dur is None else dur[op]
+        start[op], run[op], end[op] = t0, t0 + r_time, t0 + r_time + length
         for a in atoms:
             free[a] = end[op]
         for a in src_atoms:
             free[a] = t0 + r_time
-    _, peak = op_memory(problem, choice)
-    makespan = max(end.values(), default=0.0)
-    cap = problem.cluster.usable_mem_bytes
-    return Schedule(start, run, end, realloc, peak, makespan, makespan / problem.unroll,
-                    all(p <= cap for p in peak))
+    return start, run, end, realloc, sources
+
+
+def _shared_durations(problem: Problem, choice: Sequence[int | None], start: dict[Op, float], run: dict[Op, float],
+                      end: dict[Op, float], sources: dict[Op, set[int]]) -> dict[Op, float]:
+    """Each op's duration on time-shared cores, given when the other ops of a schedule occupy
+    which ranks (`simulate`): its work advanced at the speed the busy ranks of its busiest node
+    leave it, over the moments where that count changes."""
+    gpn, size = problem.cluster.gpus_per_node, problem.atom_size
+    # (op, from, to, node, ranks): each op's ranks while it runs, and its sources while it reallocates
+    spans: list[tuple[Op, float, float, int, int]] = []
+    for op in end:
+        k = choice[op[1]]
+        assert k is not None
+        for node, n in problem.ranks_per_node(problem.slots[op[1]].cands[k]).items():
+            spans.append((op, start[op], end[op], node, n))
+        for a in sources[op]:
+            spans.append((op, start[op], run[op], a * size // gpn, size))
+    out: dict[Op, float] = {}
+    for op in end:
+        i, k = op[1], choice[op[1]]
+        assert k is not None
+        own = problem.ranks_per_node(problem.slots[i].cands[k])
+        others = [sp for sp in spans if sp[0] != op and sp[3] in own and sp[2] > run[op]]
+        t, done = run[op], 0.0
+        for nxt in [*sorted({x for sp in others for x in sp[1:3] if x > t}), math.inf]:
+            # The ranks at work on each of the op's nodes from t on: its own, and the others' by the schedule.
+            busy = max(n + sum(sp[4] for sp in others if sp[3] == node and sp[1] <= t < sp[2]) for node, n in own.items())
+            rate = 1.0 / problem.busy_time_s(i, k, busy)
+            if done + (nxt - t) * rate >= 1.0:
+                out[op] = t + (1.0 - done) / rate - run[op]
+                break
+            done += (nxt - t) * rate
+            t = nxt
+    return out

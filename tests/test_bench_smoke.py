@@ -1,5 +1,7 @@
-"""Every benchmark script runs to the end in a tiny mode, so a broken bench is a red test (the
-figures they print are for `make bench`; here only that they run and print what they promise)."""
+"""Every benchmark script runs to the end in a tiny mode, so a broken bench is a red check (the
+figures they print are for `make bench`; here only that they run and print what they promise).
+The runs are marked `bench`: `make bench-smoke` runs them (CI does, after `make test`), `make test`
+leaves them out to stay under 15 minutes."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ def test_every_bench_script_has_a_smoke_run() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.parametrize("script", sorted(SMOKE))
 def test_bench_runs_to_the_end(script: str, tmp_path: Path) -> None:
     args, expect = SMOKE[script]

@@ -34,6 +34,7 @@ class TableCosts:
     cluster: object
     realloc_s: float = 1.0
     transfer_s: float = 0.0
+    shares_cores: bool = False  # ranks with cores of their own: each call runs at its priced time
 
     def realloc_cost(self, decl, src, dst) -> ReallocCost:  # noqa: ANN001
         return ReallocCost(1000, self.realloc_s)

@@ -195,9 +195,9 @@ def own_peak_bytes(plan: Plan, call: PlanCall) -> int:
     without what other models keep resident on the same GPUs: what an engine that runs this call
     in its own memory pool (vLLM) must be allowed to take."""
     from cost_models import CostModel  # the cost model is heavy to import; exports of training-only plans skip it
+    from planner.candidates import costed_view
 
-    decl = plan.models[call.model]
-    view = decl if call.kind == "train" else decl.model_copy(update={"trainable": False})
+    view = costed_view(call, plan.models[call.model])
     cost = CostModel(plan.cluster, framework=plan.estimate.framework or "torch").call_cost(call, view, call.mesh, call.layout, decode_layout=call.decode_layout)
     return int(cost.peak_mem_bytes)
 
