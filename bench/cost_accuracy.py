@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -100,7 +101,7 @@ def pct(pred: float, meas: float) -> float:
 def report_measured(name: str, runs: list[MeasuredRun], cal: Calibration, worst: int, setup: Setup) -> float:
     pred = predict(runs, cal, setup)
     total = mape(pred, runs)
-    print(f"\n{name}: {len(runs)} rows, MAPE {total:.2f}%")
+    print(f"\n{name}: {len(runs)} rows, MAPE {total:.2f}%; {sign_summary([pct(p, r.iteration_s) for p, r in zip(pred, runs)])}")
     by: dict[str, list[float]] = defaultdict(list)
     for r, p in zip(runs, pred):
         by[r.label].append(abs(pct(p, r.iteration_s)))
@@ -113,6 +114,15 @@ def report_measured(name: str, runs: list[MeasuredRun], cal: Calibration, worst:
         print(f"    {r.source:28s} {r.label:>9s} tp{lay.tp} pp{lay.pp} dp{lay.dp} mb{b:<3d} gb{r.global_batch:<5d}"
               f" measured {1e3 * r.iteration_s:9.1f} ms  predicted {1e3 * p:9.1f} ms  {pct(p, r.iteration_s):+6.1f}%")
     return total
+
+
+def sign_summary(errs: list[float], *, of: str = "time") -> str:
+    """Where the errors (percent, of a time or of a throughput) lean: their mean, their median, and
+    the share of rows predicted too fast. A mean far from the median says a tail of rows, not the
+    typical row, carries it."""
+    fast = sum((e < 0) if of == "time" else (e > 0) for e in errs) / len(errs)
+    return (f"mean signed {statistics.mean(errs):+.2f}%, median {statistics.median(errs):+.2f}% (of the {of}), "
+            f"{100 * fast:.0f}% of rows predicted too fast")
 
 
 def signed(pred: list[float], runs: list[MeasuredRun]) -> float:
@@ -147,6 +157,7 @@ def cross_validate(files: dict[str, list[MeasuredRun]], cal: Calibration, setup:
         assert len(outside) == len(runs)
         print(f"  {name:28s} {len(runs):5d} {mape(inside, runs):14.2f}% {signed(inside, runs):+7.2f}% "
               f"{mape(outside, runs):18.2f}% {signed(outside, runs):+7.2f}%")
+        print(f"    out of sample: {sign_summary([pct(p, r.iteration_s) for p, r in zip(outside, runs)])}")
 
 
 def megatron_flops(b: int, s: int, l: int, h: int, v: int) -> float:
@@ -179,7 +190,7 @@ def report_megatron(cal: Calibration) -> float:
         print(f"  {params:7.1f}B tp{tp} pp{pp:<3d} dp{dp:<4d} mb{best[1]}  published {published:5.0f}  "
               f"predicted {best[0]:6.1f}  {pct(best[0], published):+6.1f}%")
     m = sum(abs(e) for e in errs) / len(errs)
-    print(f"  MAPE {m:.2f}% over {len(errs)} rows, mean signed error {sum(errs) / len(errs):+.2f}%")
+    print(f"  MAPE {m:.2f}% over {len(errs)} rows; {sign_summary(errs, of='throughput')}")
     return m
 
 
@@ -198,7 +209,7 @@ def report_llama3(cal: Calibration) -> float:
               f"  ({pct(est.mfu, published):+.1f}%), {est.model_tflops_per_gpu:.0f} TFLOP/s per GPU,"
               f" peak memory {est.peak_mem_bytes / 2**30:.0f} GiB{'' if est.fits else ' (does not fit)'}")
     m = sum(abs(e) for e in errs) / len(errs)
-    print(f"  MAPE {m:.2f}% over {len(errs)} rows, mean signed error {sum(errs) / len(errs):+.2f}%")
+    print(f"  MAPE {m:.2f}% over {len(errs)} rows; {sign_summary(errs, of='throughput')}")
     return m
 
 

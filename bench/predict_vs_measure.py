@@ -130,7 +130,7 @@ def report(plan: Plan, trace: dict, *, label: str) -> tuple[float, float]:
               f"{cells[1]:>16} {errs[1]:>7}")
     mae, first = mean_abs_error(rows), mean_abs_error(list(spread.values()))
     assert mae is not None and first is not None
-    print(f"mean |error| over calls: {mae * 100:.1f}% (aim: at most {AIM * 100:.0f}%); "
+    print(f"mean |error| over calls: {mae * 100:.1f}% (aim: at most {CALL_AIM * 100:.0f}%); "
           f"from the first rank's start: {first * 100:.1f}%")
     measured = step_s(spans(trace))
     it_err = (plan.estimate.iteration_s - measured) / measured

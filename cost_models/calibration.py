@@ -62,6 +62,7 @@ class HardwareOverrides(Strict):
     rank_threads: int | None = Field(None, ge=1, description="CPU: threads each rank computes with (what the figures were measured with).")
     skew_ms_per_sqrt_s: float | None = Field(None, ge=0, description="CPU: how ranks sharing cores drift apart between collectives: the standard deviation of one rank's lag after one second of work, ms (the lag grows as the square root of the work, as a random walk of time slices; None: ranks do not drift).")
     share_efficiency: float | None = Field(None, gt=0, le=1, description="CPU: the speed a rank keeps while all ranks run the runtime's calls on shared cores, relative to an equal share of the cores (measured: switching and shared caches cost more than the share; None: 1).")
+    full_efficiency: float | None = Field(None, gt=0, le=1, description="CPU: the speed a rank keeps while as many single-thread ranks as there are cores run the runtime's calls, relative to one alone (no time-sharing, but shared caches, memory bandwidth and the processes' own threads; None: 1).")
     skew_slice_ms: float | None = Field(None, gt=0, description="CPU: the work below which the lag grows linearly instead (about one scheduler time slice), ms.")
 
 

@@ -97,13 +97,29 @@ def effective_hardware(cluster: ClusterSpec, cal: Calibration, *, busy: int | No
 
 def core_share(cluster: ClusterSpec, cal: Calibration, *, busy: int | None = None) -> float:
     """The fraction of its profiled speed a rank keeps while `busy` ranks of its node work (default:
-    all of them): 1 on devices of their own; on a CPU, cores / (busy ranks x threads), at most 1."""
+    all of them): 1 on devices of their own; on a CPU, its share of the cores, cores / (busy ranks x
+    threads) up to 1, times what the shared caches and switching leave (`sharing_efficiency`)."""
     hw = cal.hardware
     if hw.cpu_cores is None:
         return 1.0
-    equal = hw.cpu_cores / ((busy or cluster.gpus_per_node) * (hw.rank_threads or 1))
-    if equal >= 1:
+    threads = hw.rank_threads or 1
+    busy = busy or cluster.gpus_per_node
+    equal = hw.cpu_cores / (busy * threads)
+    return min(1.0, equal) * sharing_efficiency(busy * threads, cores=hw.cpu_cores, full=hw.full_efficiency,
+                                                shared=hw.share_efficiency, all_threads=cluster.gpus_per_node * threads)
+
+
+def sharing_efficiency(threads: int, *, cores: int, full: float | None, shared: float | None, all_threads: int) -> float:
+    """The speed a rank keeps, beyond its share of the cores, while `threads` rank threads of a node
+    work: 1 alone; `full` (measured by `planner profile`) with as many threads as cores, lost to
+    the caches, memory bandwidth and background threads they share; `shared` with all of the
+    node's threads time-sharing the cores, which adds the switches. Linear between those points
+    (the contention grows with the threads at work), `shared` past the last."""
+    full_e, shared_e = full or 1.0, shared or 1.0
+    if threads <= 1:
         return 1.0
-    # Time-sharing costs more than the share: switches and the caches the ranks share (measured
-    # by `planner profile` as `share_efficiency`).
-    return equal * (hw.share_efficiency or 1.0)
+    if threads <= cores:
+        return 1.0 + (full_e - 1.0) * (threads - 1) / max(1, cores - 1)
+    if all_threads <= cores or threads >= all_threads:
+        return shared_e
+    return full_e + (shared_e - full_e) * (threads - cores) / (all_threads - cores)

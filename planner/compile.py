@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cost_models import CostModel
+from cost_models.hardware import core_share
 from planner.baselines import Restriction, baseline_spaces, restriction
 from planner.beam import beam_search, beam_width_for
 from planner.candidates import (
@@ -143,7 +144,13 @@ def _no_joint_fit_error(problem: Problem, baseline: str | None) -> PlannerError:
 
 def lower_bound_parts(problem: Problem) -> tuple[float, float]:
     """(chain_s, work_s): the longest dependency chain at each call's fastest candidate, and all
-    calls' least GPU-seconds spread over the cluster (per iteration); each bounds every plan."""
+    calls' least GPU-seconds spread over the cluster (per iteration); each bounds every plan.
+
+    Where ranks time-share a CPU's cores, the work is also counted in core-seconds: a call on r
+    ranks of a node at speed share s (`cost_models.hardware.core_share`) for t seconds keeps
+    ``r * s * threads`` cores busy, whatever else runs, and a node has ``cpu_cores`` of them; the
+    least core-seconds of each call over the busy counts it could meet, summed per node, bound
+    every plan too (the larger work bound is kept)."""
     fastest = [min(problem.fastest_s(s.index, k) for k in range(len(s.cands))) for s in problem.slots]
     finish = [0.0] * len(problem.slots)
     for s in problem.slots:  # slots are in topological order
@@ -152,7 +159,28 @@ def lower_bound_parts(problem: Problem) -> tuple[float, float]:
     chain = max(finish, default=0.0)
     work = sum(min(problem.fastest_s(s.index, k) * c.mesh.size for k, c in enumerate(s.cands))
                for s in problem.slots) / problem.cluster.world_size
+    if problem.cm.shares_cores:
+        work = max(work, _core_seconds_bound(problem))
     return chain, work
+
+
+def _core_seconds_bound(problem: Problem) -> float:
+    """The busiest node's least core-seconds per iteration over its cores (`lower_bound_parts`).
+    A call's ranks may sit on several nodes; each is charged the cheapest split over them."""
+    cluster, cal = problem.cluster, problem.cm.calibration
+    cores, threads = cal.hardware.cpu_cores, cal.hardware.rank_threads or 1
+    assert cores is not None  # shares_cores needs a core count
+    gpn, nodes = cluster.gpus_per_node, cluster.world_size // cluster.gpus_per_node
+
+    def core_s(slot: int, k: int, ranks: int) -> float:  # least over the busy counts it could meet
+        return min(problem.busy_time_s(slot, k, b) * ranks * core_share(cluster, cal, busy=b) * threads
+                   for b in range(ranks, gpn + 1))
+
+    # Per call, its cheapest candidate's core-seconds spread evenly over the nodes (every
+    # placement's total is at least that; the busiest node carries at least the mean).
+    total = sum(min(sum(core_s(s.index, k, n) for n in problem.ranks_per_node(c).values()) for k, c in enumerate(s.cands))
+                for s in problem.slots)
+    return total / (nodes * cores)
 
 
 def trivial_lower_bound(problem: Problem) -> float:

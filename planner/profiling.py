@@ -16,10 +16,13 @@ A CPU "GPU" is one rank of a local gloo cluster, so everything is measured as a 
   kernel, per micro-batch, per optimizer step and per generated token, attention's softmax cost
   per (sequence, head) and per score, and the throughput of its eager memory-bound kernels;
 - the cores the ranks share (`cpu_cores`) and the threads of a rank (`rank_threads`): a small
-  machine may run more rank threads than it has cores, and the cost model then slows every rank
-  to its share of the cores (`cost_models.hardware.core_share`), what each gets while all of
-  them work. Other processes are assumed away: on a shared machine their load makes runs slower
-  than predicted;
+  machine may run more rank threads than it has cores, and the cost model then slows each rank
+  to its share of the cores while the ranks it shares them with work
+  (`cost_models.hardware.core_share`; `planner.simulate` follows which ranks are busy); the
+  speed a rank keeps, beyond that share, when as many ranks as cores work (`full_efficiency`:
+  shared caches, memory bandwidth, the processes' own threads) and when all of them time-share
+  the cores (`share_efficiency`), each measured on the runtime's calls of a small model. Other
+  processes are assumed away: on a shared machine their load makes runs slower than predicted;
 - how far ranks sharing cores drift apart between collectives (`skew_ms_per_sqrt_s`,
   `skew_slice_ms`; `cost_models.comm.skew_wait_s`): all ranks work, in pairs that meet in a
   small all-reduce after each burst of work; a burst's wait beyond the all-reduce's own time is
@@ -401,6 +404,11 @@ def _profile_cpu(*, budget_s: float, ranks: int, progress: Callable[[str], None]
         equal = cores / (ranks * threads)
         efficiency = min(1.0, max(0.05, measure_core_share(ranks=ranks, budget_s=part) / equal))
         hw = hw.model_copy(update=dict(share_efficiency=round(efficiency, 4)))
+    full_ranks = min(ranks, cores // threads)
+    if full_ranks > 1:  # as many processes as cores: no time-sharing, but shared caches and bandwidth
+        progress(f"the runtime's calls on {full_ranks} processes, a core each")
+        full = min(1.0, max(0.05, measure_core_share(ranks=full_ranks, budget_s=part)))
+        hw = hw.model_copy(update=dict(full_efficiency=round(full, 4)))
     return Calibration(
         gpu="cpu", framework="torch", source=f"planner profile on cpu ({ranks} ranks of {threads} thread(s))",
         coefficients=Coefficients.model_validate(coef.model_dump()),
