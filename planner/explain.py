@@ -111,13 +111,14 @@ class Explanation:
     lower_bound_s: float | None
     gap: float | None
     chain_bound_s: float
-    work_bound_s: float
+    work_bound_s: float  # GPU-seconds over the GPUs, or core-seconds over the cores (`shared_cores`)
     critical_path: list[PathStep]
     bottleneck: PathStep | None
     capacity_bytes: int  # what a plan may use per GPU: the memory less the cluster's headroom
     memory: list[GroupMemory]
     calls: list[CallChoice]
     notes: list[str] = field(default_factory=list)
+    shared_cores: bool = False  # CPU ranks time-share the cores (`CostModel.shares_cores`)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -339,7 +340,11 @@ def alternatives(plan: Plan, problem: Problem, choice: list[int], cm: CostModel,
         chosen = Option(pc.mesh.size, _describe(pc.layout, pc.decode_layout), cand.time_s, cand.cost.peak_mem_bytes,
                         cand.cost.peak_mem_bytes <= cap, chosen_key in in_space[s.index], base.iteration_s,
                         pc.mesh.short(), "chosen")
-        out.append(CallChoice(s.call.name, s.call.model, chosen, rows, dict(cand.cost.breakdown_s)))
+        # On time-shared cores the call runs for its scheduled time, not its priced one: its parts
+        # in proportion.
+        scale = (base.end[(0, s.index)] - base.run_start[(0, s.index)]) / cand.time_s if cand.time_s > 0 else 1.0
+        parts = {k: v * scale for k, v in cand.cost.breakdown_s.items()} if cm.shares_cores else dict(cand.cost.breakdown_s)
+        out.append(CallChoice(s.call.name, s.call.model, chosen, rows, parts))
     return out
 
 
@@ -413,4 +418,5 @@ def explain_plan(plan: Plan, *, cm: CostModel | None = None, space: SearchSpace 
         lower_bound_s=plan.search.lower_bound_s, gap=plan.search.gap, chain_bound_s=chain_s, work_bound_s=work_s,
         critical_path=path, bottleneck=bottleneck, capacity_bytes=plan.cluster.usable_mem_bytes,
         memory=memory_over_time(plan, problem, choice),
-        calls=alternatives(plan, problem, choice, cm, space, base=base, orders=orders, top=top), notes=notes)
+        calls=alternatives(plan, problem, choice, cm, space, base=base, orders=orders, top=top), notes=notes,
+        shared_cores=cm.shares_cores)

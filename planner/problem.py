@@ -75,7 +75,7 @@ class Problem:
     realloc_work: int = 0  # source x destination mesh sizes summed over exact reallocation costings
     _realloc: dict[tuple, tuple[int, float]] = field(default_factory=dict, repr=False)
     _transfer: dict[tuple, float] = field(default_factory=dict, repr=False)
-    _busy: dict[tuple, float] = field(default_factory=dict, repr=False)
+    _busy: dict[tuple, tuple[float, ...]] = field(default_factory=dict, repr=False)
     _cache: dict[str, object] = field(default_factory=dict, repr=False)
 
     def cached(self, key: str, make):  # noqa: ANN001, ANN201 - memo of derived tables
@@ -106,17 +106,24 @@ class Problem:
         """Seconds candidate k of `slot` takes while `busy` ranks of its busiest node work, its own
         included (`CostModel.at_busy`): its priced time (`Candidate.time_s`) unless the node's
         ranks time-share cores and some of them are idle."""
+        return self.busy_times_s(slot, k)[min(busy, self.cluster.gpus_per_node)]
+
+    def busy_times_s(self, slot: int, k: int) -> tuple[float, ...]:
+        """`busy_time_s` of candidate k of `slot` for every busy count (index 0 unused), computed
+        once per layout and mesh size."""
         cand = self.slots[slot].cands[k]
-        cm = self.cm.at_busy(busy)
-        if cm is self.cm:
-            return cand.time_s
-        key = (slot, cand.mesh.size, cand.layout, cand.decode_layout, busy)
-        if key not in self._busy:
+        key = (slot, cand.mesh.size, cand.layout, cand.decode_layout)
+        hit = self._busy.get(key)
+        if hit is None:
             call = self.slots[slot].call
-            self._busy[key] = cm.call_cost(call, costed_view(call, self.graph.models[call.model]),
-                                           Mesh.block(0, cand.mesh.size), cand.layout,
-                                           decode_layout=cand.decode_layout).time_s
-        return self._busy[key]
+            view = costed_view(call, self.graph.models[call.model])
+            times = [cand.time_s]  # index 0: not a busy count
+            for busy in range(1, self.cluster.gpus_per_node + 1):
+                cm = self.cm.at_busy(busy)
+                times.append(cand.time_s if cm is self.cm else cm.call_cost(
+                    call, view, Mesh.block(0, cand.mesh.size), cand.layout, decode_layout=cand.decode_layout).time_s)
+            hit = self._busy[key] = tuple(times)
+        return hit
 
     def fastest_s(self, slot: int, k: int) -> float:
         """The least time candidate k of `slot` can take: with no other rank of its nodes at work

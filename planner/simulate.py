@@ -109,11 +109,12 @@ def simulate(problem: Problem, choice: Sequence[int | None], order: list[Op] | N
     durations from the previous schedule's occupancy, a new schedule from those durations, until
     no end moves (at most `SHARING_ROUNDS` rounds; deterministic either way)."""
     order = order or default_order(problem)
-    start, run, end, realloc, src = _serial(problem, choice, order, exact, None)
+    steps, realloc = _resolve(problem, choice, order, exact)
+    start, run, end = _times(problem, steps, None)
     if problem.cm.shares_cores and end:
         for _ in range(SHARING_ROUNDS):
-            dur = _shared_durations(problem, choice, start, run, end, src)
-            start2, run2, end2, realloc, src = _serial(problem, choice, order, exact, dur)
+            dur = _shared_durations(problem, choice, steps, start, run, end)
+            start2, run2, end2 = _times(problem, steps, dur)
             moved = max(abs(end2[op] - end[op]) for op in end)
             start, run, end = start2, run2, end2
             if moved <= 1e-12:
@@ -125,19 +126,27 @@ def simulate(problem: Problem, choice: Sequence[int | None], order: list[Op] | N
                     all(p <= cap for p in peak))
 
 
-def _serial(problem: Problem, choice: Sequence[int | None], order: list[Op], exact: bool,
-            dur: dict[Op, float] | None) -> tuple[dict[Op, float], dict[Op, float], dict[Op, float],
-                                                  dict[int, tuple[int, float]], dict[Op, set[int]]]:
-    """Ops in priority order, each as soon as its inputs are in and its atoms free; an op runs
-    for `dur[op]` (default: its candidate's priced time). Also returns the atoms each op's
-    reallocation reads from besides its own."""
+@dataclass(frozen=True)
+class _Step:
+    """What the schedule needs of one op, whatever its duration: its inputs (predecessor, transfer
+    delay), the atoms it runs on, the atoms its reallocation also reads, and that reallocation's time."""
+
+    op: Op
+    inputs: tuple[tuple[Op, float], ...]
+    atoms: frozenset[int]
+    sources: frozenset[int]
+    realloc_s: float
+    priced_s: float
+
+
+def _resolve(problem: Problem, choice: Sequence[int | None], order: list[Op],
+             exact: bool) -> tuple[list[_Step], dict[int, tuple[int, float]]]:
+    """The ops of `order` that run, with their inputs, atoms and reallocations (and the
+    reallocation bytes and seconds per slot)."""
     preds = problem.cached("preds", lambda: _pred_map(problem))
-    free = [0.0] * problem.n_atoms
-    start: dict[Op, float] = {}
-    run: dict[Op, float] = {}
-    end: dict[Op, float] = {}
+    seen: set[Op] = set()
+    steps: list[_Step] = []
     realloc: dict[int, tuple[int, float]] = {}
-    sources: dict[Op, set[int]] = {}
     for op in order:
         u, i = op
         k = choice[i]
@@ -145,15 +154,15 @@ def _serial(problem: Problem, choice: Sequence[int | None], order: list[Op], exa
             continue
         slot = problem.slots[i]
         cand = slot.cands[k]
-        ready = 0.0
+        inputs = []
         for p, e in preds.get(op, ()):
-            if choice[p[1]] is not None and p not in end:
+            if choice[p[1]] is None:
+                continue
+            if p not in seen:
                 raise ValueError(f"simulation order is not topological: {op} before its predecessor {p}")
-            if p in end:
-                delay = problem.transfer(e, choice[p[1]], k) if e is not None else 0.0
-                ready = max(ready, end[p] + delay)
-        atoms = set(problem.atoms(cand))
-        r_bytes, r_time, src_atoms = 0, 0.0, set()
+            inputs.append((p, problem.transfer(e, choice[p[1]], k) if e is not None else 0.0))
+        atoms = frozenset(problem.atoms(cand))
+        r_bytes, r_time, src_atoms = 0, 0.0, frozenset[int]()
         h = choice[slot.home] if slot.home is not None else None
         if slot.home is not None and h is not None:
             if exact:
@@ -161,45 +170,65 @@ def _serial(problem: Problem, choice: Sequence[int | None], order: list[Op], exa
             else:
                 r_bytes, r_time = -1, problem.realloc_s(i, h, k)
             if r_time > 0:
-                src_atoms = set(problem.atoms(problem.slots[slot.home].cands[h])) - atoms
+                src_atoms = frozenset(problem.atoms(problem.slots[slot.home].cands[h])) - atoms
         realloc[i] = (r_bytes, r_time)
-        sources[op] = src_atoms
-        t0 = max([ready] + [free[a] for a in atoms | src_atoms])
-        length = cand.time_s if dur is None else dur[op]
-        start[op], run[op], end[op] = t0, t0 + r_time, t0 + r_time + length
-        for a in atoms:
+        steps.append(_Step(op, tuple(inputs), atoms, src_atoms, r_time, cand.time_s))
+        seen.add(op)
+    return steps, realloc
+
+
+def _times(problem: Problem, steps: list[_Step], dur: dict[Op, float] | None) -> tuple[
+        dict[Op, float], dict[Op, float], dict[Op, float]]:
+    """(start, run start, end) of every op, in priority order, each as soon as its inputs are in
+    and its atoms free; an op runs for `dur[op]` (default: its candidate's priced time)."""
+    free = [0.0] * problem.n_atoms
+    start: dict[Op, float] = {}
+    run: dict[Op, float] = {}
+    end: dict[Op, float] = {}
+    for st in steps:
+        op = st.op
+        ready = max((end[p] + delay for p, delay in st.inputs), default=0.0)
+        t0 = max([ready] + [free[a] for a in st.atoms | st.sources])
+        length = st.priced_s if dur is None else dur[op]
+        start[op], run[op], end[op] = t0, t0 + st.realloc_s, t0 + st.realloc_s + length
+        for a in st.atoms:
             free[a] = end[op]
-        for a in src_atoms:
-            free[a] = t0 + r_time
-    return start, run, end, realloc, sources
+        for a in st.sources:
+            free[a] = t0 + st.realloc_s
+    return start, run, end
 
 
-def _shared_durations(problem: Problem, choice: Sequence[int | None], start: dict[Op, float], run: dict[Op, float],
-                      end: dict[Op, float], sources: dict[Op, set[int]]) -> dict[Op, float]:
+def _shared_durations(problem: Problem, choice: Sequence[int | None], steps: list[_Step], start: dict[Op, float],
+                      run: dict[Op, float], end: dict[Op, float]) -> dict[Op, float]:
     """Each op's duration on time-shared cores, given when the other ops of a schedule occupy
     which ranks (`simulate`): its work advanced at the speed the busy ranks of its busiest node
     leave it, over the moments where that count changes."""
     gpn, size = problem.cluster.gpus_per_node, problem.atom_size
     # (op, from, to, node, ranks): each op's ranks while it runs, and its sources while it reallocates
     spans: list[tuple[Op, float, float, int, int]] = []
-    for op in end:
+    own: dict[Op, dict[int, int]] = {}
+    for st in steps:
+        op = st.op
         k = choice[op[1]]
         assert k is not None
-        for node, n in problem.ranks_per_node(problem.slots[op[1]].cands[k]).items():
+        own[op] = problem.ranks_per_node(problem.slots[op[1]].cands[k])
+        for node, n in own[op].items():
             spans.append((op, start[op], end[op], node, n))
-        for a in sources[op]:
+        for a in st.sources:
             spans.append((op, start[op], run[op], a * size // gpn, size))
     out: dict[Op, float] = {}
-    for op in end:
+    for st in steps:
+        op = st.op
         i, k = op[1], choice[op[1]]
         assert k is not None
-        own = problem.ranks_per_node(problem.slots[i].cands[k])
-        others = [sp for sp in spans if sp[0] != op and sp[3] in own and sp[2] > run[op]]
+        mine = own[op]
+        times = problem.busy_times_s(i, k)
+        others = [sp for sp in spans if sp[0] != op and sp[3] in mine and sp[2] > run[op]]
         t, done = run[op], 0.0
         for nxt in [*sorted({x for sp in others for x in sp[1:3] if x > t}), math.inf]:
             # The ranks at work on each of the op's nodes from t on: its own, and the others' by the schedule.
-            busy = max(n + sum(sp[4] for sp in others if sp[3] == node and sp[1] <= t < sp[2]) for node, n in own.items())
-            rate = 1.0 / problem.busy_time_s(i, k, busy)
+            busy = max(n + sum(sp[4] for sp in others if sp[3] == node and sp[1] <= t < sp[2]) for node, n in mine.items())
+            rate = 1.0 / times[min(busy, gpn)]
             if done + (nxt - t) * rate >= 1.0:
                 out[op] = t + (1.0 - done) / rate - run[op]
                 break

@@ -20,7 +20,7 @@ from plans.checkpoint import latest_complete, load_manifest, step_dir
 from plans.plan import load_plan
 from tests.test_runtime_cli import LAYOUTS, ROOT, TOL, _metrics, _run, _torchrun, tiny_ppo_plan
 
-PLAN = ROOT / "plans" / "tiny_ppo.json"  # the bundled compiled example: several meshes, reallocations
+PLAN = ROOT / "plans" / "tiny_ppo.json"  # the bundled compiled example: several meshes, data between them
 SHARDED = LAYOUTS  # tensor and pipeline parallel, ZeRO 1 and 2, sequence parallel: every kind of shard
 STEPS, EVERY = 4, 2
 
@@ -143,7 +143,7 @@ def test_a_crash_while_saving_leaves_no_checkpoint_that_resume_would_load(uninte
 @pytest.mark.slow
 def test_a_hung_collective_times_out_naming_its_call(tmp_path: Path) -> None:
     out = _torchrun(4, str(PLAN), "--steps", "3", "--collective-timeout", "5", "--quiet",
-                    env={"RUNTIME_TEST_HANG_AT": "2:1"})  # rank 1 never starts step 2
+                    env={"RUNTIME_TEST_HANG_AT": "2:0"})  # rank 0 (every plan's first mesh) never starts step 2
     assert out.returncode != 0
     errors = [line for line in out.stderr.splitlines() if line.startswith("error (rank")]
     assert errors, out.stderr[-3000:]

@@ -133,3 +133,15 @@ def test_bounds_assume_the_fastest_speed_and_count_core_seconds():
     alone = sum(p.busy_time_s(i, 0, 2) for i in range(2))
     assert work > 0.75 * alone > 0.5 * alone >= sum(2 * p.busy_time_s(i, 0, 2) for i in range(2)) / 4
     assert max(chain, work) <= simulate(p, [0, 0]).iteration_s
+
+
+def test_explain_states_the_sharing_and_splits_scheduled_times():
+    from planner.explain import explain_plan
+
+    plan = compile_graph(two_trains(), CPU4, calibration=SHARED, time_limit_s=5.0)
+    ex = explain_plan(plan, cm=CostModel(CPU4, SHARED))
+    assert ex.shared_cores and any("time-share its cores" in n for n in ex.notes)
+    assert not any("the plan states" in n for n in ex.notes)  # the replayed schedule agrees with the plan
+    for c in ex.calls:
+        pc = plan.call(c.call)
+        assert sum(c.breakdown_s.values()) == pytest.approx(pc.est_time_s, rel=1e-9)

@@ -157,8 +157,9 @@ def _render_explanation(ex, console: Console) -> None:  # noqa: ANN001, C901 - o
         head += f" (iterations overlap: one takes {fmt_s(ex.iteration0_s)} end to end)"
     console.print(head, highlight=False)
     if ex.lower_bound_s is not None:
+        work = "core time over the cores" if ex.shared_cores else "GPU time over the cluster"
         console.print(f"lower bound {fmt_s(ex.lower_bound_s)}, gap {(ex.gap or 0) * 100:.1f}%  (dependency chain at "
-                      f"the fastest layouts {fmt_s(ex.chain_bound_s)}; all calls' least GPU time over the cluster "
+                      f"the fastest layouts {fmt_s(ex.chain_bound_s)}; all calls' least {work} "
                       f"{fmt_s(ex.work_bound_s)})", highlight=False)
     for note in ex.notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
@@ -176,6 +177,9 @@ def _render_explanation(ex, console: Console) -> None:  # noqa: ANN001, C901 - o
         share = b.time_s / ex.iteration0_s * 100
         console.print(f"bottleneck: [bold]{b.call}[/] {fmt_s(b.time_s)}, {share:.0f}% of the iteration ({escape(split)})")
     for g in ex.memory:
+        if not g.windows:
+            console.print(f"memory per GPU on {g.label}: nothing runs there", highlight=False)
+            continue
         t = Table(title=f"memory per GPU on {g.label}: resident " +
                   (", ".join(f"{m} {fmt_bytes(v)}" for m, v in g.resident.items()) or "nothing") +
                   f"; peak {fmt_bytes(g.peak_bytes)} of {fmt_bytes(ex.capacity_bytes)} usable", title_justify="left")
