@@ -416,7 +416,7 @@ def build_plan(problem: Problem, choice: list[int], sched: Schedule, search: Sea
         flops += cand.cost.model_flops
         calls.append(PlanCall(**s.call.model_dump(), mesh=cand.mesh, layout=cand.layout,
                               decode_layout=cand.decode_layout, est_start_s=sched.run_start[(0, i)],
-                              est_time_s=sched.end[(0, i)] - sched.run_start[(0, i)], est_peak_mem_bytes=peak))
+                              est_time_s=sched.run_s[(0, i)], est_peak_mem_bytes=peak))
         if s.home is not None and not problem.shares_params(i, choice[i], choice[s.home]):
             nbytes, t = sched.realloc[i]
             reallocs.append(Reallocation(model=s.call.model, from_call=problem.slots[s.home].call.name,

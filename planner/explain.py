@@ -342,7 +342,7 @@ def alternatives(plan: Plan, problem: Problem, choice: list[int], cm: CostModel,
                         pc.mesh.short(), "chosen")
         # On time-shared cores the call runs for its scheduled time, not its priced one: its parts
         # in proportion.
-        scale = (base.end[(0, s.index)] - base.run_start[(0, s.index)]) / cand.time_s if cand.time_s > 0 else 1.0
+        scale = base.run_s[(0, s.index)] / cand.time_s if cand.time_s > 0 else 1.0
         parts = {k: v * scale for k, v in cand.cost.breakdown_s.items()} if cm.shares_cores else dict(cand.cost.breakdown_s)
         out.append(CallChoice(s.call.name, s.call.model, chosen, rows, parts))
     return out
@@ -405,7 +405,7 @@ def explain_plan(plan: Plan, *, cm: CostModel | None = None, space: SearchSpace 
                      "are priced with all of them at work, and the schedule runs a call faster while fewer are")
     for s in problem.slots:
         pc = plan.call(s.call.name)
-        t = base.end[(0, s.index)] - base.run_start[(0, s.index)]
+        t = base.run_s[(0, s.index)]
         if abs(t - pc.est_time_s) > 1e-6 * max(t, 1e-12):
             notes.append(f"{pc.name}: the plan states {pc.est_time_s:.4g} s but this cost model gives {t:.4g} s "
                          "(was it compiled with --calibration?)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from planner.lowering import augmented_graph
 from planner.problem import Problem
@@ -54,6 +54,7 @@ class Schedule:
     makespan_s: float
     iteration_s: float
     mem_ok: bool
+    run_s: dict[Op, float] = field(default_factory=dict)  # how long each op runs: its priced time, unless cores are shared
 
 
 def op_memory(problem: Problem, choice: Sequence[int | None]) -> tuple[list[int], list[int]]:
@@ -110,7 +111,8 @@ def simulate(problem: Problem, choice: Sequence[int | None], order: list[Op] | N
     no end moves (at most `SHARING_ROUNDS` rounds; deterministic either way)."""
     order = order or default_order(problem)
     steps, realloc = _resolve(problem, choice, order, exact)
-    start, run, end = _times(problem, steps, None)
+    dur = {st.op: st.priced_s for st in steps}
+    start, run, end = _times(problem, steps, dur)
     if problem.cm.shares_cores and end:
         for _ in range(SHARING_ROUNDS):
             dur = _shared_durations(problem, choice, steps, start, run, end)
@@ -123,7 +125,7 @@ def simulate(problem: Problem, choice: Sequence[int | None], order: list[Op] | N
     makespan = max(end.values(), default=0.0)
     cap = problem.cluster.usable_mem_bytes
     return Schedule(start, run, end, realloc, peak, makespan, makespan / problem.unroll,
-                    all(p <= cap for p in peak))
+                    all(p <= cap for p in peak), dur)
 
 
 @dataclass(frozen=True)
@@ -177,10 +179,10 @@ def _resolve(problem: Problem, choice: Sequence[int | None], order: list[Op],
     return steps, realloc
 
 
-def _times(problem: Problem, steps: list[_Step], dur: dict[Op, float] | None) -> tuple[
+def _times(problem: Problem, steps: list[_Step], dur: dict[Op, float]) -> tuple[
         dict[Op, float], dict[Op, float], dict[Op, float]]:
     """(start, run start, end) of every op, in priority order, each as soon as its inputs are in
-    and its atoms free; an op runs for `dur[op]` (default: its candidate's priced time)."""
+    and its atoms free; an op runs for `dur[op]`."""
     free = [0.0] * problem.n_atoms
     start: dict[Op, float] = {}
     run: dict[Op, float] = {}
@@ -189,8 +191,7 @@ def _times(problem: Problem, steps: list[_Step], dur: dict[Op, float] | None) ->
         op = st.op
         ready = max((end[p] + delay for p, delay in st.inputs), default=0.0)
         t0 = max([ready] + [free[a] for a in st.atoms | st.sources])
-        length = st.priced_s if dur is None else dur[op]
-        start[op], run[op], end[op] = t0, t0 + st.realloc_s, t0 + st.realloc_s + length
+        start[op], run[op], end[op] = t0, t0 + st.realloc_s, t0 + st.realloc_s + dur[op]
         for a in st.atoms:
             free[a] = end[op]
         for a in st.sources:
