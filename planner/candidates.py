@@ -302,7 +302,7 @@ def graph_candidates(graph: Graph, cm: CostModel, space: SearchSpace,
         home = homes[c.model]
         if home == c.name:
             continue
-        view = graph.models[c.model].model_copy(update={"trainable": False})
+        view = costed_view(c, graph.models[c.model])
         for size, hcands in out[home].items():
             have = {x.layout for x in out[c.name].get(size, [])}
             for hc in hcands:

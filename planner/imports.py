@@ -90,9 +90,10 @@ def vllm_waves(graph: Graph, cluster: ClusterSpec, call: str, mesh: Mesh, layout
     goes in the fewest waves that fit both, as costed; a note when even one sequence at a time
     does not fit."""
     from cost_models import CostModel
+    from planner.candidates import costed_view
 
     c = graph.call(call)
-    view = graph.models[c.model].model_copy(update={"trainable": False})
+    view = costed_view(c, graph.models[c.model])
     cm = CostModel(cluster, framework="vllm")
     per = c.seqs // layout.dp
     budget = memory_share * cluster.mem_bytes

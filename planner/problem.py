@@ -76,6 +76,8 @@ class Problem:
     _realloc: dict[tuple, tuple[int, float]] = field(default_factory=dict, repr=False)
     _transfer: dict[tuple, float] = field(default_factory=dict, repr=False)
     _busy: dict[tuple, tuple[float, ...]] = field(default_factory=dict, repr=False)
+    _per_node: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict, repr=False)
+    _by_index: dict[tuple, object] = field(default_factory=dict, repr=False)  # realloc and transfer by candidate index
     _cache: dict[str, object] = field(default_factory=dict, repr=False)
 
     def cached(self, key: str, make):  # noqa: ANN001, ANN201 - memo of derived tables
@@ -95,12 +97,16 @@ class Problem:
         return range(cand.mesh.first // self.atom_size, (cand.mesh.first + cand.mesh.size) // self.atom_size)
 
     def ranks_per_node(self, cand: Candidate) -> dict[int, int]:
-        """Ranks of the candidate's mesh on each node it spans."""
-        gpn = self.cluster.gpus_per_node
-        out: dict[int, int] = {}
-        for r in range(cand.mesh.first, cand.mesh.first + cand.mesh.size):
-            out[r // gpn] = out.get(r // gpn, 0) + 1
-        return out
+        """Ranks of the candidate's mesh on each node it spans (do not modify: cached)."""
+        key = (cand.mesh.first, cand.mesh.size)
+        hit = self._per_node.get(key)
+        if hit is None:
+            gpn = self.cluster.gpus_per_node
+            hit = {}
+            for r in range(cand.mesh.first, cand.mesh.first + cand.mesh.size):
+                hit[r // gpn] = hit.get(r // gpn, 0) + 1
+            self._per_node[key] = hit
+        return hit
 
     def busy_time_s(self, slot: int, k: int, busy: int) -> float:
         """Seconds candidate k of `slot` takes while `busy` ranks of its busiest node work, its own
@@ -155,6 +161,12 @@ class Problem:
 
     def realloc(self, slot: int, h: int, k: int) -> tuple[int, float]:
         """(bytes, seconds) to reallocate slot's model from home candidate h to candidate k."""
+        hit = self._by_index.get(("realloc", slot, h, k))
+        if hit is None:
+            hit = self._by_index[("realloc", slot, h, k)] = self._realloc_of(slot, h, k)
+        return hit  # type: ignore[return-value]
+
+    def _realloc_of(self, slot: int, h: int, k: int) -> tuple[int, float]:
         s = self.slots[slot]
         assert s.home is not None
         src, dst = self.slots[s.home].cands[h], s.cands[k]
@@ -222,6 +234,12 @@ class Problem:
 
     def transfer(self, edge: int, ki: int, kj: int) -> float:
         """Seconds to move the handle of `edge` between the chosen candidates."""
+        hit = self._by_index.get(("transfer", edge, ki, kj))
+        if hit is None:
+            hit = self._by_index[("transfer", edge, ki, kj)] = self._transfer_of(edge, ki, kj)
+        return hit  # type: ignore[return-value]
+
+    def _transfer_of(self, edge: int, ki: int, kj: int) -> float:
         i, j, nbytes = self.edges[edge]
         mi, mj = self.slots[i].cands[ki].mesh, self.slots[j].cands[kj].mesh
         if mi == mj or nbytes == 0:

@@ -222,13 +222,21 @@ def _shared_durations(problem: Problem, choice: Sequence[int | None], steps: lis
         op = st.op
         i, k = op[1], choice[op[1]]
         assert k is not None
-        mine = own[op]
+        mine, t = own[op], run[op]
         times = problem.busy_times_s(i, k)
-        others = [sp for sp in spans if sp[0] != op and sp[3] in mine and sp[2] > run[op]]
-        t, done = run[op], 0.0
+        others = [sp for sp in spans if sp[0] != op and sp[3] in mine and sp[2] > t]
+        if not others:  # alone on its nodes throughout
+            out[op] = times[min(max(mine.values()), gpn)]
+            continue
+        done = 0.0
         for nxt in [*sorted({x for sp in others for x in sp[1:3] if x > t}), math.inf]:
             # The ranks at work on each of the op's nodes from t on: its own, and the others' by the schedule.
-            busy = max(n + sum(sp[4] for sp in others if sp[3] == node and sp[1] <= t < sp[2]) for node, n in mine.items())
+            busy = 0
+            for node, n in mine.items():
+                for sp in others:
+                    if sp[3] == node and sp[1] <= t < sp[2]:
+                        n += sp[4]
+                busy = max(busy, n)
             rate = 1.0 / times[min(busy, gpn)]
             if done + (nxt - t) * rate >= 1.0:
                 out[op] = t + (1.0 - done) / rate - run[op]
