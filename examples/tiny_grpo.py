@@ -2,8 +2,8 @@
 
 A tiny Llama actor samples 4 responses to each of 8 prompts; `runtime.tasks:pattern_reward`
 scores them (no reward model); a frozen reference gives the KL term of the loss. Compiled for a
-`cpu:1x4` cluster, the plan runs every call data-parallel on all 4 ranks, so the actor generates
-from the very slices it trains (no reallocation). The calls form one chain (generate ->
+`cpu:1x4` cluster, the plan runs every call data-parallel on ranks 0-1 (two ranks fill the
+machine's 2 cores), so the actor generates from the very slices it trains (no reallocation). The calls form one chain (generate ->
 reference -> train -> next generate), so no call can run beside another and the compiler keeps
 them on one mesh.
 

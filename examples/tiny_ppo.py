@@ -2,8 +2,9 @@
 
 Tiny Llama actor and critic (a value head), a frozen reference, and a rule-based reward on the
 generated tokens (the toy task in `runtime/tasks.py`), on a `cpu:1x4` cluster. The compiled plan
-places the calls on two meshes, the actor and the reference on ranks 0-1 and the critic on ranks
-2-3, each model's calls on the slices it trains: on 4 ranks sharing 2 cores, a reallocation's
+places the actor and the reference on rank 0 and the critic on rank 2, each model's calls on the
+slices it trains, two calls at a time on the machine's 2 cores (ranks 1 and 3 stay idle): on 4
+ranks sharing 2 cores, a third or fourth busy rank only slows the other two, and a reallocation's
 host work costs more than spreading a call wider saves (`bench/predict_vs_measure.py` measures
 it). Tests and `bench/rlhf_learning.py` place calls by hand where a model must move.
 

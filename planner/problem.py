@@ -77,7 +77,9 @@ class Problem:
     _transfer: dict[tuple, float] = field(default_factory=dict, repr=False)
     _busy: dict[tuple, tuple[float, ...]] = field(default_factory=dict, repr=False)
     _per_node: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict, repr=False)
-    _by_index: dict[tuple, object] = field(default_factory=dict, repr=False)  # realloc and transfer by candidate index
+    # The same two tables by candidate index (what the simulator asks, many times a search):
+    _realloc_at: dict[tuple[int, int, int], tuple[int, float]] = field(default_factory=dict, repr=False)
+    _transfer_at: dict[tuple[int, int, int], float] = field(default_factory=dict, repr=False)
     _cache: dict[str, object] = field(default_factory=dict, repr=False)
 
     def cached(self, key: str, make):  # noqa: ANN001, ANN201 - memo of derived tables
@@ -161,10 +163,10 @@ class Problem:
 
     def realloc(self, slot: int, h: int, k: int) -> tuple[int, float]:
         """(bytes, seconds) to reallocate slot's model from home candidate h to candidate k."""
-        hit = self._by_index.get(("realloc", slot, h, k))
+        hit = self._realloc_at.get((slot, h, k))
         if hit is None:
-            hit = self._by_index[("realloc", slot, h, k)] = self._realloc_of(slot, h, k)
-        return hit  # type: ignore[return-value]
+            hit = self._realloc_at[slot, h, k] = self._realloc_of(slot, h, k)
+        return hit
 
     def _realloc_of(self, slot: int, h: int, k: int) -> tuple[int, float]:
         s = self.slots[slot]
@@ -234,10 +236,10 @@ class Problem:
 
     def transfer(self, edge: int, ki: int, kj: int) -> float:
         """Seconds to move the handle of `edge` between the chosen candidates."""
-        hit = self._by_index.get(("transfer", edge, ki, kj))
+        hit = self._transfer_at.get((edge, ki, kj))
         if hit is None:
-            hit = self._by_index[("transfer", edge, ki, kj)] = self._transfer_of(edge, ki, kj)
-        return hit  # type: ignore[return-value]
+            hit = self._transfer_at[edge, ki, kj] = self._transfer_of(edge, ki, kj)
+        return hit
 
     def _transfer_of(self, edge: int, ki: int, kj: int) -> float:
         i, j, nbytes = self.edges[edge]

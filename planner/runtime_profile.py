@@ -21,8 +21,8 @@ Attention (`torch.nn.functional.scaled_dot_product_attention`) on a CPU core pay
 Timings interleave the variants being compared, round after round, so all of them meet the same
 conditions, and keep the median: what the cost model predicts is a call's mean time over a run's
 steps, slower moments included. (Until the validation in `bench/predict_vs_measure.py` showed it,
-the 10th percentile was kept, as the machine's own speed; on this 2-core machine a round's median
-is 1.2-1.4 times its 10th percentile, and every prediction came out 15-40% short.)
+the 10th percentile was kept, as the machine's own speed; on a 2-core machine a round's median was
+1.2-1.4 times its 10th percentile, and every prediction came out 15-40% short.)
 """
 
 from __future__ import annotations
