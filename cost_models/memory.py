@@ -46,7 +46,7 @@ TRANSIENT = ("activations", "logits", "buffers")
 def layer_activation_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, sp: bool,
                            recompute: str) -> float:
     """Bytes one layer keeps for backward, for one micro-batch of `b` sequences of `s` tokens."""
-    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_size
+    h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
     a, kv = spec.num_attention_heads, spec.kv_heads
     sbh = float(s) * b * h
     norm_div = tp if sp else 1
@@ -74,7 +74,7 @@ def forward_working_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp:
     and activation; SwiGLU: gate, up and product, 2 bytes each per element of s x b x f/t) and
     the attention intermediates (q, k, v and the output; materialised scores and probabilities).
     """
-    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_size
+    h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
     a, kv = spec.num_attention_heads, spec.kv_heads
     keys = kv_len or s
     tokens = float(s) * b
@@ -142,4 +142,4 @@ def fragmentation_bytes(mem: dict[str, int]) -> int:
 
 def kv_cache_bytes(spec: ModelSpec, *, seqs: float, ctx: int, layers: int, tp: int) -> float:
     """K and V of `seqs` sequences of `ctx` tokens over `layers` layers on one tensor-parallel rank."""
-    return 2.0 * 2 * seqs * ctx * layers * spec.kv_heads * spec.head_dim / tp
+    return 2.0 * 2 * seqs * ctx * layers * spec.kv_heads * spec.d_head / tp

@@ -92,7 +92,7 @@ def mem(nbytes: float) -> Kernel:
 
 def layer_params_per_rank(spec: ModelSpec, tp: int) -> float:
     """Weights of one decoder layer held by one tensor-parallel rank (replicated norms counted whole)."""
-    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_size
+    h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
     q, kv = spec.num_attention_heads * d, spec.kv_heads * d
     mats = h * (q + 2 * kv) + q * h + (2 if spec.model_type == "gpt" else 3) * h * f
     if spec.model_type == "gpt":
@@ -105,7 +105,7 @@ def layer_params_per_rank(spec: ModelSpec, tp: int) -> float:
 def _attention(spec: ModelSpec, fw: Framework, *, b: int, s_q: int, s_k: int, tp: int, causal: bool) -> tuple[
         tuple[Kernel, ...], tuple[Kernel, ...]]:
     """Forward and backward kernels of the attention core (scores, softmax, context)."""
-    d = spec.head_dim
+    d = spec.d_head
     heads = b * spec.num_attention_heads // tp
     m_q = b * s_q
     q_bytes = 2.0 * m_q * spec.num_attention_heads * d / tp
@@ -145,7 +145,7 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     exchanged around a ring); sequence parallelism shards the norm/dropout region over `tp`.
     `kv_len` (decode) attends `s` new tokens to a cache of that many keys, without a causal mask.
     """
-    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_size
+    h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
     a, kv = spec.num_attention_heads, spec.kv_heads
     s_loc = s // cp
     m = b * s_loc

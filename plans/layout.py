@@ -40,6 +40,10 @@ class Layout(Strict):
     recompute: Recompute = Field("none", description="Activation recomputation: none, selective (attention core), full (whole layer).")
     sequence_parallel: bool = Field(False, description="Shard LayerNorm/dropout activations along the sequence across the tensor-parallel group.")
     interleave: int = Field(1, ge=1, description="Virtual pipeline stages per rank (interleaved 1F1B); 1 means plain 1F1B.")
+    ep: int = Field(1, ge=1, description="Expert-parallel degree (mixture-of-experts models): each stage's routed "
+                    "experts split over ep ranks; tokens reach their experts by all-to-all.")
+    etp: int = Field(1, ge=1, description="Expert tensor-parallel degree: 1 (each expert whole on its rank) or tp "
+                     "(every expert split like the dense MLP).")
 
     @model_validator(mode="after")
     def check_sequence_parallel_needs_tp(self) -> Layout:
@@ -58,6 +62,27 @@ class Layout(Strict):
         if self.interleave > 1 and self.pp == 1:
             raise ValueError("interleave > 1 needs pp > 1")
         return self
+
+    @model_validator(mode="after")
+    def check_experts_fit_stage(self) -> Layout:
+        if self.etp not in (1, self.tp):
+            raise ValueError(f"etp={self.etp} must be 1 or tp={self.tp}")
+        stage = self.tp * self.cp * self.dp
+        if stage % (self.ep * self.etp):
+            raise ValueError(f"ep*etp={self.ep * self.etp} does not divide the {stage} ranks of a pipeline stage "
+                             "(tp*cp*dp)")
+        return self
+
+    @property
+    def edp(self) -> int:
+        """Ranks of a stage holding the same expert slices (the experts' data-parallel group)."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+
+    def expert_coord(self, local: int) -> tuple[int, int, int]:
+        """(ep rank, etp rank, edp rank) of the `local`-th rank: within its pipeline stage, expert
+        tensor parallel fastest, then expert parallel (Megatron-core's expert rank order)."""
+        i = local % (self.tp * self.cp * self.dp)
+        return (i // self.etp) % self.ep, i % self.etp, i // (self.etp * self.ep)
 
     @property
     def size(self) -> int:
@@ -82,6 +107,10 @@ class Layout(Strict):
             parts.append(f"cp{self.cp}")
         if self.interleave > 1:
             parts.append(f"v{self.interleave}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        if self.etp > 1:
+            parts.append(f"etp{self.etp}")
         if self.zero:
             parts.append(f"z{self.zero}")
         if self.micro_batches > 1:

@@ -25,6 +25,7 @@ from plans.errors import PlannerError, brief
 
 ModelType = Literal["llama", "gpt"]
 Head = Literal["lm", "value"]
+QKNorm = Literal["none", "head", "proj"]
 
 MAX_WIDTH = 2**18  # hidden_size (the largest published models are near 2**15)
 MAX_LAYERS = 2048
@@ -63,6 +64,35 @@ class ModelSpec(Strict):
     sliding_window: int | None = Field(
         None, ge=1, le=MAX_POSITIONS, description="llama family (Mistral): each position attends to the last "
         "sliding_window positions, itself included; None attends to all.")
+    head_dim: int | None = Field(
+        None, ge=1, le=MAX_WIDTH, description="Width of one attention head; defaults to hidden_size / "
+        "num_attention_heads (Qwen3 sets its own: q_proj is num_attention_heads * head_dim wide).")
+    qk_norm: QKNorm = Field(
+        "none", description="llama family: RMSNorm of queries and keys before rotary: 'head' over each head's "
+        "head_dim (Qwen3), 'proj' over the whole q and k projections (OLMoE); 'none' for neither.")
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; DeepSeek-MoE's structure). A layer is
+    # sparse when `is_moe_layer` says so; its MLP is `num_experts` SwiGLU experts of width
+    # `moe_intermediate_size`, of which a softmax router picks `num_experts_per_tok` per token, plus
+    # an always-on shared expert of width `shared_expert_intermediate_size` when that is > 0.
+    num_experts: int | None = Field(
+        None, ge=1, le=MAX_HEADS, description="llama family: routed experts per sparse layer (HF num_local_experts, "
+        "num_experts or n_routed_experts); None for a dense model.")
+    num_experts_per_tok: int = Field(2, ge=1, le=MAX_HEADS, description="Experts the router picks per token (top-k).")
+    moe_intermediate_size: int | None = Field(
+        None, ge=1, le=4 * MAX_WIDTH, description="Width of one routed expert; defaults to intermediate_size (Mixtral).")
+    shared_expert_intermediate_size: int = Field(
+        0, ge=0, le=4 * MAX_WIDTH, description="Width of the always-on shared expert MLP (Qwen2-MoE; DeepSeek's "
+        "n_shared_experts * moe_intermediate_size); 0 for none.")
+    shared_expert_gate: bool = Field(False, description="The shared expert's output is scaled by a sigmoid gate "
+                                     "(Qwen2-MoE).")
+    norm_topk_prob: bool = Field(True, description="Renormalise the top-k routing weights to sum to 1 (Mixtral "
+                                 "always does; Qwen and OLMoE configs say).")
+    first_k_dense_replace: int = Field(0, ge=0, le=MAX_LAYERS, description="The first this many layers keep a dense "
+                                       "MLP of intermediate_size (DeepSeek).")
+    decoder_sparse_step: int = Field(1, ge=1, le=MAX_LAYERS, description="Layer i is sparse when (i+1) is a "
+                                     "multiple of this (Qwen-MoE).")
+    mlp_only_layers: tuple[int, ...] = Field((), max_length=MAX_LAYERS, description="Layers that keep a dense MLP "
+                                             "(Qwen-MoE).")
 
     @model_validator(mode="before")
     @classmethod
@@ -74,6 +104,11 @@ class ModelSpec(Strict):
             data["num_key_value_heads"] = data["num_attention_heads"]
         family = data.get("model_type")
         width = _as_int(data.get("hidden_size"))
+        heads = _as_int(data.get("num_attention_heads"))
+        if data.get("head_dim") is None and width is not None and heads and width % heads == 0:
+            data["head_dim"] = width // heads
+        if data.get("num_experts") is not None and data.get("moe_intermediate_size") is None:
+            data["moe_intermediate_size"] = data.get("intermediate_size")
         if data.get("intermediate_size") is None and family == "gpt" and width is not None:
             data["intermediate_size"] = 4 * width
         if data.get("tie_word_embeddings") is None and family in ("llama", "gpt"):
@@ -82,10 +117,37 @@ class ModelSpec(Strict):
 
     @model_validator(mode="after")
     def check_heads_divide_width(self) -> ModelSpec:
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None:  # not given, and the default does not exist
             raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
-            )
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}; "
+                "give head_dim where the model sets its own (Qwen3)")
+        if self.model_type == "gpt" and self.head_dim * self.num_attention_heads != self.hidden_size:
+            raise ValueError(f"gpt models have heads of hidden_size / num_attention_heads; head_dim {self.head_dim} "
+                             f"x {self.num_attention_heads} heads is not hidden_size {self.hidden_size}")
+        return self
+
+    @model_validator(mode="after")
+    def check_moe(self) -> ModelSpec:
+        moe_fields = ("moe_intermediate_size", "shared_expert_intermediate_size", "shared_expert_gate",
+                      "first_k_dense_replace", "decoder_sparse_step", "mlp_only_layers")
+        if self.num_experts is None:
+            given = [f for f in moe_fields if f in self.model_fields_set and getattr(self, f) != \
+                     type(self).model_fields[f].default and f != "moe_intermediate_size"]
+            if given:
+                raise ValueError(f"{', '.join(given)} describe experts, but num_experts is not set")
+            return self
+        if self.model_type != "llama":
+            raise ValueError("mixture-of-experts layers apply to llama-family models only (Mixtral, Qwen-MoE, OLMoE)")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError("shared_expert_gate needs a shared expert (shared_expert_intermediate_size > 0)")
+        bad = [i for i in self.mlp_only_layers if i >= self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers {bad} are beyond the model's {self.num_hidden_layers} layers")
+        if not any(self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
+            raise ValueError("num_experts is set but no layer is sparse (first_k_dense_replace, decoder_sparse_step "
+                             "and mlp_only_layers leave every layer dense)")
         return self
 
     @model_validator(mode="after")
@@ -112,6 +174,12 @@ class ModelSpec(Strict):
         return self
 
     @model_validator(mode="after")
+    def check_qk_norm_family(self) -> ModelSpec:
+        if self.qk_norm != "none" and self.model_type != "llama":
+            raise ValueError("qk_norm applies to llama-family models only (Qwen3, OLMoE)")
+        return self
+
+    @model_validator(mode="after")
     def check_bias_family(self) -> ModelSpec:
         if self.attention_bias and self.model_type != "llama":
             raise ValueError("attention_bias applies to llama models only (gpt always has biases)")
@@ -120,8 +188,33 @@ class ModelSpec(Strict):
     # Derived sizes -------------------------------------------------------------------------
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def d_head(self) -> int:
+        assert self.head_dim is not None  # filled by the validator
+        return self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer `i` has a sparse (mixture-of-experts) MLP."""
+        return self.num_experts is not None and i >= self.first_k_dense_replace and \
+            (i + 1) % self.decoder_sparse_step == 0 and i not in self.mlp_only_layers
+
+    @property
+    def moe_layers(self) -> int:
+        """Decoder layers with a sparse MLP."""
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def experts(self) -> int:
+        """Routed experts per sparse layer (0 for a dense model)."""
+        return self.num_experts or 0
+
+    @property
+    def expert_ffn(self) -> int:
+        """Width of one routed expert."""
+        return self.moe_intermediate_size or self.ffn_size
 
     @property
     def kv_heads(self) -> int:
@@ -142,6 +235,16 @@ class ModelSpec(Strict):
         from plans.sharding import parameters  # local: sharding imports this module
 
         return sum(p.numel for p in parameters(self, head=head))
+
+    def active_params(self, head: Head = "lm") -> int:
+        """Parameters one token uses: every tensor but the routed experts, of which only
+        `num_experts_per_tok` of `num_experts` per sparse layer (the "A3B" of Qwen3-30B-A3B)."""
+        from plans.sharding import parameters
+
+        total = 0
+        for p in parameters(self, head=head):
+            total += p.numel * self.num_experts_per_tok // self.experts if p.expert_dim is not None else p.numel
+        return total
 
     def display_name(self) -> str:
         if self.name:
@@ -188,6 +291,21 @@ PRESETS: dict[str, ModelSpec] = {
         _llama("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064, 32768, attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6),
         _llama("qwen2.5-32b", 5120, 64, 40, 8, 27648, 152064, 32768, attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6),
         _llama("qwen2.5-72b", 8192, 80, 64, 8, 29568, 152064, 32768, attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6),
+        # Mixtures of experts (HF config.json of each).
+        _llama("mixtral-8x7b", 4096, 32, 32, 8, 14336, 32000, 32768, rope_theta=1e6, num_experts=8,
+               num_experts_per_tok=2),
+        _llama("mixtral-8x22b", 6144, 56, 48, 8, 16384, 32768, 65536, rope_theta=1e6, num_experts=8,
+               num_experts_per_tok=2),
+        _llama("qwen3-30b-a3b", 2048, 48, 32, 4, 6144, 151936, 40960, rope_theta=1e6, rms_norm_eps=1e-6, head_dim=128,
+               qk_norm="head", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+        _llama("qwen3-235b-a22b", 4096, 94, 64, 4, 12288, 151936, 40960, rope_theta=1e6, rms_norm_eps=1e-6,
+               head_dim=128, qk_norm="head", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
+               norm_topk_prob=True),
+        _llama("qwen1.5-moe-a2.7b", 2048, 24, 16, 16, 5632, 151936, 8192, rope_theta=1e6, rms_norm_eps=1e-6,
+               attention_bias=True, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+               shared_expert_intermediate_size=5632, shared_expert_gate=True, norm_topk_prob=False),
+        _llama("olmoe-1b-7b", 2048, 16, 16, 16, 1024, 50304, 4096, qk_norm="proj", num_experts=64,
+               num_experts_per_tok=8, moe_intermediate_size=1024, norm_topk_prob=False),
         _gpt("gpt3-1.3b", 2048, 24, 16),
         _gpt("gpt3-2.7b", 2560, 32, 32),
         _gpt("gpt3-6.7b", 4096, 32, 32),
@@ -196,6 +314,12 @@ PRESETS: dict[str, ModelSpec] = {
         # Tiny models for CPU tests and examples: every degree up to 4 divides their heads,
         # kv heads, layers and vocabulary.
         _llama("tiny-llama", 64, 4, 8, 4, 128, 256, 128),
+        # Tiny mixtures of experts: 4 experts (ep up to 4), Mixtral-style and Qwen-MoE-style (a
+        # gated shared expert, one dense layer, un-normalised top-k).
+        _llama("tiny-mixtral", 64, 4, 8, 4, 128, 256, 128, num_experts=4, num_experts_per_tok=2),
+        _llama("tiny-qwen-moe", 64, 4, 8, 4, 128, 256, 128, attention_bias=True, num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32, shared_expert_intermediate_size=64, shared_expert_gate=True,
+               norm_topk_prob=False, mlp_only_layers=(0,)),
         _gpt("tiny-gpt", 64, 4, 4, vocab=256, pos=128),
     ]
 }
@@ -206,6 +330,10 @@ _HF_FAMILIES: dict[str, tuple[ModelType, dict[str, str], dict[str, Any]]] = {
     "llama": ("llama", {}, {}),
     "mistral": ("llama", {}, {}),
     "qwen2": ("llama", {}, {"attention_bias": True}),
+    "mixtral": ("llama", {"num_local_experts": "num_experts"}, {"norm_topk_prob": True}),
+    "qwen2_moe": ("llama", {"qkv_bias": "attention_bias"}, {"shared_expert_gate": True}),
+    "qwen3_moe": ("llama", {"num_local_experts": "num_experts"}, {"qk_norm": "head"}),
+    "olmoe": ("llama", {}, {"qk_norm": "proj"}),
     "gpt2": (
         "gpt",
         {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
@@ -222,8 +350,12 @@ _HF_FAMILIES: dict[str, tuple[ModelType, dict[str, str], dict[str, Any]]] = {
 _LLAMA_EXACT: dict[str, tuple[Any, ...]] = {
     "hidden_act": ("silu", "swish"), "mlp_bias": (False, None), "use_sliding_window": (False, None),
 }
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _EXACT: dict[str, dict[str, tuple[Any, ...]]] = {
     "llama": _LLAMA_EXACT, "mistral": _LLAMA_EXACT, "qwen2": _LLAMA_EXACT,
+    "mixtral": {**_LLAMA_EXACT, "router_jitter_noise": (0, 0.0, None)},
+    "qwen2_moe": _LLAMA_EXACT, "qwen3_moe": _LLAMA_EXACT,
+    "olmoe": {**_LLAMA_EXACT, "clip_qkv": (None,)},
     "gpt2": {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True, None),
              "scale_attn_by_inverse_layer_idx": (False, None), "add_cross_attention": (False, None)},
     "gpt": {},
@@ -232,7 +364,8 @@ _EXACT: dict[str, dict[str, tuple[Any, ...]]] = {
 
 def _refuse(source: str, field: str, value: Any, why: str) -> PlannerError:
     return PlannerError(f"{source}: config field {field} = {brief(value)} {why}; planner would compute another "
-                        "model", hint="planner computes llama/mistral/qwen2/gpt2 models as transformers does with "
+                        "model", hint="planner computes llama/mistral/qwen2/gpt2 and mixtral/qwen2_moe/qwen3_moe/olmoe "
+                        "models as transformers does with "
                         "their default values of this field; convert the model or change the field if it is wrong")
 
 
@@ -262,19 +395,19 @@ def _exact_fields(config: dict[str, Any], hf_type: str, *, source: str) -> dict[
         if field in config and config[field] not in allowed:
             raise _refuse(source, field, config[field], f"is not supported (supported: {', '.join(map(repr, allowed))})")
     out: dict[str, Any] = {}
-    if hf_type in _LLAMA_EXACT or hf_type in ("llama", "mistral", "qwen2"):
+    if hf_type in ("llama", "mistral", "qwen2", *_MOE_FAMILIES):
         theta = _rope_theta(config, source=source)
         if theta is not None:
             out["rope_theta"] = theta
         heads, width, head_dim = config.get("num_attention_heads"), config.get("hidden_size"), config.get("head_dim")
-        if head_dim is not None and isinstance(heads, int) and isinstance(width, int) and heads > 0 and \
-                head_dim * heads != width:
+        if hf_type != "qwen3_moe" and head_dim is not None and isinstance(heads, int) and isinstance(width, int) \
+                and heads > 0 and head_dim * heads != width:
             raise _refuse(source, "head_dim", head_dim, f"differs from hidden_size / num_attention_heads "
                           f"({width} / {heads}); separate head dims are not supported yet")
         types = config.get("layer_types")
         if types is not None and (not isinstance(types, list) or any(t != "full_attention" for t in types)):
             raise _refuse(source, "layer_types", types, "mixes attention kinds per layer, which is not supported yet")
-        window = config.get("sliding_window") if hf_type == "mistral" else None
+        window = config.get("sliding_window") if hf_type in ("mistral", "mixtral") else None
         if window is not None:
             out["sliding_window"] = window
     return out
@@ -286,6 +419,13 @@ def spec_from_hf_config(config: dict[str, Any], *, source: str) -> ModelSpec:
     (RoPE scaling, another activation, per-layer attention kinds, ...). Fields that do not change
     the math (token ids, ``torch_dtype``, ``use_cache``, ...) are not needed."""
     hf_type = config.get("model_type")
+    if hf_type in ("deepseek_v2", "deepseek_v3") and config.get("kv_lora_rank") is not None:
+        raise PlannerError(
+            f"{source}: model_type {hf_type!r} uses multi-head latent attention (kv_lora_rank = "
+            f"{brief(config.get('kv_lora_rank'))}), which planner does not compute yet",
+            hint="its mixture-of-experts structure can be planned with inline fields: model_type=llama, num_experts, "
+                 "num_experts_per_tok, moe_intermediate_size, shared_expert_intermediate_size (n_shared_experts x "
+                 "moe_intermediate_size), first_k_dense_replace, with grouped-query attention in place of MLA")
     if not isinstance(hf_type, str) or hf_type not in _HF_FAMILIES:
         raise PlannerError(
             f"{source}: model_type {hf_type!r} is not supported",
@@ -300,11 +440,25 @@ def spec_from_hf_config(config: dict[str, Any], *, source: str) -> ModelSpec:
             data[key] = value
     data.update(_exact_fields(config, hf_type, source=source))
     data.update(fixed)
+    if hf_type == "qwen2_moe":
+        data.setdefault("attention_bias", True)  # Qwen2-MoE's q/k/v carry biases unless qkv_bias says not
+        data["norm_topk_prob"] = bool(config.get("norm_topk_prob", False))
+    if hf_type in ("qwen3_moe", "olmoe"):
+        data["norm_topk_prob"] = bool(config.get("norm_topk_prob", False))
+    if hf_type == "olmoe":  # OLMoE's intermediate_size is the width of each expert (every layer is sparse)
+        data["moe_intermediate_size"] = data.get("intermediate_size")
+    if hf_type in ("qwen2_moe", "qwen3_moe") and "num_experts_per_tok" not in config:
+        data["num_experts_per_tok"] = {"qwen2_moe": 4, "qwen3_moe": 8}[hf_type]  # transformers' defaults
+    if hf_type == "olmoe" and "num_experts_per_tok" not in config:
+        data["num_experts_per_tok"] = 8
     return _validated(data, source=source)
 
 
 def _validated(data: dict[str, Any], *, source: str) -> ModelSpec:
     return validated(ModelSpec, data, source=source)
+
+
+_INLINE_LISTS = ("mlp_only_layers",)
 
 
 def _parse_inline(text: str) -> ModelSpec:
@@ -314,6 +468,9 @@ def _parse_inline(text: str) -> ModelSpec:
         if not sep or not key.strip():
             raise PlannerError(f"model spec {text!r}: {item!r} is not key=value")
         v = value.strip()
+        if key.strip() in _INLINE_LISTS:  # layer lists are ;-separated inline: mlp_only_layers=0;3
+            data[key.strip()] = [x.strip() for x in v.strip("()[]").split(";") if x.strip()]
+            continue
         data[key.strip()] = {"true": True, "false": False}.get(v.lower(), v)
     return _validated(data, source=f"model spec {text!r}")
 

@@ -11,6 +11,7 @@ and split their batch evenly.
 from __future__ import annotations
 
 from plans.layout import Layout
+from plans.model import ModelSpec
 from plans.plan import Plan, PlanCall
 from plans.sharding import slices_key
 
@@ -22,6 +23,20 @@ def layout_runtime_problems(layout: Layout) -> list[str]:
         problems.append(f"context parallel (cp={layout.cp}) is not run by the runtime yet")
     if layout.interleave != 1:
         problems.append(f"interleaved pipelines (interleave={layout.interleave}) are not run by the runtime yet")
+    return problems
+
+
+def spec_runtime_problems(spec: ModelSpec) -> list[str]:
+    """The parts of a model the runtime does not compute yet (the planner costs and plans them)."""
+    problems = []
+    if spec.is_moe:
+        problems.append(f"model {spec.display_name()!r}: mixture-of-experts layers are not run by the runtime yet")
+    if spec.qk_norm != "none":
+        problems.append(f"model {spec.display_name()!r}: query/key norms (qk_norm={spec.qk_norm!r}) are not run by "
+                        "the runtime yet")
+    if spec.d_head * spec.num_attention_heads != spec.hidden_size:
+        problems.append(f"model {spec.display_name()!r}: head_dim {spec.d_head} x {spec.num_attention_heads} heads "
+                        f"differs from hidden_size {spec.hidden_size}, which the runtime does not run yet")
     return problems
 
 
@@ -37,6 +52,8 @@ def runtime_problems(plan: Plan, *, reference: bool = False) -> list[str]:
     where every call runs unsharded: then the layouts do not matter, but the models' own limits
     and how the plan says parameters move still must hold."""
     problems = []
+    for decl in plan.models.values():
+        problems += spec_runtime_problems(decl.spec)
     for c in plan.calls:
         spec = plan.models[c.model].spec
         if c.seq_len > spec.max_position_embeddings:

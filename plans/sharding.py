@@ -19,6 +19,12 @@ Conventions (the runtime implements exactly these):
 - ZeRO-3 further splits each rank's tensor-parallel shard along its dim 0 across the
   data-parallel group (`split_range` again); ZeRO 0-2 keep full parameters on every dp rank.
   Context-parallel ranks hold replicas.
+- Routed experts of a sparse layer are stacked in one tensor per projection, experts first
+  (``mlp.experts.gate_proj.weight`` is ``[E, f, h]``, ``down_proj`` ``[E, h, f]``). Expert
+  parallel splits dim 0 over the stage's `Layout.ep` ranks (`Layout.expert_coord`), expert tensor
+  parallel (`Layout.etp` = tp) splits f as the dense MLP does, and ZeRO-3 splits dim 1 of the
+  rank's expert block over the experts' data-parallel group (`Layout.edp`). The router
+  (``mlp.gate.weight``, ``[E, h]``) and the shared expert are dense tensors.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class Param:
     tp_dim: int | None  # dim split by tensor parallel; None when replicated
     layer: int | None  # decoder layer index; None for embeddings, final norm and head
     where: str  # "layer", "first" (embeddings), "last" (final norm, head), "first+last" (tied embedding)
+    expert_dim: int | None = None  # routed experts stacked along this dim (split by expert parallel)
 
     @property
     def numel(self) -> int:
@@ -60,7 +67,7 @@ def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def _layer_params(spec: ModelSpec, i: int) -> list[Param]:
-    h, d, ffn = spec.hidden_size, spec.head_dim, spec.ffn_size
+    h, d, ffn = spec.hidden_size, spec.d_head, spec.ffn_size
     q_out, kv_out = spec.num_attention_heads * d, spec.kv_heads * d
     p = f"model.layers.{i}."
     gpt = spec.model_type == "gpt"
@@ -75,11 +82,31 @@ def _layer_params(spec: ModelSpec, i: int) -> list[Param]:
         out.append(P(f"self_attn.{proj}.weight", (rows, h), 0))
         if gpt or spec.attention_bias:
             out.append(P(f"self_attn.{proj}.bias", (rows,), 0))
+    if spec.qk_norm == "head":
+        out += [P("self_attn.q_norm.weight", (d,), None), P("self_attn.k_norm.weight", (d,), None)]
+    elif spec.qk_norm == "proj":
+        out += [P("self_attn.q_norm.weight", (q_out,), 0), P("self_attn.k_norm.weight", (kv_out,), 0)]
     out.append(P("self_attn.o_proj.weight", (h, q_out), 1))
     if gpt:
         out.append(P("self_attn.o_proj.bias", (h,), None))
     out.append(P("post_attention_layernorm.weight", (h,), None))
-    if gpt:
+    if spec.is_moe_layer(i):
+        e, fe, fs = spec.experts, spec.expert_ffn, spec.shared_expert_intermediate_size
+        out += [
+            P("mlp.gate.weight", (e, h), None),
+            Param(p + "mlp.experts.gate_proj.weight", (e, fe, h), 1, i, "layer", 0),
+            Param(p + "mlp.experts.up_proj.weight", (e, fe, h), 1, i, "layer", 0),
+            Param(p + "mlp.experts.down_proj.weight", (e, h, fe), 2, i, "layer", 0),
+        ]
+        if fs:
+            out += [
+                P("mlp.shared_expert.gate_proj.weight", (fs, h), 0),
+                P("mlp.shared_expert.up_proj.weight", (fs, h), 0),
+                P("mlp.shared_expert.down_proj.weight", (h, fs), 1),
+            ]
+            if spec.shared_expert_gate:
+                out.append(P("mlp.shared_expert_gate.weight", (1, h), None))
+    elif gpt:
         out += [
             P("post_attention_layernorm.bias", (h,), None),
             P("mlp.up_proj.weight", (ffn, h), 0),
@@ -166,8 +193,18 @@ def layout_problems(spec: ModelSpec, layout: Layout) -> list[str]:
         problems.append(f"tp={tp} does not divide num_attention_heads={spec.num_attention_heads}")
     if spec.kv_heads % tp:
         problems.append(f"tp={tp} does not divide num_key_value_heads={spec.kv_heads}")
-    if spec.ffn_size % tp:
+    if spec.moe_layers < spec.num_hidden_layers and spec.ffn_size % tp:
         problems.append(f"tp={tp} does not divide intermediate_size={spec.ffn_size}")
+    if spec.is_moe:
+        if spec.experts % layout.ep:
+            problems.append(f"ep={layout.ep} does not divide num_experts={spec.experts}")
+        if spec.expert_ffn % layout.etp:
+            problems.append(f"etp={layout.etp} does not divide moe_intermediate_size={spec.expert_ffn}")
+        if spec.shared_expert_intermediate_size % tp:
+            problems.append(f"tp={tp} does not divide shared_expert_intermediate_size="
+                            f"{spec.shared_expert_intermediate_size}")
+    elif layout.ep > 1 or layout.etp > 1:
+        problems.append(f"ep={layout.ep}, etp={layout.etp}: expert parallelism needs a mixture-of-experts model")
     if spec.vocab_size < tp:
         problems.append(f"tp={tp} exceeds vocab_size={spec.vocab_size}")
     chunks = layout.pp * layout.interleave
@@ -179,7 +216,8 @@ def layout_problems(spec: ModelSpec, layout: Layout) -> list[str]:
 def slices_key(mesh: Mesh, layout: Layout) -> tuple[int, ...]:
     """Placements with equal keys hold every parameter slice on the same ranks (`shard_box` is a
     function of these fields alone), so moving a model between them moves nothing."""
-    return (mesh.first, mesh.size, layout.tp, layout.pp, layout.interleave, layout.dp if layout.zero == 3 else 0)
+    return (mesh.first, mesh.size, layout.tp, layout.pp, layout.interleave, layout.dp if layout.zero == 3 else 0,
+            layout.ep, layout.etp)
 
 
 def shard_box(param: Param, spec: ModelSpec, layout: Layout, local: int) -> Box | None:
@@ -188,6 +226,16 @@ def shard_box(param: Param, spec: ModelSpec, layout: Layout, local: int) -> Box 
     if c.pp not in param_stages(param, spec, layout):
         return None
     box = [(0, n) for n in param.shape]
+    if param.expert_dim is not None:
+        ep_rank, etp_rank, edp_rank = layout.expert_coord(local)
+        box[param.expert_dim] = split_range(param.shape[param.expert_dim], layout.ep, ep_rank)
+        if param.tp_dim is not None and layout.etp > 1:
+            box[param.tp_dim] = split_range(param.shape[param.tp_dim], layout.etp, etp_rank)
+        if layout.zero == 3:
+            lo, hi = box[1]
+            a, b = split_range(hi - lo, layout.edp, edp_rank)
+            box[1] = (lo + a, lo + b)
+        return tuple(box)
     if param.tp_dim is not None and layout.tp > 1:
         box[param.tp_dim] = split_range(param.shape[param.tp_dim], layout.tp, c.tp)
     if layout.zero == 3:
@@ -290,18 +338,19 @@ def transfer_volume(spec: ModelSpec, *, head: Head, src: tuple[Mesh, Layout], ds
                     gpus_per_node: int) -> TransferVolume:
     """The totals of `transfer_plan`, computed on one representative layer per stage pair.
 
-    Decoder layers differ only in which stages hold them, so layers are grouped by their
-    (source stage, destination stage) and one layer per group is planned and scaled. Equal to
+    Decoder layers differ only in which stages hold them (and whether their MLP is sparse), so
+    layers are grouped by their (source stage, destination stage, sparse) and one layer per group
+    is planned and scaled. Equal to
     summing `transfer_plan` (a test checks it) at a fraction of the cost.
     """
     by_pair: dict[tuple[int, int], int] = defaultdict(int)
     local = 0
     params = parameters(spec, head=head)
-    groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+    groups: dict[tuple[int, int, bool], list[int]] = defaultdict(list)
     s_owner = _stage_of_layer(spec.num_hidden_layers, src[1].pp, src[1].interleave)
     d_owner = _stage_of_layer(spec.num_hidden_layers, dst[1].pp, dst[1].interleave)
-    for i in range(spec.num_hidden_layers):
-        groups[(s_owner[i], d_owner[i])].append(i)
+    for i in range(spec.num_hidden_layers):  # dense and sparse layers hold different tensors
+        groups[(s_owner[i], d_owner[i], spec.is_moe_layer(i))].append(i)
     reps = {layers[0]: len(layers) for layers in groups.values()}
     seen: dict[tuple, tuple[dict[tuple[int, int], int], int]] = {}
     for param in params:
@@ -312,7 +361,7 @@ def transfer_volume(spec: ModelSpec, *, head: Head, src: tuple[Mesh, Layout], ds
         else:
             scale = 1
         # Tensors of one shape, split and stages move alike (q/k/v, gate/up): plan one of them.
-        kind = (param.shape, param.tp_dim, param_stages(param, spec, src[1]), param_stages(param, spec, dst[1]))
+        kind = (param.shape, param.tp_dim, param.expert_dim, param_stages(param, spec, src[1]), param_stages(param, spec, dst[1]))
         if kind not in seen:
             pairs: dict[tuple[int, int], int] = defaultdict(int)
             kept = 0

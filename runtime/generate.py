@@ -76,7 +76,7 @@ def _choose(shard: Shard, logits: Tensor, *, temperature: float, seed: int, seq_
 def new_cache(shard: Shard, *, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
     """An empty KV cache for this stage's layers (this rank's key/value heads)."""
     kv_local = shard.spec.kv_heads // shard.tp.size
-    shape = (batch, kv_local, max_len, shard.spec.head_dim)
+    shape = (batch, kv_local, max_len, shard.spec.d_head)
     return KVCache(kv={i: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                        for i in shard.layers})
 

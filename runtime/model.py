@@ -159,7 +159,7 @@ def _rope(spec: ModelSpec, positions: Tensor, dtype: torch.dtype) -> tuple[Tenso
     ``x * cos + rotate_half(x) * sin`` of transformers bit for bit (the sign moves from the
     rotated value to the factor; IEEE products are sign-symmetric) with one rotation op instead
     of slice, slice, neg and cat."""
-    d = spec.head_dim
+    d = spec.d_head
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d))
     freqs = positions.float()[..., None] * inv_freq  # [..., s, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -234,7 +234,7 @@ class Rope:
 
 def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor, cache: KVCache | None,
                layer: int, sp: bool, pad: Tensor | None = None, rope: Rope | None = None) -> Tensor:
-    spec, d = shard.spec, shard.spec.head_dim
+    spec, d = shard.spec, shard.spec.d_head
     x = tpx.enter(x, shard.tp, sp=sp)  # [b, s, h]
     b, s, _ = x.shape
     q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(b, s, -1, d).transpose(1, 2)  # [b, H/tp, s, d]

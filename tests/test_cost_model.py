@@ -263,7 +263,7 @@ def test_layer_flops_are_exact(name, tp):
     from cost_models.ops import layer_work
 
     spec = resolve_model(name)
-    h, d, f, a, kv = spec.hidden_size, spec.head_dim, spec.ffn_size, spec.num_attention_heads, spec.kv_heads
+    h, d, f, a, kv = spec.hidden_size, spec.d_head, spec.ffn_size, spec.num_attention_heads, spec.kv_heads
     b, s = 2, 1024
     m = b * s
     w = layer_work(spec, FRAMEWORKS["megatron"], b=b, s=s, tp=tp, cp=1, sp=False)

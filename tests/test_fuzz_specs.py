@@ -50,7 +50,8 @@ def test_a_valid_model_round_trips_through_inline_fields(data):
     except PlannerError:
         return
     fields = spec.model_dump(exclude={"name"})
-    inline = ",".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+    inline = ",".join(f"{k}={';'.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in fields.items()
+                      if v is not None)
     again = resolve_model(inline)
     assert again.model_dump(exclude={"name"}) == fields
 
