@@ -52,9 +52,18 @@ NODE_KEY = 1 << 24  # cell * NODE_KEY + node: a sort key of holders by (cell, no
 PAIR_CHUNK = 1 << 22  # (receiver, cell) pairs evaluated at once: bounds memory on very large meshes
 
 
+def _split_at(lo: np.ndarray, hi: np.ndarray, dim: int, parts: int, index: np.ndarray) -> None:
+    """Narrow every rank's [lo, hi) along `dim` to part `index` of `parts` (array_split bounds)."""
+    span = hi[:, dim] - lo[:, dim]
+    q, r = np.divmod(span, parts)
+    start = index * q + np.minimum(index, r)
+    stop = start + q + (index < r)
+    lo[:, dim], hi[:, dim] = lo[:, dim] + start, lo[:, dim] + stop
+
+
 @lru_cache(maxsize=65536)
 def _boxes(shape: tuple[int, ...], tp_dim: int | None, stages: tuple[int, ...], lay: Layout,
-           size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+           size: int, expert_dim: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(holds[local], lo[local, dim], hi[local, dim]) of every rank of a mesh (see `shard_box`)."""
     local = np.arange(size)
     tp = local % lay.tp
@@ -64,6 +73,15 @@ def _boxes(shape: tuple[int, ...], tp_dim: int | None, stages: tuple[int, ...], 
     ndim = len(shape)
     lo = np.zeros((size, ndim), dtype=np.int64)
     hi = np.tile(np.array(shape, dtype=np.int64), (size, 1))
+    if expert_dim is not None:  # Layout.expert_coord, vectorised
+        in_stage = local % (lay.tp * lay.cp * lay.dp)
+        _split_at(lo, hi, expert_dim, lay.ep, (in_stage // lay.etp) % lay.ep)
+        if tp_dim is not None and lay.etp > 1:
+            _split_at(lo, hi, tp_dim, lay.etp, in_stage % lay.etp)
+        if lay.zero == 3:
+            _split_at(lo, hi, 1, lay.edp, in_stage // (lay.etp * lay.ep))
+        holds &= np.prod(hi - lo, axis=1) > 0
+        return holds, lo, hi
     if tp_dim is not None and lay.tp > 1:
         b = _splits(shape[tp_dim], lay.tp)
         lo[:, tp_dim], hi[:, tp_dim] = b[tp], b[tp + 1]
@@ -97,8 +115,8 @@ class _Source:
 
 @lru_cache(maxsize=65536)
 def _source(shape: tuple[int, ...], tp_dim: int | None, stages: tuple[int, ...], lay: Layout, mesh: Mesh,
-            gpn: int) -> _Source | None:
-    holds, lo, hi = _boxes(shape, tp_dim, stages, lay, mesh.size)
+            gpn: int, expert_dim: int | None = None) -> _Source | None:
+    holds, lo, hi = _boxes(shape, tp_dim, stages, lay, mesh.size, expert_dim)
     if not holds.any():
         return None
     idx = np.flatnonzero(holds)
@@ -119,9 +137,9 @@ def _source(shape: tuple[int, ...], tp_dim: int | None, stages: tuple[int, ...],
 
 @lru_cache(maxsize=65536)
 def _needs(shape: tuple[int, ...], tp_dim: int | None, stages: tuple[int, ...], lay: Layout,
-           mesh: Mesh) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+           mesh: Mesh, expert_dim: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(receiver global ranks, lo, hi) of every rank of a mesh that needs a non-empty slice."""
-    holds, lo, hi = _boxes(shape, tp_dim, stages, lay, mesh.size)
+    holds, lo, hi = _boxes(shape, tp_dim, stages, lay, mesh.size, expert_dim)
     if not holds.any():
         return None
     idx = np.flatnonzero(holds)
@@ -134,8 +152,8 @@ def _param_volumes(param: Param, spec: ModelSpec, src: tuple[Mesh, Layout], dst:
     pieces) per rank, and the elements kept locally."""
     (smesh, slay), (dmesh, dlay) = src, dst
     zeros = [np.zeros(span, dtype=np.int64) for _ in range(7)]
-    source = _source(param.shape, param.tp_dim, param_stages(param, spec, slay), slay, smesh, gpn)
-    needs = _needs(param.shape, param.tp_dim, param_stages(param, spec, dlay), dlay, dmesh)
+    source = _source(param.shape, param.tp_dim, param_stages(param, spec, slay), slay, smesh, gpn, param.expert_dim)
+    needs = _needs(param.shape, param.tp_dim, param_stages(param, spec, dlay), dlay, dmesh, param.expert_dim)
     if source is None or needs is None:
         return (*zeros, 0)
     recv_all, lo_all, hi_all = needs
@@ -190,9 +208,9 @@ def _rank_volumes(spec: ModelSpec, head: Head, src: tuple[Mesh, Layout], dst: tu
     span = max(src[0].first + src[0].size, dst[0].first + dst[0].size) - first
     s_owner = _stage_of_layer(spec.num_hidden_layers, src[1].pp, src[1].interleave)
     d_owner = _stage_of_layer(spec.num_hidden_layers, dst[1].pp, dst[1].interleave)
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i in range(spec.num_hidden_layers):
-        groups.setdefault((s_owner[i], d_owner[i]), []).append(i)
+    groups: dict[tuple[int, int, bool], list[int]] = {}
+    for i in range(spec.num_hidden_layers):  # dense and sparse layers hold different tensors
+        groups.setdefault((s_owner[i], d_owner[i], spec.is_moe_layer(i)), []).append(i)
     reps = {layers[0]: len(layers) for layers in groups.values()}
     totals = [np.zeros(span, dtype=np.int64) for _ in range(7)]
     local = 0
@@ -201,7 +219,8 @@ def _rank_volumes(spec: ModelSpec, head: Head, src: tuple[Mesh, Layout], dst: tu
         if param.layer is not None and param.layer not in reps:
             continue
         scale = reps[param.layer] if param.layer is not None else 1
-        kind = (param.shape, param.tp_dim, param_stages(param, spec, src[1]), param_stages(param, spec, dst[1]))
+        kind = (param.shape, param.tp_dim, param.expert_dim, param_stages(param, spec, src[1]),
+                param_stages(param, spec, dst[1]))
         if kind not in seen:
             seen[kind] = _param_volumes(param, spec, src, dst, gpn, first, span)
         *arrays, kept = seen[kind]

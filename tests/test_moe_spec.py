@@ -17,6 +17,7 @@ from plans.errors import PlannerError
 from plans.layout import Layout, Mesh
 from plans.model import PRESETS, ModelSpec, resolve_model, spec_from_hf_config
 from plans.runnable import spec_runtime_problems
+from cost_models.transfer import rank_volumes
 from plans.sharding import box_numel, layout_problems, parameters, shard_box, transfer_plan, transfer_volume
 
 # Model cards: (total, active) parameters in billions as published.
@@ -120,15 +121,37 @@ def test_expert_parallel_shards_partition_every_expert_tensor() -> None:
     assert "expert parallelism needs" in layout_problems(PRESETS["tiny-llama"], Layout(dp=2, ep=2))[0]
 
 
-def test_moving_experts_between_layouts_sends_what_the_plan_counts() -> None:
+@pytest.mark.parametrize(("src", "dst"), [
+    ((0, 4, Layout(dp=4, ep=4)), (0, 4, Layout(dp=2, tp=2, ep=2, etp=2))),
+    ((0, 4, Layout(dp=2, tp=2, ep=4)), (0, 2, Layout(dp=2, ep=2, zero=3))),
+    ((0, 4, Layout(dp=2, pp=2, ep=2)), (4, 4, Layout(dp=4, ep=4, zero=3))),
+    ((0, 2, Layout(tp=2)), (0, 4, Layout(dp=4, ep=2))),
+])
+def test_moving_experts_between_layouts_sends_what_the_plan_counts(src, dst) -> None:
     spec = PRESETS["tiny-qwen-moe"]
-    src = (Mesh.block(0, 4), Layout(dp=4, ep=4))
-    dst = (Mesh.block(0, 4), Layout(dp=2, tp=2, ep=2, etp=2))
+    src = (Mesh.block(src[0], src[1]), src[2])
+    dst = (Mesh.block(dst[0], dst[1]), dst[2])
     plan = transfer_plan(spec, head="lm", src=src, dst=dst, gpus_per_node=4)
     vol = transfer_volume(spec, head="lm", src=src, dst=dst, gpus_per_node=4)
     moved = sum(t.numel for t in plan if t.src != t.dst)
     assert moved == vol.moved_numel > 0
     assert sum(t.numel for t in plan if t.src == t.dst) == vol.local_numel
+    fast = rank_volumes(spec, head="lm", src=src, dst=dst, gpus_per_node=4)
+    assert fast.moved_numel == moved and fast.local_numel == vol.local_numel
+    received = {}
+    for t in plan:
+        if t.src != t.dst:
+            received[t.dst] = received.get(t.dst, 0) + t.numel
+    for rank, n in received.items():
+        i = rank - fast.first
+        assert fast.recv_intra[i] + fast.recv_inter[i] == n
+    # every destination rank ends with exactly its slices
+    for local, rank in enumerate(dst[0].ranks):
+        for p in parameters(spec):
+            box = shard_box(p, spec, dst[1], local)
+            need = box_numel(box) if box is not None else 0
+            got = sum(t.numel for t in plan if t.dst == rank and t.param == p.name)
+            assert got == need, (rank, p.name)
 
 
 def test_layout_checks_expert_degrees() -> None:
