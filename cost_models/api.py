@@ -32,11 +32,18 @@ from cost_models.memory import (
     layer_activation_bytes,
     nccl_bytes,
     reserve_bytes,
-    stage_params,
     state_bytes,
 )
-from cost_models.ops import layer_params_per_rank
-from cost_models.training import StepTimes, Topology, forward_pass, microbatch_size, train_step
+from cost_models.ops import ExpertLoad, expert_load, expert_params_per_rank, layer_params_per_rank, mean_layer_params
+from cost_models.training import (
+    StepTimes,
+    Topology,
+    forward_pass,
+    microbatch_size,
+    stage_layer_counts,
+    stage_param_counts,
+    train_step,
+)
 from cost_models.transfer import rank_volumes
 from plans.cluster import ClusterSpec
 from plans.errors import PlannerError
@@ -73,9 +80,10 @@ class ReallocCost:
 
 
 def matmul_params(spec: ModelSpec, head: Head = "lm") -> int:
-    """N of the FLOPs convention: decoder layers plus the output head's matrix."""
+    """N of the FLOPs convention: decoder layers plus the output head's matrix; of a mixture of
+    experts, the parameters a token uses (its `num_experts_per_tok` experts, not all of them)."""
     h = spec.hidden_size
-    layers = spec.num_hidden_layers * layer_params_per_rank(spec, 1)
+    layers = spec.num_hidden_layers * mean_layer_params(spec, 1, active=True)
     return int(layers + (spec.vocab_size * h if head == "lm" else h))
 
 
@@ -158,18 +166,21 @@ class CostModel:
         spec, fw, hw = decl.spec, self.framework, self.hw
         topo = Topology(mesh.first, mesh.size, self.cluster.gpus_per_node)
         head: Head = decl.head
+        cv = decl.expert_load_cv
         if call.kind == "train":
-            step = train_step(spec, fw, hw, layout, topo, head=head, seqs=call.seqs // call.minibatches, seq_len=call.seq_len)
+            step = train_step(spec, fw, hw, layout, topo, head=head, seqs=call.seqs // call.minibatches,
+                              seq_len=call.seq_len, load_cv=cv)
             times = {k: v * call.minibatches for k, v in step.parts.items()}
             mem = self._train_memory(decl, layout, topo, seqs=call.seqs // call.minibatches, seq_len=call.seq_len)
         elif call.kind == "inference":
-            times = forward_pass(spec, fw, hw, layout, topo, head=head, seqs=call.seqs, seq_len=call.seq_len).parts
+            times = forward_pass(spec, fw, hw, layout, topo, head=head, seqs=call.seqs, seq_len=call.seq_len,
+                                 load_cv=cv).parts
             mem = self._forward_memory(decl, layout, topo, seqs=call.seqs, seq_len=call.seq_len,
                                        logits="all" if call.returns == "logprobs" else "none")
         else:
             dec = decode_layout or layout
             parts: StepTimes = generate_times(spec, fw, hw, layout, dec, topo, seqs=call.seqs,
-                                              prompt_len=call.prompt_len, gen_len=call.gen_len)
+                                              prompt_len=call.prompt_len, gen_len=call.gen_len, load_cv=cv)
             times = dict(parts.parts)
             if dec != layout:
                 times["reshard"] = times.get("reshard", 0.0) + self.realloc_cost(decl, (mesh, layout), (mesh, dec)).time_s
@@ -186,34 +197,47 @@ class CostModel:
 
     # ---- memory --------------------------------------------------------------------------
 
-    def _stage_params(self, spec: ModelSpec, head: Head, layout: Layout) -> list[float]:
-        lp = layer_params_per_rank(spec, layout.tp)
-        layers = [len(x) for x in stage_layers(spec.num_hidden_layers, layout.pp, layout.interleave)]
-        pp = layout.pp
-        return [stage_params(spec, head=head, layers=n, first=i == 0, last=i == pp - 1, tp=layout.tp, layer_params=lp)
-                for i, n in enumerate(layers)]
+    def _stage_params(self, spec: ModelSpec, head: Head, layout: Layout) -> tuple[tuple[float, float], ...]:
+        """(dense, routed-expert) parameters of one rank of each stage."""
+        return stage_param_counts(spec, head, layout)
+
+    def _state(self, decl: ModelDecl, layout: Layout, stage: int | None = None) -> dict[str, int]:
+        """Model states of one rank of `stage` (None: of the stage holding the most)."""
+        counts = self._stage_params(decl.spec, decl.head, layout)
+        dense, experts = counts[stage] if stage is not None else max(counts, key=sum)
+        return state_bytes(dense, self.framework, layout=layout, trainable=decl.trainable, expert_params=experts)
+
+    @staticmethod
+    def _moe(decl: ModelDecl, layout: Layout, tokens: int) -> ExpertLoad | None:
+        return expert_load(decl.spec, layout, tokens=tokens, load_cv=decl.expert_load_cv) if decl.spec.moe_layers else None
 
     def _train_memory(self, decl: ModelDecl, layout: Layout, topo: Topology, *, seqs: int, seq_len: int) -> dict[str, int]:
         spec, fw = decl.spec, self.framework
         b, m, tp, pp = microbatch_size(seqs, layout), layout.micro_batches, layout.tp, layout.pp
         s_loc = seq_len // layout.cp
-        def act(recompute: str) -> float:
-            return layer_activation_bytes(spec, fw, b=b, s=s_loc, tp=tp, sp=layout.sequence_parallel, recompute=recompute)
+        moe = self._moe(decl, layout, b * s_loc)
 
-        per_layer, whole = act(layout.recompute), act("none")
-        working = {"full": whole, "selective": whole - act("selective")}.get(layout.recompute, 0.0)
-        layers = [len(x) for x in stage_layers(spec.num_hidden_layers, pp, layout.interleave)]
-        params = self._stage_params(spec, decl.head, layout)
+        def act(recompute: str, sparse: bool = False) -> float:
+            return layer_activation_bytes(spec, fw, b=b, s=s_loc, tp=tp, sp=layout.sequence_parallel, recompute=recompute,
+                                          moe=moe if sparse else None)
+
+        kinds = [False] + ([True] if moe is not None else [])
+        per_layer = {k: act(layout.recompute, k) for k in kinds}
+        working = max({"full": act("none", k), "selective": act("none", k) - act("selective", k)}.get(layout.recompute, 0.0)
+                      for k in kinds)
+        counts = stage_layer_counts(spec, pp, layout.interleave)
         act_bytes = 2.0 * b * s_loc * spec.hidden_size / tp
         best: dict[str, int] = {}
         for st in range(pp):
-            mem = state_bytes(params[st], fw, layout=layout, trainable=decl.trainable)
-            mem["activations"] = int(per_layer * layers[st] * in_flight_microbatches(layout, st, m) + working)
+            nd, ns = counts[st]
+            mem = self._state(decl, layout, st)
+            kept = nd * per_layer[False] + (ns * per_layer[True] if ns else 0.0)
+            mem["activations"] = int(kept * in_flight_microbatches(layout, st, m) + working)
             if st == pp - 1 and decl.head == "lm":
                 mem["logits"] = self._logits_bytes(LOGIT_TRAIN_BYTES, b * s_loc * spec.vocab_size / tp)
             mem["buffers"] = int((4 * act_bytes if pp > 1 else 0) + self._zero3_buffer(spec, layout, training=True))
             mem = self._compute_dtype(mem)
-            mem.update(self._outside_tensors(layout, mem, topo))
+            mem.update(self._outside_tensors(layout, mem, topo, moe=spec.is_moe))
             if sum(mem.values()) > sum(best.values()):
                 best = mem
         return best
@@ -230,13 +254,14 @@ class CostModel:
             return mem
         return {k: 2 * v if k in ("activations", "logits", "kv_cache") else v for k, v in mem.items()}
 
-    def _outside_tensors(self, layout: Layout, mem: dict[str, int], topo: Topology) -> dict[str, int]:
+    def _outside_tensors(self, layout: Layout, mem: dict[str, int], topo: Topology, *, moe: bool = False) -> dict[str, int]:
         """Context and workspaces; on GPUs also NCCL buffers of the layout's communicators and the
         allocator's fragmentation of `mem`'s transient tensors (`cost_models.memory`)."""
         if self.cluster.gpu == "cpu":  # no CUDA context; gloo and malloc: neither buffer pool is there
             return {}
         out = {"reserve": reserve_bytes(self.cluster.mem_bytes)}
-        groups = [topo.group(layout, k) for k in ("tp", "cp", "dpcp")]
+        kinds = ("tp", "cp", "dpcp") + (("ep", "edp") if moe else ())
+        groups = [topo.group(layout, k) for k in kinds]
         used = [g for g in groups if g.n > 1]
         out["nccl"] = nccl_bytes(collectives=len(used), cross_node=sum(g.spans_nodes for g in used),
                                  p2p_peers=min(2, layout.pp - 1))
@@ -250,7 +275,11 @@ class CostModel:
             return 0.0
         fw = self.framework
         layers = fw.zero3_gather_layers + (fw.zero3_scatter_layers if training else 0.0)
-        return layers * layer_params_per_rank(spec, layout.tp) * fw.param_bytes
+        layer = layer_params_per_rank(spec, layout.tp)
+        if spec.moe_layers:
+            layer = max(layer, layer_params_per_rank(spec, layout.tp, sparse=True) +
+                        expert_params_per_rank(spec, layout.ep, layout.etp))
+        return layers * layer * fw.param_bytes
 
     def _forward_memory(self, decl: ModelDecl, layout: Layout, topo: Topology, *, seqs: int, seq_len: int, logits: str) -> dict[str, int]:
         """Inference or prefill: weights, one layer's live tensors and the head's logits per micro-batch.
@@ -260,14 +289,16 @@ class CostModel:
         spec, fw = decl.spec, self.framework
         b, tp = microbatch_size(seqs, layout), layout.tp
         s_loc = seq_len // layout.cp
-        mem = state_bytes(max(self._stage_params(spec, decl.head, layout)), fw, layout=layout, trainable=decl.trainable)
-        mem["activations"] = int(forward_working_bytes(spec, fw, b=b, s=s_loc, tp=tp, kv_len=seq_len))
+        mem = self._state(decl, layout)
+        moe = self._moe(decl, layout, b * s_loc)
+        mem["activations"] = int(max(forward_working_bytes(spec, fw, b=b, s=s_loc, tp=tp, kv_len=seq_len, moe=m)
+                                     for m in {None, moe}))
         if logits != "none":
             positions = s_loc if logits == "all" else 1
             mem["logits"] = self._logits_bytes(LOGIT_INFER_BYTES, b * positions * spec.vocab_size / tp)
         mem["buffers"] = int(self._zero3_buffer(spec, layout) + (4.0 * b * s_loc * spec.hidden_size / tp if layout.pp > 1 else 0))
         mem = self._compute_dtype(mem)
-        mem.update(self._outside_tensors(layout, mem, topo))
+        mem.update(self._outside_tensors(layout, mem, topo, moe=spec.is_moe))
         return mem
 
     def _generate_memory(self, decl: ModelDecl, layout: Layout, dec: Layout, call: Call,
@@ -281,16 +312,17 @@ class CostModel:
         pre.update(self._compute_dtype({"kv_cache": int(kv_cache_bytes(
             spec, seqs=wave_seqs / (layout.dp * layout.cp), ctx=call.prompt_len, layers=pre_layers, tp=layout.tp))}))
         layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, dec.pp, dec.interleave))
-        decode = state_bytes(max(self._stage_params(spec, decl.head, dec)), self.framework, layout=dec,
-                             trainable=decl.trainable)
+        decode = self._state(decl, dec)
         decode["kv_cache"] = int(kv_cache_bytes(spec, seqs=split.resident_seqs, ctx=call.seq_len, layers=layers, tp=dec.tp))
         decode["logits"] = int(LOGIT_INFER_BYTES * split.seqs_per_group * spec.vocab_size / dec.tp)
-        decode["activations"] = int(forward_working_bytes(spec, self.framework, b=split.seqs_per_group, s=1, tp=dec.tp,
-                                                          kv_len=call.seq_len))
+        moe = self._moe(decl, dec, split.seqs_per_group)
+        decode["activations"] = int(max(forward_working_bytes(spec, self.framework, b=split.seqs_per_group, s=1,
+                                                              tp=dec.tp, kv_len=call.seq_len, moe=m)
+                                        for m in {None, moe}))
         if dec != layout:  # both placements' weights are live while the layout changes
             decode["buffers"] = pre["params"]
         decode = self._compute_dtype(decode)
-        decode.update(self._outside_tensors(dec, decode, topo))
+        decode.update(self._outside_tensors(dec, decode, topo, moe=spec.is_moe))
         if dec != layout:  # the prefill layout's communicators stay
             decode["nccl"] = max(decode["nccl"], pre["nccl"])
         return decode if sum(decode.values()) >= sum(pre.values()) else pre

@@ -31,8 +31,8 @@ from cost_models.compute import kernels_time_s
 from cost_models.framework import Framework
 from cost_models.hardware import Hardware
 from cost_models.memory import kv_cache_bytes
-from cost_models.ops import embedding_work, gemm, layer_params_per_rank, layer_work, mem
-from cost_models.training import StepTimes, Stretch, Topology, forward_pass, stretch_of
+from cost_models.ops import embedding_work, expert_load, gemm, layer_work, mean_layer_params, mem
+from cost_models.training import StepTimes, Stretch, Topology, forward_pass, stage_layer_counts, stretch_of
 from plans.layout import Layout
 from plans.model import ModelSpec
 from plans.sharding import stage_layers
@@ -62,38 +62,54 @@ def decode_split(seqs: int, layout: Layout) -> DecodeSplit:
 
 
 def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, b: int, groups: int,
-                  ctx: int) -> tuple[float, float]:
-    """(wall time, tensor-parallel collective time) of one decode step of `groups` groups of `b` sequences."""
+                  ctx: int, load_cv: float = 0.0) -> tuple[float, float, float]:
+    """(wall time, tensor-parallel collective time, expert all-to-all time) of one decode step of
+    `groups` groups of `b` sequences.
+
+    A sparse layer streams the weights of the experts its tokens activate (`ExpertLoad.active`:
+    with few tokens, far fewer than all of them) and waits for two all-to-alls."""
     pp, tp = layout.pp, layout.tp
-    w = layer_work(spec, fw, b=b, s=1, tp=tp, cp=1, sp=False, kv_len=ctx)
-    g = {"tp": topo.group(layout, "tp"), "cp": comm.Group(1, 1, 1)}
-    layer = stretch_of(w.fwd, w.fwd_comm, g, hw)
+    g = {"tp": topo.group(layout, "tp"), "cp": comm.Group(1, 1, 1), "ep": topo.group(layout, "ep")}
+
+    def one(sparse: bool) -> Stretch:
+        moe = expert_load(spec, layout, tokens=b, load_cv=load_cv) if sparse else None
+        w = layer_work(spec, fw, b=b, s=1, tp=tp, cp=1, sp=False, kv_len=ctx, moe=moe)
+        out = stretch_of(w.fwd, w.fwd_comm, g, hw)
+        if fw.decode_cuda_graphs and hw.sm_count is not None:  # a GPU replays the step: no per-kernel host cost
+            out = dataclasses.replace(out, host_s=0.0)
+        return out
+
+    dense_layer, sparse_layer = one(False), (one(True) if spec.moe_layers else Stretch())
     ef, _ = embedding_work(spec, fw, b=b, s=1, tp=tp, cp=1)
     head = (gemm(b, -(-spec.vocab_size // tp), spec.hidden_size), mem(SAMPLE_BYTES * b * spec.vocab_size / tp))
     ends = Stretch(kernels_time_s(ef + head, hw), 0.0, (len(ef) + len(head)) * hw.host_kernel_s)
-    if fw.decode_cuda_graphs and hw.sm_count is not None:  # a GPU replays the step: one launch, no per-kernel host cost
-        layer = dataclasses.replace(layer, host_s=0.0)
+    if fw.decode_cuda_graphs and hw.sm_count is not None:  # one launch for the whole step
         ends = dataclasses.replace(ends, host_s=hw.host_kernel_s)
-    layers = [len(x) for x in stage_layers(spec.num_hidden_layers, pp, layout.interleave)]
-    stage = max(layer.scale(n).wall_s(hw) for n in layers) + ends.wall_s(hw) / pp
+    counts = stage_layer_counts(spec, pp, layout.interleave)
+    per_stage = [dense_layer.scale(nd) + sparse_layer.scale(ns) for nd, ns in counts]
+    crit = max(range(pp), key=lambda i: per_stage[i].wall_s(hw))
+    stage = per_stage[crit].wall_s(hw) + ends.wall_s(hw) / pp
     hop = comm.p2p_s(2.0 * b * spec.hidden_size, cross_node=topo.pp_cross_node(layout), senders_per_node=1, hw=hw) + \
         comm.skew_wait_s(stage, 2, hw)
     turns = max(groups, pp)
-    return turns * stage + (pp - 1) * hop, turns * layer.comm_s * max(layers)
+    crit_s = per_stage[crit]
+    return turns * stage + (pp - 1) * hop, turns * (crit_s.comm_s - crit_s.ep_comm_s), turns * crit_s.ep_comm_s
 
 
 def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, decode: Layout, topo: Topology, *,
-                   seqs: int, prompt_len: int, gen_len: int) -> StepTimes:
+                   seqs: int, prompt_len: int, gen_len: int, load_cv: float = 0.0) -> StepTimes:
     """Wall time of prefill, cache writes, layout change and decode, by kind."""
     out = StepTimes()
     split = decode_split(seqs, decode)
     if fw.weight_cast_bytes:  # the weights are cast once for the call, not on each step
-        lp = layer_params_per_rank(spec, decode.tp) * spec.num_hidden_layers / decode.pp
+        lp = mean_layer_params(spec, decode.tp) * spec.num_hidden_layers / decode.pp / \
+            (decode.ep if spec.is_moe else 1)
         out.add("prefill", fw.weight_cast_bytes * lp / hw.mem_bytes_s)
         fw = dataclasses.replace(fw, weight_cast_bytes=0.0)
     # Each wave prefills its own prompts: the prefill layout's micro-batches subdivide a wave.
     pre_layout = layout.model_copy(update={"micro_batches": layout.micro_batches * split.waves}) if split.waves > 1 else layout
-    pre = forward_pass(spec, fw, hw, pre_layout, topo, head="lm", seqs=seqs, seq_len=prompt_len, last_token_logits=True)
+    pre = forward_pass(spec, fw, hw, pre_layout, topo, head="lm", seqs=seqs, seq_len=prompt_len, last_token_logits=True,
+                       load_cv=load_cv)
     out.add("prefill", pre.total_s)
     per_rank = seqs / (layout.dp * layout.cp)
     layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, layout.pp, layout.interleave))
@@ -103,9 +119,11 @@ def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout,
         whole = comm.group_at(first=topo.first, stride=1, n=topo.size, mesh_size=topo.size, gpus_per_node=topo.gpus_per_node)
         out.add("reshard", comm.all_to_all_s(cache, whole, hw))
     ctx = prompt_len + (gen_len + 1) // 2
-    step, tp_comm = decode_step_s(spec, fw, hw, decode, topo, b=split.seqs_per_group, groups=split.groups, ctx=ctx)
+    step, tp_comm, ep_comm = decode_step_s(spec, fw, hw, decode, topo, b=split.seqs_per_group, groups=split.groups, ctx=ctx,
+                                  load_cv=load_cv)
     steps = split.waves * (gen_len - 1)
-    out.add("decode", steps * (step - tp_comm))
+    out.add("decode", steps * (step - tp_comm - ep_comm))
     out.add("tp_comm", steps * tp_comm)
+    out.add("ep_comm", steps * ep_comm)
     out.add("overhead", split.waves * gen_len * hw.decode_step_overhead_s)
     return out

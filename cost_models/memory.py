@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from cost_models.comm import NCCL_CHANNELS
 from cost_models.framework import Framework
+from cost_models.ops import ExpertLoad
 from plans.layout import Layout
 from plans.model import Head, ModelSpec
 
@@ -43,9 +44,21 @@ FRAGMENTATION = 0.15  # of the transient tensors' bytes (GMLake's average)
 TRANSIENT = ("activations", "logits", "buffers")
 
 
+def sparse_mlp_saved_bytes(spec: ModelSpec, *, tokens: int, tp: int, moe: ExpertLoad) -> float:
+    """What a sparse MLP keeps for backward on a rank: router probabilities (fp32), the permuted
+    token copies the experts read, their gate, up and SwiGLU outputs at the busiest rank's rows,
+    the copies' outputs before the weighted sum, and the shared expert's three f-wide tensors."""
+    h, e, k = spec.hidden_size, spec.experts, spec.num_experts_per_tok
+    copies = 2.0 * moe.routed * k * h
+    cells = 2.0 * moe.rows * moe.active * moe.width
+    shared = 6.0 * tokens * spec.shared_expert_intermediate_size / tp
+    return 4.0 * moe.routed * e + 2 * copies + 3 * cells + shared
+
+
 def layer_activation_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, sp: bool,
-                           recompute: str) -> float:
-    """Bytes one layer keeps for backward, for one micro-batch of `b` sequences of `s` tokens."""
+                           recompute: str, moe: ExpertLoad | None = None) -> float:
+    """Bytes one layer keeps for backward, for one micro-batch of `b` sequences of `s` tokens (a
+    sparse layer's MLP as `moe` loads it)."""
     h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
     a, kv = spec.num_attention_heads, spec.kv_heads
     sbh = float(s) * b * h
@@ -59,15 +72,18 @@ def layer_activation_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp
         split = 2 * s * b * (a * d + 2 * kv * d) + 2 * sbh + 4.0 * s * b * f
     else:
         replicated = 8 * sbh  # two norm inputs, QKV and MLP inputs
-        split = 2 * s * b * (a * d + 2 * kv * d) + 2 * sbh + 6.0 * s * b * f  # gate, up, down inputs
+        mlp = 0.0 if moe is not None else 6.0 * s * b * f  # gate, up, down inputs
+        split = 2 * s * b * (a * d + 2 * kv * d) + 2 * sbh + mlp
     if recompute == "selective" or fw.attention == "flash":
         core = 0.0 if recompute == "selective" else 4.0 * a * s * b  # flash keeps fp32 log-sum-exp only
     else:
         core = (5.0 if fw.dropout else 2.0) * a * s * s * b  # softmax out (2), mask (1), dropout out (2)
-    return replicated / norm_div + (split + core) / tp
+    experts = sparse_mlp_saved_bytes(spec, tokens=s * b, tp=tp, moe=moe) if moe is not None else 0.0
+    return replicated / norm_div + (split + core) / tp + experts
 
 
-def forward_working_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, kv_len: int | None = None) -> float:
+def forward_working_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, kv_len: int | None = None,
+                          moe: ExpertLoad | None = None) -> float:
     """Peak live bytes inside one layer's forward when nothing is kept for backward (inference).
 
     The residual stream in and out (2 x 2sbh) plus the larger of the MLP intermediates (GELU: up
@@ -79,6 +95,9 @@ def forward_working_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp:
     keys = kv_len or s
     tokens = float(s) * b
     mlp = (2 if spec.model_type == "gpt" else 3) * 2 * tokens * f / tp
+    if moe is not None:  # token copies in and out, the experts' gate, up and product
+        mlp = 2 * 2.0 * moe.routed * spec.num_experts_per_tok * h + 3 * 2.0 * moe.rows * moe.active * moe.width + \
+            3 * 2 * tokens * spec.shared_expert_intermediate_size / tp
     attn = 2 * tokens * (a + 2 * kv) * d / tp + 2 * tokens * a * d / tp
     if fw.attention == "materialized":
         attn += 2 * 2 * b * (a / tp) * s * keys
@@ -112,14 +131,21 @@ def stage_params(spec: ModelSpec, *, head: Head, layers: int, first: bool, last:
     return n
 
 
-def state_bytes(params: float, fw: Framework, *, layout: Layout, trainable: bool) -> dict[str, int]:
-    """Weights (+ gradients and optimizer states when trainable) per rank, by ZeRO stage."""
+def state_bytes(params: float, fw: Framework, *, layout: Layout, trainable: bool,
+                expert_params: float = 0.0) -> dict[str, int]:
+    """Weights (+ gradients and optimizer states when trainable) per rank, by ZeRO stage: dense
+    weights sharded over the data-parallel group, routed experts over theirs (`Layout.edp`)."""
     dp = layout.dp * layout.cp  # context-parallel ranks hold replicas and reduce gradients too
+    edp = layout.edp
     z = layout.zero
-    out = {"params": int(params * fw.param_bytes / (dp if z >= 3 else 1))}
+
+    def over(n_dense: float, n_expert: float, shard: bool) -> float:
+        return n_dense / (dp if shard else 1) + n_expert / (edp if shard else 1)
+
+    out = {"params": int(over(params, expert_params, z >= 3) * fw.param_bytes)}
     if trainable:
-        out["grads"] = int(params * fw.grad_bytes / (dp if z >= fw.grads_sharded_from_zero else 1))
-        out["optimizer"] = int(params * fw.optimizer_bytes / (dp if z >= 1 else 1))
+        out["grads"] = int(over(params, expert_params, z >= fw.grads_sharded_from_zero) * fw.grad_bytes)
+        out["optimizer"] = int(over(params, expert_params, z >= 1) * fw.optimizer_bytes)
     return out
 
 

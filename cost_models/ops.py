@@ -16,19 +16,29 @@ element), bias-dropout-add (read 2 inputs, write, 1-byte mask: 7), bias-GELU (4 
 4h activation), SwiGLU (6), materialised softmax over the s x s scores (4) and its dropout (5);
 backward kernels read the saved input and the incoming gradient and write one gradient.
 With sequence parallelism the norm/dropout region holds M/t tokens (Korthikanti et al. 2022).
+
+A sparse (mixture-of-experts) layer replaces the MLP by a router GEMM ``2*T*h*E`` over the T tokens
+a rank routes, a top-k softmax, a permutation of the T*k token copies into expert order, grouped
+GEMMs of the experts a rank holds (each at the rows it really receives: `ExpertLoad`), the
+un-permutation and weighted sum, and an all-to-all over the expert-parallel group before and
+after the experts (dispatch and combine; the backward runs both again). A shared expert is a
+dense SwiGLU MLP beside them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
+from cost_models.comm import expected_max_normal
 from cost_models.framework import Framework
+from plans.layout import Layout
 from plans.model import Head, ModelSpec
 
 KernelKind = Literal["gemm", "attn", "mem"]
-CommOp = Literal["all_reduce", "all_gather", "reduce_scatter", "ring_p2p"]
+CommOp = Literal["all_reduce", "all_gather", "reduce_scatter", "ring_p2p", "all_to_all"]
 FLASH_BWD_FLOPS_RATIO = 2.5  # FlashAttention-2 backward: 5 matmuls against 2 forward
 CE_FWD_BYTES = 14  # vocab-parallel cross entropy per logit: upcast (2+4), max (4), exp-sum (4)
 CE_BWD_BYTES = 6  # softmax minus one-hot: read fp32, write fp16 gradient
@@ -60,7 +70,7 @@ class Comm:
 
     op: CommOp
     bytes: float
-    group: Literal["tp", "cp"]
+    group: Literal["tp", "cp", "ep"]
 
 
 @dataclass(frozen=True)
@@ -90,16 +100,82 @@ def mem(nbytes: float) -> Kernel:
     return Kernel("mem", 0.0, float(nbytes))
 
 
-def layer_params_per_rank(spec: ModelSpec, tp: int) -> float:
-    """Weights of one decoder layer held by one tensor-parallel rank (replicated norms counted whole)."""
+def layer_params_per_rank(spec: ModelSpec, tp: int, *, sparse: bool = False) -> float:
+    """Weights of one decoder layer held by one tensor-parallel rank (replicated norms counted whole),
+    routed experts left out (`expert_params_per_rank`): a `sparse` layer holds its router and shared
+    expert in place of the dense MLP."""
     h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
     q, kv = spec.num_attention_heads * d, spec.kv_heads * d
-    mats = h * (q + 2 * kv) + q * h + (2 if spec.model_type == "gpt" else 3) * h * f
+    mlp = 3 * h * spec.shared_expert_intermediate_size if sparse else (2 if spec.model_type == "gpt" else 3) * h * f
+    mats = h * (q + 2 * kv) + q * h + mlp
     if spec.model_type == "gpt":
         split_bias, whole = q + 2 * kv + f, 6 * h  # 2 norms (w, b), out and down biases
     else:
         split_bias, whole = (q + 2 * kv) if spec.attention_bias else 0, 2 * h
+    if spec.qk_norm == "head":
+        whole += 2 * d
+    elif spec.qk_norm == "proj":
+        split_bias += q + kv
+    if sparse:
+        whole += spec.experts * h + (h if spec.shared_expert_gate else 0)  # router, shared expert gate
     return (mats + split_bias) / tp + whole
+
+
+def expert_params_per_rank(spec: ModelSpec, ep: int, etp: int) -> float:
+    """Routed-expert weights of one sparse layer on one rank: its experts' share of the f dim."""
+    return spec.experts / ep * 3 * spec.hidden_size * spec.expert_ffn / etp
+
+
+def mean_layer_params(spec: ModelSpec, tp: int, *, active: bool = False) -> float:
+    """Per-rank weights of an average decoder layer (dense and sparse layers, all experts or, with
+    `active`, the `num_experts_per_tok` a token uses): for FLOPs and weight streaming."""
+    sparse = spec.moe_layers
+    dense = spec.num_hidden_layers - sparse
+    experts = expert_params_per_rank(spec, 1, tp) * (spec.num_experts_per_tok / spec.experts if active else 1.0) \
+        if sparse else 0.0
+    total = dense * layer_params_per_rank(spec, tp) + sparse * (layer_params_per_rank(spec, tp, sparse=True) + experts)
+    return total / spec.num_hidden_layers
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """How one micro-batch's routed tokens fall on one rank's experts in a sparse layer.
+
+    A rank routes `routed` tokens (all its replica's tokens when experts are tensor-parallel like
+    the dense MLP, etp = tp; its 1/tp share of them when each expert is whole, etp = 1) and sends
+    their ``routed * k`` copies over the expert-parallel group. Its E/ep experts receive ep times
+    its share of the group's copies on average; an expert receives one with probability k/E per
+    token of the group, so `active` experts get any at all (all of them in training; few in decode,
+    which then streams only those experts' weights). The busiest rank bounds the layer: each
+    expert's count is binomial (tokens x k/E), plus the router's own unevenness `load_cv`
+    (coefficient of variation of an expert's load); a rank sums E/ep of them, and the largest of
+    ep such sums is ``1 + cv_rank * E[max of ep normals]`` times the mean (`skew`).
+    """
+
+    routed: int
+    active: int  # local experts receiving tokens
+    rows: int  # tokens each active expert of the busiest rank computes
+    width: int  # expert width on this rank (f / etp)
+    skew: float
+    a2a_bytes: float  # what the busiest rank sends (and receives) in one all-to-all
+
+
+def expert_load(spec: ModelSpec, layout: Layout, *, tokens: int, load_cv: float = 0.0) -> ExpertLoad:
+    """The `ExpertLoad` of `tokens` tokens of one replica (one micro-batch, one context chunk)."""
+    e, k, ep = spec.experts, spec.num_experts_per_tok, layout.ep
+    routed = max(1, tokens // layout.tp) if layout.etp == 1 and layout.tp > 1 else tokens
+    group_tokens = ep * routed
+    p = k / e
+    local = e // ep
+    active = max(1, min(local, math.ceil(local * (1.0 - (1.0 - p) ** group_tokens))))
+    if ep > 1:
+        cv_expert = math.sqrt(load_cv**2 + (1.0 - p) / (group_tokens * p))
+        skew = 1.0 + cv_expert / math.sqrt(local) * expected_max_normal(ep)
+    else:
+        skew = 1.0
+    rows = max(1, math.ceil(routed * k / active * skew))
+    a2a = 2.0 * routed * k * spec.hidden_size * skew if ep > 1 else 0.0
+    return ExpertLoad(routed, active, rows, spec.expert_ffn // layout.etp, skew, a2a)
 
 
 def _attention(spec: ModelSpec, fw: Framework, *, b: int, s_q: int, s_k: int, tp: int, causal: bool) -> tuple[
@@ -138,12 +214,14 @@ def _attention(spec: ModelSpec, fw: Framework, *, b: int, s_q: int, s_k: int, tp
 
 @lru_cache(maxsize=4096)
 def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: int, sp: bool,
-               kv_len: int | None = None) -> LayerWork:
+               kv_len: int | None = None, moe: ExpertLoad | None = None) -> LayerWork:
     """Kernels of one layer for a micro-batch of `b` sequences of `s` tokens on one rank.
 
     Context parallelism splits each sequence into `cp` chunks (queries local, keys and values
     exchanged around a ring); sequence parallelism shards the norm/dropout region over `tp`.
     `kv_len` (decode) attends `s` new tokens to a cache of that many keys, without a causal mask.
+    With `moe` the layer is sparse: its MLP is the router, the experts as `moe` loads them, the
+    shared expert and two all-to-alls each way (`sparse_mlp`).
     """
     h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
     a, kv = spec.num_attention_heads, spec.kv_heads
@@ -156,13 +234,17 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
 
     qkv = gemm(m, (a + 2 * kv) * d // tp, h)
     out = gemm(m, h, a * d // tp)
-    if gpt:
+    if moe is not None:
+        sparse = sparse_mlp(spec, fw, m=m, tp=tp, moe=moe)
+        ups, act_fwd, act_bwd, down = [], list(sparse.fwd), list(sparse.bwd), None
+    elif gpt:
         ups, act_fwd, act_bwd = [gemm(m, f // tp, h)], [mem(4.0 * m * f / tp)], [mem(6.0 * m * f / tp)]
     else:
         ups = [gemm(m, 2 * f // tp, h)]
         act_fwd = [mem(x * m * f / tp) for x in fw.swiglu_fwd or (6.0,)]
         act_bwd = [mem(x * m * f / tp) for x in fw.swiglu_bwd or (10.0,)]
-    down = gemm(m, h, f // tp)
+    if moe is None:
+        down = gemm(m, h, f // tp)
     att_f, att_b = _attention(spec, fw, b=b, s_q=s_loc, s_k=kv_len or s, tp=tp, causal=kv_len is None)
     qk = m * (a + kv) * d / tp
     rope_f = [] if gpt else [mem(x * qk) for x in fw.rope_fwd]
@@ -171,11 +253,14 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     norm_f, norm_b = [mem(x * mn * h) for x in fw.norm_fwd], [mem(x * mn * h) for x in fw.norm_bwd]
     add_f = [mem(x * mn * h) for x in fw.residual_fwd or (add_bytes,)]
     add_b = [mem(x * mn * h) for x in fw.residual_bwd or (5 if drop else 6,)]
-    mats = (qkv, out, *ups, down)
+    mats = (qkv, out, *ups) + ((down,) if down is not None else ())
     casts = [mem(fw.weight_cast_bytes * g.k * g.n) for g in mats] if fw.weight_cast_bytes else []
+    if moe is not None and fw.weight_cast_bytes:
+        casts.append(mem(fw.weight_cast_bytes * moe.active * 3 * h * moe.width))
     copy = [mem(4.0 * m * a * d / tp)] if fw.attn_out_copy and fw.attention == "flash" else []
-    fwd = (*casts, *norm_f, qkv, *rope_f, *att_f, *copy, out, *add_f, *norm_f, *ups, *act_fwd, down, *add_f)
-    bwd: list[Kernel] = [*add_b, *gemm_bwd(down), *act_bwd]
+    mlp_f = (*ups, *act_fwd) + ((down,) if down is not None else ())
+    fwd = (*casts, *norm_f, qkv, *rope_f, *att_f, *copy, out, *add_f, *norm_f, *mlp_f, *add_f)
+    bwd: list[Kernel] = [*add_b, *(gemm_bwd(down) if down is not None else ()), *act_bwd]
     for g in ups:
         bwd += gemm_bwd(g)
     bwd += [*norm_b, *add_b, *gemm_bwd(out), *copy, *att_b, *rope_b, *gemm_bwd(qkv), *norm_b]
@@ -193,14 +278,69 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     else:
         fwd_comm = (Comm("all_reduce", act, "tp"),) * 2
         bwd_comm = fwd_comm
+    if moe is not None and moe.width == spec.expert_ffn and tp > 1:
+        # Whole experts (etp = 1): each tensor-parallel rank routes its own 1/tp of the tokens, so the
+        # MLP's tensor-parallel pair goes (sequence parallel: the tokens stay sharded) or becomes an
+        # all-gather of the routed outputs; a shared expert keeps the dense MLP's collectives.
+        attn_part = fwd_comm[: len(fwd_comm) // 2]
+        mlp_part = fwd_comm[len(fwd_comm) // 2:] if spec.shared_expert_intermediate_size else ()
+        if not sp:
+            mlp_part += (Comm("all_gather", act, "tp"),)
+        fwd_comm = bwd_comm = attn_part + mlp_part
+    if moe is not None and moe.a2a_bytes:
+        fwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep"),) * 2  # dispatch, combine
+        bwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep"),) * 2
     if cp > 1:
         kv_chunk = 2.0 * 2 * b * s_loc * kv * d / tp
         fwd_comm += (Comm("ring_p2p", (cp - 1) * kv_chunk, "cp"),)
         bwd_comm += (Comm("ring_p2p", 2 * (cp - 1) * kv_chunk, "cp"),)  # K, V and their gradients
 
-    n_tensors = (12 if gpt else 9) + (3 if spec.attention_bias else 0)
-    accum = mem(layer_params_per_rank(spec, tp) * fw.grad_accum_bytes)
+    n_tensors = (12 if gpt else 9) + (3 if spec.attention_bias else 0) + (2 if spec.qk_norm != "none" else 0)
+    params = layer_params_per_rank(spec, tp, sparse=moe is not None)
+    if moe is not None:
+        params += moe.active * 3 * h * moe.width  # only experts that got tokens have gradients to add
+        n_tensors += 1 + (4 if spec.shared_expert_intermediate_size else 0)
+    accum = mem(params * fw.grad_accum_bytes)
     return LayerWork(fwd, tuple(bwd), fwd_comm, bwd_comm, att_f, accum, n_tensors)
+
+
+@dataclass(frozen=True)
+class SparseMLP:
+    fwd: tuple[Kernel, ...]
+    bwd: tuple[Kernel, ...]
+
+
+def sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLoad) -> SparseMLP:
+    """Kernels of a sparse MLP for `m` tokens on a rank (before the expert all-to-alls).
+
+    Router logits (fp16) to an fp32 softmax and top-k (read 2 + write 4, then read 4 + write the k
+    weights and indices); permuting the k copies of each routed token into expert order (read and
+    write 2 bytes per element); the active experts' gate/up and down GEMMs as one grouped GEMM each
+    at `moe.rows` rows; SwiGLU on their outputs; un-permuting, weighting and summing the k copies
+    (read 2 per copy and element, write 2 per token and element). A shared expert is a dense
+    SwiGLU MLP on all `m` tokens (tensor-parallel), scaled by a sigmoid gate where the model has one.
+    """
+    h, e, k = spec.hidden_size, spec.experts, spec.num_experts_per_tok
+    t = moe.routed
+    copies = float(t) * k * h
+    router = gemm(t, e, h)
+    up = gemm(moe.rows, 2 * moe.width, h, moe.active)
+    down = gemm(moe.rows, h, moe.width, moe.active)
+    cells = float(moe.rows) * moe.active * moe.width
+    fwd: list[Kernel] = [router, mem(10.0 * t * e), mem(4.0 * copies), up,
+                         *[mem(x * cells) for x in fw.swiglu_fwd or (6.0,)], down, mem(2.0 * copies + 2.0 * t * h)]
+    bwd: list[Kernel] = [mem(2.0 * copies + 4.0 * t * h), *gemm_bwd(down), *[mem(x * cells) for x in fw.swiglu_bwd or (10.0,)],
+                         *gemm_bwd(up), mem(4.0 * copies), mem(10.0 * t * e), *gemm_bwd(router)]
+    fs = spec.shared_expert_intermediate_size
+    if fs:
+        s_up, s_down = gemm(m, 2 * fs // tp, h), gemm(m, h, fs // tp)
+        fwd += [s_up, *[mem(x * m * fs / tp) for x in fw.swiglu_fwd or (6.0,)], s_down]
+        bwd += [*gemm_bwd(s_down), *[mem(x * m * fs / tp) for x in fw.swiglu_bwd or (10.0,)], *gemm_bwd(s_up)]
+        if spec.shared_expert_gate:
+            gate = gemm(m, 1, h)
+            fwd += [gate, mem(6.0 * m * h)]
+            bwd += [mem(6.0 * m * h), *gemm_bwd(gate)]
+    return SparseMLP(tuple(fwd), tuple(bwd))
 
 
 @lru_cache(maxsize=4096)

@@ -20,13 +20,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from cost_models import comm
 from cost_models.compute import host_device_s, kernels_time_s
 from cost_models.framework import Framework
 from cost_models.hardware import Hardware
 from cost_models.memory import stage_params
-from cost_models.ops import Comm, Kernel, embedding_work, head_work, layer_params_per_rank, layer_work
+from cost_models.ops import (
+    Comm,
+    Kernel,
+    embedding_work,
+    expert_load,
+    expert_params_per_rank,
+    head_work,
+    layer_params_per_rank,
+    layer_work,
+)
 from plans.layout import Layout
 from plans.model import Head, ModelSpec
 from plans.sharding import stage_layers
@@ -43,16 +53,9 @@ class Topology:
     gpus_per_node: int
 
     def group(self, layout: Layout, kind: str) -> comm.Group:
-        """The process group of `kind` (tp, cp, dp, or dpcp: the gradient-reduction group)."""
-        # Rank order is tp fastest, then cp, then dp: ranks sharing (pp, tp) coordinates are the
-        # cp x dp grid, which strides by tp.
-        stride, n = {
-            "tp": (1, layout.tp),
-            "cp": (layout.tp, layout.cp),
-            "dp": (layout.tp * layout.cp, layout.dp),
-            "dpcp": (layout.tp, layout.dp * layout.cp),
-        }[kind]
-        return comm.group_at(first=self.first, stride=stride, n=n, mesh_size=self.size, gpus_per_node=self.gpus_per_node)
+        """The process group of `kind`: tp, cp, dp, dpcp (the gradient-reduction group), ep (the
+        experts' all-to-all) or edp (the experts' gradient reduction)."""
+        return _group(self, layout.tp, layout.cp, layout.dp, layout.ep, layout.etp, kind)
 
     def pp_cross_node(self, layout: Layout) -> bool:
         """Whether neighbouring pipeline stages sit on different nodes."""
@@ -60,21 +63,38 @@ class Topology:
         return layout.pp > 1 and (stage_ranks >= self.gpus_per_node or self.size > self.gpus_per_node)
 
 
+@lru_cache(maxsize=65536)
+def _group(topo: Topology, tp: int, cp: int, dp: int, ep: int, etp: int, kind: str) -> comm.Group:
+    # Rank order is tp fastest, then cp, then dp: ranks sharing (pp, tp) coordinates are the
+    # cp x dp grid, which strides by tp. Experts (`Layout.expert_coord`): etp fastest within a
+    # stage, then ep, then edp.
+    stride, n = {
+        "tp": (1, tp),
+        "cp": (tp, cp),
+        "dp": (tp * cp, dp),
+        "dpcp": (tp, dp * cp),
+        "ep": (etp, ep),
+        "edp": (etp * ep, tp * cp * dp // (ep * etp)),
+    }[kind]
+    return comm.group_at(first=topo.first, stride=stride, n=n, mesh_size=topo.size, gpus_per_node=topo.gpus_per_node)
+
+
 @dataclass(frozen=True)
 class Stretch:
     """Device time (kernels + collectives) and host time of some work."""
 
     device_s: float = 0.0
-    comm_s: float = 0.0  # all collectives on the critical path, context-parallel ones included
+    comm_s: float = 0.0  # all collectives on the critical path, context- and expert-parallel ones included
     host_s: float = 0.0
     cp_comm_s: float = 0.0  # the exposed part of the context-parallel ring exchange
+    ep_comm_s: float = 0.0  # the experts' all-to-alls
 
     def __add__(self, o: Stretch) -> Stretch:
         return Stretch(self.device_s + o.device_s, self.comm_s + o.comm_s, self.host_s + o.host_s,
-                       self.cp_comm_s + o.cp_comm_s)
+                       self.cp_comm_s + o.cp_comm_s, self.ep_comm_s + o.ep_comm_s)
 
     def scale(self, k: float) -> Stretch:
-        return Stretch(self.device_s * k, self.comm_s * k, self.host_s * k, self.cp_comm_s * k)
+        return Stretch(self.device_s * k, self.comm_s * k, self.host_s * k, self.cp_comm_s * k, self.ep_comm_s * k)
 
     def wall_s(self, hw: Hardware) -> float:
         return host_device_s(self.host_s, self.device_s + self.comm_s, hw)
@@ -97,6 +117,8 @@ class StepTimes:
 def comm_time_s(c: Comm, g: comm.Group, hw: Hardware) -> float:
     if c.op == "all_reduce":
         return comm.all_reduce_s(c.bytes, g, hw)
+    if c.op == "all_to_all":
+        return comm.all_to_all_s(c.bytes, g, hw)
     if c.op in ("all_gather", "reduce_scatter"):
         return comm.all_gather_s(c.bytes, g, hw)
     # Ring attention: cp-1 neighbour exchanges carrying `bytes` in all, each paying a latency.
@@ -111,7 +133,7 @@ def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dic
     Collectives of the `hidden_comm` group overlap compute worth `hide_under` seconds.
     """
     dev = kernels_time_s(kernels, hw)
-    t_comm = host = t_cp = 0.0
+    t_comm = host = t_cp = t_ep = 0.0
     between = (dev + len(kernels) * hw.host_kernel_s) / max(1, len(comms))  # work before each collective
     for c in comms:
         g = groups[c.group]
@@ -120,11 +142,13 @@ def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dic
             t = max(0.0, t - hide_under)
         if c.group == "cp":
             t_cp += t
+        elif c.group == "ep":
+            t_ep += t
         t_comm += t
         # Issuing a collective waits for the group's ranks to meet (a tree rendezvous), so its host
         # cost grows with the tree's depth, log2 of the group.
         host += hw.host_collective_s * math.log2(max(2, g.n))
-    return Stretch(dev, t_comm, len(kernels) * hw.host_kernel_s + host, t_cp)
+    return Stretch(dev, t_comm, len(kernels) * hw.host_kernel_s + host, t_cp, t_ep)
 
 
 @dataclass(frozen=True)
@@ -134,11 +158,65 @@ class LayerTimes:
     fwd_only: Stretch  # forward without storing anything (inference)
 
 
+@dataclass(frozen=True)
+class StageLayers:
+    """Per-layer stretches of the two kinds of layer and how many of each every stage runs."""
+
+    dense: LayerTimes
+    sparse: LayerTimes | None
+    counts: tuple[tuple[int, int], ...]  # per stage: (dense layers, sparse layers)
+
+    def of(self, stage: int, part: str) -> Stretch:
+        nd, ns = self.counts[stage]
+        out = getattr(self.dense, part).scale(nd)
+        if ns:
+            assert self.sparse is not None
+            out = out + getattr(self.sparse, part).scale(ns)
+        return out
+
+    @property
+    def sizes(self) -> list[int]:
+        return [nd + ns for nd, ns in self.counts]
+
+    def mean(self, part: str, hw: Hardware) -> float:
+        """Wall time of an average layer's `part`."""
+        total = sum(self.of(i, part).wall_s(hw) for i in range(len(self.counts)))
+        return total / max(1, sum(self.sizes))
+
+
+@lru_cache(maxsize=4096)
+def stage_layer_counts(spec: ModelSpec, pp: int, interleave: int) -> tuple[tuple[int, int], ...]:
+    """(dense, sparse) decoder layers of each pipeline stage."""
+    out = []
+    for layers in stage_layers(spec.num_hidden_layers, pp, interleave):
+        ns = sum(spec.is_moe_layer(i) for i in layers)
+        out.append((len(layers) - ns, ns))
+    return tuple(out)
+
+
+def stage_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, b: int, s: int,
+                training: bool, load_cv: float = 0.0) -> StageLayers:
+    counts = stage_layer_counts(spec, layout.pp, layout.interleave)
+    dense = layer_times(spec, fw, hw, layout, topo, b=b, s=s, training=training)
+    sparse = layer_times(spec, fw, hw, layout, topo, b=b, s=s, training=training, sparse=True, load_cv=load_cv) \
+        if spec.moe_layers else None
+    return StageLayers(dense, sparse, counts)
+
+
 def layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, b: int, s: int,
-                training: bool) -> LayerTimes:
-    """Per-layer, per-micro-batch stretches on one rank."""
-    w = layer_work(spec, fw, b=b, s=s, tp=layout.tp, cp=layout.cp, sp=layout.sequence_parallel)
-    groups = {"tp": topo.group(layout, "tp"), "cp": topo.group(layout, "cp")}
+                training: bool, sparse: bool = False, load_cv: float = 0.0) -> LayerTimes:
+    """Per-layer, per-micro-batch stretches on one rank (of a sparse layer with `sparse`); the
+    ZeRO stage and the micro-batch count do not change them (cached without)."""
+    key = layout.model_copy(update={"zero": 0, "micro_batches": 1}) if layout.zero or layout.micro_batches > 1 else layout
+    return _layer_times(spec, fw, hw, key, topo, b=b, s=s, training=training, sparse=sparse, load_cv=load_cv)
+
+
+@lru_cache(maxsize=16384)
+def _layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, b: int, s: int,
+                 training: bool, sparse: bool, load_cv: float) -> LayerTimes:
+    moe = expert_load(spec, layout, tokens=b * (s // layout.cp), load_cv=load_cv) if sparse else None
+    w = layer_work(spec, fw, b=b, s=s, tp=layout.tp, cp=layout.cp, sp=layout.sequence_parallel, moe=moe)
+    groups = {"tp": topo.group(layout, "tp"), "cp": topo.group(layout, "cp"), "ep": topo.group(layout, "ep")}
     attn_fwd = kernels_time_s(w.attn_core, hw)
     fwd = stretch_of(w.fwd, w.fwd_comm, groups, hw, hidden_comm="cp", hide_under=attn_fwd)
     if not training:
@@ -189,57 +267,80 @@ def microbatch_size(seqs: int, layout: Layout) -> int:
     return max(1, -(-seqs // (layout.dp * layout.micro_batches)))
 
 
+@lru_cache(maxsize=65536)
+def stage_param_counts(spec: ModelSpec, head: Head, layout: Layout) -> tuple[tuple[float, float], ...]:
+    """(dense, routed-expert) parameters one rank of each pipeline stage holds."""
+    pp, tp = layout.pp, layout.tp
+    dense_lp, sparse_lp = layer_params_per_rank(spec, tp), layer_params_per_rank(spec, tp, sparse=True)
+    experts = expert_params_per_rank(spec, layout.ep, layout.etp) if spec.moe_layers else 0.0
+    out = []
+    for i, (nd, ns) in enumerate(stage_layer_counts(spec, pp, layout.interleave)):
+        dense = stage_params(spec, head=head, layers=nd + ns, first=i == 0, last=i == pp - 1, tp=tp,
+                             layer_params=(nd * dense_lp + ns * sparse_lp) / max(1, nd + ns))
+        out.append((dense, ns * experts))
+    return tuple(out)
+
+
 def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head,
-               seqs: int, seq_len: int) -> StepTimes:
+               seqs: int, seq_len: int, load_cv: float = 0.0) -> StepTimes:
     """Wall time of one optimizer step over `seqs` sequences of `seq_len` tokens, by kind."""
     out = StepTimes()
     b, m = microbatch_size(seqs, layout), layout.micro_batches
     pp, v, tp = layout.pp, layout.interleave, layout.tp
-    lt = layer_times(spec, fw, hw, layout, topo, b=b, s=seq_len, training=True)
+    lt = stage_times(spec, fw, hw, layout, topo, b=b, s=seq_len, training=True, load_cv=load_cv)
     ef, eb, hf, hb = _ends(spec, fw, hw, layout, topo, head=head, b=b, s=seq_len, loss=True)
-    layers = [len(x) for x in stage_layers(spec.num_hidden_layers, pp, v)]
+    layers = lt.sizes
     act_bytes = 2.0 * b * (seq_len // layout.cp) * spec.hidden_size / tp  # scatter-gather sends 1/t
     cross = topo.pp_cross_node(layout)
     senders = min(topo.gpus_per_node, layout.tp * layout.cp * layout.dp)
-    chunk = (lt.fwd.wall_s(hw) + lt.bwd.wall_s(hw)) * max(layers) / (2 * v)  # a stage's work between sends
+    chunk = (lt.mean("fwd", hw) + lt.mean("bwd", hw)) * max(layers) / (2 * v)  # a stage's work between sends
     p2p = comm.p2p_s(act_bytes, cross_node=cross, senders_per_node=senders, hw=hw) + \
         comm.skew_wait_s(chunk, 2, hw) if pp > 1 else 0.0
 
     stage_s, compute_s, comm_s = [], [], []
-    for st, n_layers in enumerate(layers):
-        f = lt.fwd.scale(n_layers) + (ef if st == 0 else Stretch()) + (hf if st == pp - 1 else Stretch())
-        bw = lt.bwd.scale(n_layers) + (eb if st == 0 else Stretch()) + (hb if st == pp - 1 else Stretch())
+    for st in range(pp):
+        f = lt.of(st, "fwd") + (ef if st == 0 else Stretch()) + (hf if st == pp - 1 else Stretch())
+        bw = lt.of(st, "bwd") + (eb if st == 0 else Stretch()) + (hb if st == pp - 1 else Stretch())
         sends = (2 if 0 < st < pp - 1 else 1) * p2p * v if pp > 1 else 0.0
         wall = f.wall_s(hw) + bw.wall_s(hw)
         stage_s.append(wall + sends)
         compute_s.append(wall - f.comm_s - bw.comm_s)
-        cp_s = f.cp_comm_s + bw.cp_comm_s
-        comm_s.append((f.comm_s + bw.comm_s - cp_s, cp_s, sends))
+        cp_s, ep_s = f.cp_comm_s + bw.cp_comm_s, f.ep_comm_s + bw.ep_comm_s
+        comm_s.append((f.comm_s + bw.comm_s - cp_s - ep_s, cp_s, sends, ep_s))
     steady, bubble = pipeline_s(stage_s, m=m, interleave=v, host_s=hw.microbatch_overhead_s)
     crit = max(range(pp), key=lambda i: stage_s[i])
     out.add("compute", compute_s[crit] * m)
     out.add("tp_comm", comm_s[crit][0] * m)
     out.add("cp_comm", comm_s[crit][1] * m)
     out.add("pp_comm", comm_s[crit][2] * m)
+    out.add("ep_comm", comm_s[crit][3] * m)
     out.add("overhead", hw.microbatch_overhead_s * m)
     out.add("pp_bubble", bubble)
 
-    # Gradient reduction and optimizer, on the stage with the most parameters.
-    lp = layer_params_per_rank(spec, tp)
-    params = max(stage_params(spec, head=head, layers=n, first=i == 0, last=i == pp - 1, tp=tp, layer_params=lp)
-                 for i, n in enumerate(layers))
+    # Gradient reduction and optimizer, on the stage with the most parameters: dense weights over
+    # the data-parallel group, routed experts over the experts' own (`Layout.edp`).
+    counts = stage_param_counts(spec, head, layout)
+    heavy = max(range(pp), key=lambda i: sum(counts[i]))
+    params, experts = counts[heavy]
     # Parameter groups a stage gathers one at a time under ZeRO-3: its layers, plus the embeddings
     # on the first stage and the final norm and head on the last.
     groups = max(n + (1 if i == 0 else 0) + (2 if i == pp - 1 else 0) for i, n in enumerate(layers))
+    last_bwd = lt.of(crit, "bwd").wall_s(hw)
     out.add("dp_comm", grad_sync_s(params, fw, hw, layout, topo, m=m, microbatch_s=stage_s[crit],
-                                   last_bwd_s=lt.bwd.wall_s(hw) * layers[crit], zero3_groups=groups,
-                                   since_sync_s=steady + bubble))
+                                   last_bwd_s=last_bwd, zero3_groups=groups, since_sync_s=steady + bubble))
+    if experts:
+        out.add("dp_comm", grad_sync_s(experts, fw, hw, layout, topo, m=m, microbatch_s=stage_s[crit],
+                                       last_bwd_s=last_bwd, zero3_groups=groups, since_sync_s=steady + bubble,
+                                       group="edp"))
     zero_div = layout.dp * layout.cp if layout.zero >= 1 else 1
-    optimizer_s = params / zero_div * fw.optimizer_step_bytes / hw.mem_bytes_s
+    expert_div = layout.edp if layout.zero >= 1 else 1
+    optimizer_s = (params / zero_div + experts / expert_div) * fw.optimizer_step_bytes / hw.mem_bytes_s
     out.add("optimizer", optimizer_s)
     if 1 <= layout.zero < 3:  # ZeRO gathers the updated weight shards back to every rank
         g = topo.group(layout, "dpcp")
         out.add("dp_comm", comm.all_gather_s(params * fw.param_bytes, g, hw) + comm.skew_wait_s(optimizer_s, g.n, hw))
+        if experts:
+            out.add("dp_comm", comm.all_gather_s(experts * fw.param_bytes, topo.group(layout, "edp"), hw))
     if spec.tied and head == "lm" and pp > 1:  # first and last stage sum the shared embedding's gradient
         rows = -(-spec.vocab_size // tp) * spec.hidden_size
         out.add("pp_comm", comm.all_reduce_s(rows * fw.grad_bytes, comm.Group(2, 1, 1) if cross else comm.Group(2, 2, 1), hw))
@@ -248,7 +349,8 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
 
 
 def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, m: int,
-                microbatch_s: float, last_bwd_s: float, zero3_groups: int = 1, since_sync_s: float = 0.0) -> float:
+                microbatch_s: float, last_bwd_s: float, zero3_groups: int = 1, since_sync_s: float = 0.0,
+                group: str = "dpcp") -> float:
     """Exposed time of the data-parallel gradient reduction (and ZeRO-3 weight gathers).
 
     ZeRO 0/1 reduce once after the last backward (all-reduce, or reduce-scatter for ZeRO-1), in
@@ -261,13 +363,15 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
     each a blocking collective paying its own latency; it keeps the gathered weights for the
     backward, so only the forward and a full recompute gather.
 
+    `group` is the reduction group: dpcp for dense weights, edp for routed experts.
+
     The last reduction also waits for the group's slowest rank, `since_sync_s` of work after the
     ranks last met (`comm.skew_wait_s`; a blocking ZeRO-3 gather or reduction waits after its
     share of a micro-batch).
     """
-    if layout.dp * layout.cp == 1:
+    g = topo.group(layout, group)
+    if g.n == 1:
         return 0.0
-    g = topo.group(layout, "dpcp")
     grad = params * fw.grad_bytes
     wait = comm.skew_wait_s(since_sync_s, g.n, hw)
     if layout.zero <= 1:
@@ -293,7 +397,7 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
 
 
 def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head,
-                 seqs: int, seq_len: int, last_token_logits: bool = False) -> StepTimes:
+                 seqs: int, seq_len: int, last_token_logits: bool = False, load_cv: float = 0.0) -> StepTimes:
     """Wall time of a forward-only pass (log-probs, values or scores) over `seqs` sequences.
 
     Micro-batches are pipelined over the stages, or run one after another when pp = 1.
@@ -301,26 +405,27 @@ def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
     out = StepTimes()
     b, m = microbatch_size(seqs, layout), layout.micro_batches
     pp, v = layout.pp, layout.interleave
-    lt = layer_times(spec, fw, hw, layout, topo, b=b, s=seq_len, training=False)
+    lt = stage_times(spec, fw, hw, layout, topo, b=b, s=seq_len, training=False, load_cv=load_cv)
     ef, _, hf, _ = _ends(spec, fw, hw, layout, topo, head=head, b=b, s=seq_len, loss=False,
                          head_tokens=1 if last_token_logits else None)
-    layers = [len(x) for x in stage_layers(spec.num_hidden_layers, pp, v)]
+    layers = lt.sizes
     act_bytes = 2.0 * b * (seq_len // layout.cp) * spec.hidden_size / layout.tp
     senders = min(topo.gpus_per_node, layout.tp * layout.cp * layout.dp)
-    chunk = lt.fwd_only.wall_s(hw) * max(layers) / v  # a stage's work between sends
+    chunk = lt.mean("fwd_only", hw) * max(layers) / v  # a stage's work between sends
     p2p = comm.p2p_s(act_bytes, cross_node=topo.pp_cross_node(layout), senders_per_node=senders, hw=hw) + \
         comm.skew_wait_s(chunk, 2, hw) if pp > 1 else 0.0
     stage_s, comm_s = [], []
-    for st, n_layers in enumerate(layers):
-        f = lt.fwd_only.scale(n_layers) + (ef if st == 0 else Stretch()) + (hf if st == pp - 1 else Stretch())
+    for st in range(pp):
+        f = lt.of(st, "fwd_only") + (ef if st == 0 else Stretch()) + (hf if st == pp - 1 else Stretch())
         stage_s.append(f.wall_s(hw) + (p2p * v if st < pp - 1 else 0.0))
-        comm_s.append((f.comm_s, f.cp_comm_s))
+        comm_s.append((f.comm_s, f.cp_comm_s, f.ep_comm_s))
     steady, bubble = pipeline_s(stage_s, m=m, interleave=v, host_s=hw.microbatch_overhead_s)
     crit = max(range(pp), key=lambda i: stage_s[i])
     sends = p2p * v if crit < pp - 1 else 0.0
     out.add("compute", (stage_s[crit] - comm_s[crit][0] - sends) * m)
-    out.add("tp_comm", (comm_s[crit][0] - comm_s[crit][1]) * m)
+    out.add("tp_comm", (comm_s[crit][0] - comm_s[crit][1] - comm_s[crit][2]) * m)
     out.add("cp_comm", comm_s[crit][1] * m)
+    out.add("ep_comm", comm_s[crit][2] * m)
     out.add("pp_comm", sends * m)
     out.add("overhead", hw.microbatch_overhead_s * m)
     out.add("pp_bubble", bubble)
@@ -328,11 +433,10 @@ def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
         # Sharded parameters (FSDP / ZeRO-3 inference, as verl runs its reference): every
         # micro-batch's forward gathers the stage's weights, prefetched under its compute or, without
         # prefetch, one blocking gather per parameter group.
-        lp = layer_params_per_rank(spec, layout.tp)
-        params = max(stage_params(spec, head=head, layers=n, first=i == 0, last=i == pp - 1, tp=layout.tp,
-                                  layer_params=lp) for i, n in enumerate(layers))
-        g = topo.group(layout, "dpcp")
-        gather = comm.all_gather_s(params * fw.param_bytes, g, hw)
+        counts = stage_param_counts(spec, head, layout)
+        params, experts = counts[max(range(pp), key=lambda i: sum(counts[i]))]
+        gather = comm.all_gather_s(params * fw.param_bytes, topo.group(layout, "dpcp"), hw) + \
+            comm.all_gather_s(experts * fw.param_bytes, topo.group(layout, "edp"), hw)
         if fw.zero3_prefetch:
             hidden = min(gather, stage_s[crit])
             out.add("dp_comm", m * (gather - hidden + comm.overlap_interference_s(hidden, hw)))

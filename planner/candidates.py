@@ -18,6 +18,7 @@ from cost_models import CallCost, CostModel
 from plans.cluster import ClusterSpec
 from plans.graph import Call, Graph, ModelDecl
 from plans.layout import Layout, Mesh
+from plans.model import ModelSpec
 from plans.sharding import layout_problems, slices_key
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -140,18 +141,35 @@ def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) ->
         per_dp = seqs // dp
         if layout_problems(spec, Layout(tp=tp, pp=pp)):
             continue
-        if train:
-            mbs = _micro_batch_counts(per_dp)
-            zeros = [0, 1, 2, 3] if dp > 1 else [0]
-            for mb, zero, rc in product(mbs, zeros, RECOMPUTE_MODES):
-                out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batches=mb, recompute=rc,
-                                  sequence_parallel=tp > 1))
-        else:
-            # Inference and generation split each replica's batch into micro-batches: pipelined
-            # through the stages when pp > 1, run as waves (each with its own activations or KV
-            # cache) when pp = 1, which is how a large batch fits at all.
-            mbs = _micro_batch_counts(per_dp)
-            out += [Layout(dp=dp, tp=tp, pp=pp, micro_batches=mb) for mb in mbs]
+        for ep, etp in expert_degrees(spec, tp=tp, stage=tp * cp * dp):
+            if train:
+                mbs = _micro_batch_counts(per_dp)
+                zeros = [0, 1, 2, 3] if dp > 1 else [0]
+                for mb, zero, rc in product(mbs, zeros, RECOMPUTE_MODES):
+                    out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batches=mb, recompute=rc,
+                                      sequence_parallel=tp > 1, ep=ep, etp=etp))
+            else:
+                # Inference and generation split each replica's batch into micro-batches: pipelined
+                # through the stages when pp > 1, run as waves (each with its own activations or KV
+                # cache) when pp = 1, which is how a large batch fits at all.
+                mbs = _micro_batch_counts(per_dp)
+                out += [Layout(dp=dp, tp=tp, pp=pp, micro_batches=mb, ep=ep, etp=etp) for mb in mbs]
+    return out
+
+
+def expert_degrees(spec: ModelSpec, *, tp: int, stage: int) -> list[tuple[int, int]]:
+    """(ep, etp) choices for a stage of `stage` ranks: (1, 1) for a dense model; for a mixture of
+    experts every power-of-two ep dividing the experts and the stage, with each expert whole
+    (etp 1) or split like the dense MLP (etp = tp)."""
+    if not spec.is_moe:
+        return [(1, 1)]
+    out = []
+    for etp in sorted({1, tp}):
+        ep = 1
+        while ep * etp <= stage and stage % (ep * etp) == 0:
+            if spec.experts % ep == 0 and spec.expert_ffn % etp == 0:
+                out.append((ep, etp))
+            ep *= 2
     return out
 
 
@@ -236,7 +254,7 @@ def twin_layout(call: Call, home: Layout) -> Layout:
         return home
     # Context-parallel ranks hold replicas, exactly like data-parallel ones.
     return Layout(dp=home.dp * home.cp, tp=home.tp, pp=home.pp, micro_batches=home.micro_batches,
-                  interleave=home.interleave)
+                  interleave=home.interleave, ep=home.ep, etp=home.etp)
 
 
 def placed(cand: Candidate, mesh: Mesh) -> Candidate:

@@ -18,10 +18,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cost_models import CallCost, CostModel
+from cost_models.memory import state_bytes
+from cost_models.training import stage_param_counts
 from planner.candidates import (
     Candidate,
     SearchSpace,
     costed_view,
+    expert_degrees,
     graph_candidates,
     layouts_for,
     mesh_positions,
@@ -34,7 +37,7 @@ from planner.simulate import Op, Schedule, default_order, simulate
 from planner.timeline import gpu_groups
 from plans.graph import ModelDecl
 from plans.layout import Layout, Mesh
-from plans.plan import Plan
+from plans.plan import Plan, PlanCall
 
 STATE_PARTS = ("params", "grads", "optimizer")
 PER_SIZE = 2  # alternatives kept per mesh size (its fastest, and its fastest that fits) before the cut
@@ -125,6 +128,39 @@ class Explanation:
 
 
 # ---- replaying the plan through the search problem -------------------------------------------
+
+
+def expert_note(plan: Plan, pc: PlanCall, cm: CostModel) -> str | None:
+    """Why a mixture-of-experts call splits its experts as it does: the all-to-all time its expert
+    parallelism costs against the expert memory it saves, beside the same layout at ep 1."""
+    decl = _view(plan, pc.name)
+    spec = decl.spec
+    if not spec.moe_layers:
+        return None
+    lay = pc.layout
+
+    def expert_gib(layout: Layout) -> float:
+        experts = max(e for _, e in stage_param_counts(spec, decl.head, layout))
+        return sum(state_bytes(0.0, cm.framework, layout=layout, trainable=decl.trainable,
+                               expert_params=experts).values()) / 2**30
+
+    cost = cm.call_cost(pc, decl, pc.mesh, lay, decode_layout=pc.decode_layout)
+    a2a = cost.breakdown_s.get("ep_comm", 0.0)
+    text = (f"{pc.name}: experts split ep{lay.ep} etp{lay.etp}: all-to-all {a2a:.3g} s of the call's {cost.time_s:.3g} s; "
+            f"routed experts {expert_gib(lay):.1f} GiB per GPU")
+    # Beside it: the same degrees with the experts whole on every rank (ep 1), or, when that is the
+    # choice, spread as far as the stage allows.
+    stage = lay.tp * lay.cp * lay.dp
+    other_ep = 1 if lay.ep > 1 else max(e for e, t in expert_degrees(spec, tp=lay.tp, stage=stage) if t == lay.etp)
+    if other_ep == lay.ep:
+        return text
+    other = lay.model_copy(update={"ep": other_ep})
+    dec = None if pc.decode_layout is None else pc.decode_layout.model_copy(update={"ep": other_ep})
+    alt = cm.call_cost(pc, decl, pc.mesh, other, decode_layout=dec)
+    fits = alt.peak_mem_bytes <= plan.cluster.usable_mem_bytes
+    return text + (f"; at ep{other_ep} ({other.short()}) {expert_gib(other):.1f} GiB, all-to-all "
+                   f"{alt.breakdown_s.get('ep_comm', 0.0):.3g} s, the call {alt.time_s:.3g} s and peak "
+                   f"{alt.peak_mem_bytes / 2**30:.1f} GiB" + ("" if fits else " (does not fit)"))
 
 def _view(plan: Plan, call_name: str) -> ModelDecl:
     c = plan.call(call_name)
@@ -409,6 +445,7 @@ def explain_plan(plan: Plan, *, cm: CostModel | None = None, space: SearchSpace 
         if abs(t - pc.est_time_s) > 1e-6 * max(t, 1e-12):
             notes.append(f"{pc.name}: the plan states {pc.est_time_s:.4g} s but this cost model gives {t:.4g} s "
                          "(was it compiled with --calibration?)")
+    notes += [n for pc in plan.calls if (n := expert_note(plan, pc, cm))]
     path = critical_path(plan)
     calls_on_path = [p for p in path if p.kind == "call"]
     bottleneck = max(calls_on_path, key=lambda p: p.time_s) if calls_on_path else None

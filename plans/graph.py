@@ -65,6 +65,10 @@ class ModelDecl(Strict):
     weights: str | None = Field(None, max_length=4096, description="Absolute path of a local HF model directory "
                                 "whose safetensors hold the initial weights (a value head it lacks starts fresh); "
                                 "None: seeded random initialisation.")
+    expert_load_cv: float = Field(0.0, ge=0.0, le=10.0, description="Mixture-of-experts models: how unevenly the "
+                                  "router loads its experts beyond chance, as the coefficient of variation of one "
+                                  "expert's share (0: only the binomial spread of tokens; measure it from a run's "
+                                  "routing counts). The busiest expert-parallel rank bounds each sparse layer.")
 
 
 class Call(Strict):

@@ -15,6 +15,7 @@ so the count the cost model uses is the count the runtime allocates.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -198,13 +199,12 @@ class ModelSpec(Strict):
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether decoder layer `i` has a sparse (mixture-of-experts) MLP."""
-        return self.num_experts is not None and i >= self.first_k_dense_replace and \
-            (i + 1) % self.decoder_sparse_step == 0 and i not in self.mlp_only_layers
+        return self.num_experts is not None and _sparse_layers(self)[i]
 
     @property
     def moe_layers(self) -> int:
         """Decoder layers with a sparse MLP."""
-        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        return sum(_sparse_layers(self)) if self.num_experts is not None else 0
 
     @property
     def experts(self) -> int:
@@ -250,6 +250,12 @@ class ModelSpec(Strict):
         if self.name:
             return self.name
         return f"{self.model_type}-h{self.hidden_size}-l{self.num_hidden_layers}"
+
+
+@lru_cache(maxsize=1024)
+def _sparse_layers(spec: ModelSpec) -> tuple[bool, ...]:
+    return tuple(i >= spec.first_k_dense_replace and (i + 1) % spec.decoder_sparse_step == 0 and
+                 i not in spec.mlp_only_layers for i in range(spec.num_hidden_layers))
 
 
 def _as_int(value: Any) -> int | None:
