@@ -83,20 +83,23 @@ def adam_update(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, step: int, lr: fl
 
 
 class Zero3Gather:
-    """All-gathers dim-0 slices of parameters over the data-parallel group for one use; its
+    """All-gathers dim-0 slices of parameters (dim 1 of stacked experts) over the data-parallel group for one use; its
     backward reduce-scatters the gradients back to the slices (summed over the group)."""
 
     def __init__(self, shard: Shard, *, dp: Axis, layout: Layout, local: int) -> None:
         self.shard, self.dp = shard, dp
         whole = layout.model_copy(update={"zero": 0})
-        # name -> (rows per dp rank [(start, stop)], shape of the tensor-parallel slice)
+        # name -> (rows per dp rank [(start, stop)], shape of the tensor-parallel slice); the rows
+        # lie along dim 0, or dim 1 of stacked experts (`plans.sharding.shard_box`)
         self.rows: dict[str, tuple[list[tuple[int, int]], tuple[int, ...]]] = {}
+        self.dim: dict[str, int] = {}
         for p in parameters(shard.spec, head=shard.head):
             box = shard_box(p, shard.spec, whole, local)
             if box is None:
                 continue
             shape = tuple(hi - lo for lo, hi in box)
-            self.rows[p.name] = ([split_range(shape[0], dp.size, r) for r in range(dp.size)], shape)
+            d = self.dim[p.name] = 1 if p.expert_dim is not None else 0
+            self.rows[p.name] = ([split_range(shape[d], dp.size, r) for r in range(dp.size)], shape)
         self._order: dict[tuple[str, ...], int] = {}  # the uses, numbered in the order first seen
         self._uses: list[tuple[str, ...]] = []
         self._last = -1
@@ -142,7 +145,7 @@ class Zero3Gather:
             for n in names:
                 (lo, hi), shape = self.rows[n][0][r], self.rows[n][1]
                 mine.append(off)
-                off += (hi - lo) * math.prod(shape[1:])
+                off += (hi - lo) * math.prod(shape) // shape[self.dim[n]] if shape[self.dim[n]] else 0
             offsets.append(mine)
             longest = max(longest, off)
         return offsets, longest
@@ -162,9 +165,11 @@ class Zero3Gather:
         whole = []
         for i, n in enumerate(names):
             bounds, shape = self.rows[n]
-            row = math.prod(shape[1:])
-            parts = [out[r, offsets[r][i]:offsets[r][i] + (hi - lo) * row] for r, (lo, hi) in enumerate(bounds)]
-            whole.append(torch.cat(parts).view(shape))
+            d = self.dim[n]
+            row = math.prod(shape) // shape[d] if shape[d] else 0
+            parts = [out[r, offsets[r][i]:offsets[r][i] + (hi - lo) * row].view(
+                *shape[:d], hi - lo, *shape[d + 1:]) for r, (lo, hi) in enumerate(bounds)]
+            whole.append(torch.cat(parts, dim=d))
         return whole
 
     def reduce_scatter(self, names: list[str], grads: tuple[Tensor | None, ...]) -> None:
@@ -178,9 +183,10 @@ class Zero3Gather:
             if g is None:
                 continue
             bounds, shape = self.rows[n]
-            row = math.prod(shape[1:])
+            d = self.dim[n]
+            row = math.prod(shape) // shape[d] if shape[d] else 0
             for r, (lo, hi) in enumerate(bounds):
-                send[r, offsets[r][i]:offsets[r][i] + (hi - lo) * row] = g[lo:hi].reshape(-1)
+                send[r, offsets[r][i]:offsets[r][i] + (hi - lo) * row] = g.narrow(d, lo, hi - lo).reshape(-1)
         recv = torch.empty(longest, dtype=ref.dtype, device=ref.device)
         work = reduce_scatter_into(recv, send.view(-1), group=self.dp.group, async_op=True)
         self._scattering.append((work, send, recv, names, offsets[self.dp.index]))
@@ -262,6 +268,10 @@ class DataParallel:
         self.v = torch.zeros_like(self.m)
         self.steps = 0
         self.replicated = [n for n in names if _replicated_under_tp(shard, n)]
+        # Per-head q/k norms (Qwen3) are whole on every tensor-parallel rank but each rank uses
+        # them on its own heads: their gradients are partial sums over the group, with or
+        # without sequence parallel.
+        self.partial = [n for n in names if shard.spec.qk_norm == "head" and n.endswith(("q_norm.weight", "k_norm.weight"))]
         self.embed = "model.embed_tokens.weight" if "model.embed_tokens.weight" in shard.params else None
         self._late = self._late_names(names)
         self._buckets = self._make_buckets(names) if dp.size > 1 and self.zero != 3 else []
@@ -275,27 +285,39 @@ class DataParallel:
         """Parameters reduced after the backward: those needing a tensor-parallel or tied-stage
         sum before the data-parallel one, and a tied embedding used twice by one stage (its
         gradient is accumulated twice, so no single accumulation says it is complete)."""
-        late = set(self.replicated) if self.shard.tp.sequence_parallel and self.groups.tp.size > 1 else set()
+        late = set(self._tp_summed())
         if self.embed is not None and self.shard.spec.tied:
             late.add(self.embed)
         return late
 
+    def _tp_summed(self) -> list[str]:
+        """Parameters whose gradients are summed over the tensor-parallel group before anything else."""
+        if self.groups.tp.size == 1:
+            return []
+        summed = self.replicated if self.shard.tp.sequence_parallel else [n for n in self.replicated if n in self.partial]
+        return list(dict.fromkeys([*summed, *self.partial]))
+
     def _make_buckets(self, names: list[str]) -> list[_Bucket]:
         """Runs of consecutive non-late parameters, last first (the order backward reaches them),
-        cut at about BUCKET_BYTES."""
+        cut at about BUCKET_BYTES and wherever the reduction group changes (routed experts are
+        summed over their own data-parallel group)."""
         buckets: list[_Bucket] = []
         run: list[str] = []
+        expert = {p.name for p in parameters(self.shard.spec, head=self.shard.head) if p.expert_dim is not None}
 
         def close() -> None:
             if run:
                 lo, hi = self.views[run[-1]][0], self.views[run[0]][1]
-                buckets.append(_Bucket(names=tuple(run), lo=lo, hi=hi))
+                axis = self.groups.expert_dp if run[0] in expert else self.groups.dp
+                buckets.append(_Bucket(names=tuple(run), lo=lo, hi=hi, axis=axis))
                 run.clear()
 
         for n in reversed(names):
             if n in self._late:
                 close()
                 continue
+            if run and (run[-1] in expert) != (n in expert):
+                close()
             run.append(n)
             if (self.views[run[0]][1] - self.views[run[-1]][0]) * self.grad.element_size() >= BUCKET_BYTES:
                 close()
@@ -320,13 +342,15 @@ class DataParallel:
 
     def _start(self, bucket: _Bucket) -> None:
         bucket.started = True
-        self._waiting.extend(self._reduce_range(bucket.lo, bucket.hi))
+        self._waiting.extend(self._reduce_range(bucket.lo, bucket.hi, bucket.axis))
 
-    def _reduce_range(self, lo: int, hi: int) -> list[Any]:
-        """Start summing gradients [lo, hi) of the flat buffer over the data-parallel group:
-        everywhere (ZeRO 0/1), or on the rank whose partition holds them (ZeRO 2); the work
-        handles to wait on."""
-        dp = self.groups.dp
+    def _reduce_range(self, lo: int, hi: int, axis: Axis | None = None) -> list[Any]:
+        """Start summing gradients [lo, hi) of the flat buffer over the data-parallel group (or
+        `axis`): everywhere (ZeRO 0/1), or on the rank whose partition holds them (ZeRO 2); the
+        work handles to wait on."""
+        dp = axis if axis is not None else self.groups.dp
+        if dp.size == 1:
+            return []
         if self.zero in (0, 1):
             return [dist.all_reduce(self.grad[lo:hi], group=dp.group, async_op=True)]
         works = []
@@ -355,8 +379,9 @@ class DataParallel:
         if self._buckets:
             self._finish_buckets()
         tp = self.groups.tp
-        if self.shard.tp.sequence_parallel and tp.size > 1 and self.replicated:
-            parts = [self.grad[slice(*self.views[n])] for n in self.replicated]
+        summed = self._tp_summed()
+        if summed:
+            parts = [self.grad[slice(*self.views[n])] for n in summed]
             packed = torch.cat(parts)
             dist.all_reduce(packed, group=tp.group)
             off = 0
@@ -443,6 +468,7 @@ class _Bucket:
     names: tuple[str, ...]
     lo: int
     hi: int
+    axis: Axis | None = None  # the group summing them (None: the data-parallel one)
     pending: set[str] = field(default_factory=set)
     started: bool = False
 

@@ -27,12 +27,12 @@ from torch import Tensor
 from plans.errors import PlannerError
 from plans.layout import Layout
 from plans.model import Head, ModelSpec
-from plans.runnable import layout_runtime_problems
+from plans.runnable import expert_layout_problems, layout_runtime_problems
 from plans.sharding import Box, Param, split_range
 from runtime import generate as gen
 from runtime.data_parallel import AdamConfig, DataParallel, apply_data_parallel
 from runtime.groups import RankGroups
-from runtime.model import Shard, build_shard, stage_forward, token_logprobs, token_values
+from runtime.model import ExpertParallel, Shard, build_shard, stage_forward, token_logprobs, token_values
 from runtime.pipeline_parallel import Pipeline, apply_pipeline_parallel, forward_only, train_1f1b
 from runtime.recompute import apply_recompute
 from runtime.tensor_parallel import apply_tensor_parallel
@@ -49,7 +49,7 @@ def parallelize(spec: ModelSpec, *, head: Head, trainable: bool, groups: RankGro
     whole tensors (`state`), boxes read one by one (`piece`) or this rank's slices, used as they
     are (`params`)."""
     layout, c = groups.layout, groups.coord
-    problems = layout_runtime_problems(layout)
+    problems = layout_runtime_problems(layout) + expert_layout_problems(spec, layout)
     if problems:
         raise PlannerError(f"layout {layout.short()}: " + "; ".join(problems),
                            hint="compile the plan without these layout dimensions")
@@ -59,6 +59,8 @@ def parallelize(spec: ModelSpec, *, head: Head, trainable: bool, groups: RankGro
                         device=device)
     shard.tp = apply_tensor_parallel(group=groups.tp.group, size=groups.tp.size, rank=groups.tp.index,
                                      sequence_parallel=layout.sequence_parallel)
+    if groups.ep.size > 1:
+        shard.ep = ExpertParallel(group=groups.ep.group, size=groups.ep.size, rank=groups.ep.index)
     apply_recompute(shard, mode=layout.recompute)
     dp = apply_data_parallel(shard, groups=groups, zero=layout.zero, trainable=trainable, adam=adam)
     return shard, pipe, dp

@@ -47,6 +47,13 @@ class RankGroups:
     dp: Axis
     pp: Axis  # the rank's pipeline: one rank per stage, same (dp, cp, tp) coordinates
     tied: Axis | None  # first and last stage sharing a tied embedding (pp > 1), else None
+    ep: Axis = SOLO  # the stage's ranks holding the other experts (`Layout.expert_coord`)
+    edp: Axis | None = None  # the ranks holding this rank's expert slices (None: the dp axis)
+
+    @property
+    def expert_dp(self) -> Axis:
+        """The axis routed experts' gradients are summed over."""
+        return self.edp if self.edp is not None else self.dp
 
 
 class Groups:
@@ -90,6 +97,19 @@ class Groups:
                 group = self._group(ranks) if name != "pp" else None  # stages talk point to point
                 if rank in ranks:
                     mine[name] = Axis(ranks=ranks, index=ranks.index(rank), group=group)
+        if layout.ep > 1:  # the experts' axes: same stage, same (etp, edp) / (ep, etp) coordinates
+            for name, keep in (("ep", (1, 2)), ("edp", (0, 1))):
+                seen = set()
+                for local in range(mesh.size):
+                    fixed = (layout.coord(local).pp, *(layout.expert_coord(local)[i] for i in keep))
+                    ranks = tuple(mesh.ranks[j] for j in range(mesh.size)
+                                  if (layout.coord(j).pp, *(layout.expert_coord(j)[i] for i in keep)) == fixed)
+                    if ranks in seen:
+                        continue
+                    seen.add(ranks)
+                    group = self._group(ranks)
+                    if rank in ranks:
+                        mine[name] = Axis(ranks=ranks, index=ranks.index(rank), group=group)
         tied_axis = None
         if tied and layout.pp > 1:
             for local in range(mesh.size):
@@ -105,7 +125,7 @@ class Groups:
             return None
         local = mesh.ranks.index(rank)
         return RankGroups(layout=layout, local=local, coord=layout.coord(local), tp=mine["tp"], dp=mine["dp"],
-                          pp=mine["pp"], tied=tied_axis)
+                          pp=mine["pp"], tied=tied_axis, ep=mine.get("ep", SOLO), edp=mine.get("edp"))
 
 
 def init_default_group(backend: str, *, timeout_s: float) -> None:

@@ -27,7 +27,7 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,16 @@ class KVCache:
     static: bool = False
 
 
+@dataclass(frozen=True)
+class ExpertParallel:
+    """A rank's expert-parallel group: the ranks holding the other experts of its pipeline stage
+    (same tensor-parallel rank); `size == 1` holds every expert."""
+
+    group: Any = None
+    size: int = 1
+    rank: int = 0
+
+
 @dataclass
 class Shard:
     """The part of one model a rank holds, and how it talks to the other ranks.
@@ -71,6 +81,7 @@ class Shard:
     last: bool  # holds the final norm and the head (last pipeline stage)
     params: dict[str, torch.nn.Parameter]
     tp: TensorParallel = field(default_factory=TensorParallel)
+    ep: ExpertParallel = field(default_factory=lambda: ExpertParallel())
     recompute: Recompute = "none"
     gather: Callable[[list[str]], list[Tensor]] | None = None
 
@@ -151,6 +162,23 @@ def _norm(spec: ModelSpec, w: dict[str, Tensor], name: str, x: Tensor) -> Tensor
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + spec.rms_norm_eps)
     return w[f"{name}weight"] * x32.to(dtype)
+
+
+def _rms(spec: ModelSpec, weight: Tensor, x: Tensor) -> Tensor:
+    """RMSNorm of `x` over its last dim with fp32 statistics, as transformers' RMSNorm."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + spec.rms_norm_eps)).to(x.dtype)
+
+
+def _sharded_rms(spec: ModelSpec, weight: Tensor, x: Tensor, tp: TensorParallel) -> Tensor:
+    """RMSNorm over a last dim that tensor parallel splits: the sum of squares is added over the
+    group (forward and backward), so every rank normalises by the whole projection's statistics."""
+    x32 = x.float()
+    sq = x32.pow(2).sum(-1, keepdim=True)
+    width = x.shape[-1] * tp.size
+    if tp.size > 1:
+        sq = tpx.enter(tpx.reduce_sum(sq.contiguous(), tp), tp, sp=False)
+    return weight * (x32 * torch.rsqrt(sq / width + spec.rms_norm_eps)).to(x.dtype)
 
 
 def _rope(spec: ModelSpec, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -237,8 +265,14 @@ def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor,
     spec, d = shard.spec, shard.spec.d_head
     x = tpx.enter(x, shard.tp, sp=sp)  # [b, s, h]
     b, s, _ = x.shape
-    q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias")).view(b, s, -1, d).transpose(1, 2)  # [b, H/tp, s, d]
-    k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias")).view(b, s, -1, d).transpose(1, 2)  # [b, KV/tp, s, d]
+    q = F.linear(x, w["q_proj.weight"], w.get("q_proj.bias"))
+    k = F.linear(x, w["k_proj.weight"], w.get("k_proj.bias"))
+    if spec.qk_norm == "proj":  # OLMoE: over the whole projection, which tensor parallel splits
+        q, k = _sharded_rms(spec, w["q_norm.weight"], q, shard.tp), _sharded_rms(spec, w["k_norm.weight"], k, shard.tp)
+    q = q.view(b, s, -1, d).transpose(1, 2)  # [b, H/tp, s, d]
+    k = k.view(b, s, -1, d).transpose(1, 2)  # [b, KV/tp, s, d]
+    if spec.qk_norm == "head":  # Qwen3: over each head
+        q, k = _rms(spec, w["q_norm.weight"], q), _rms(spec, w["k_norm.weight"], k)
     v = F.linear(x, w["v_proj.weight"], w.get("v_proj.bias")).view(b, s, -1, d).transpose(1, 2)
     if spec.model_type == "llama":
         cos, sin = (rope or Rope(spec, row_positions(positions, pad)))(q.dtype)
@@ -276,6 +310,96 @@ def _mlp(shard: Shard, w: dict[str, Tensor], x: Tensor, sp: bool) -> Tensor:
     return tpx.exit(F.linear(hidden, w["down_proj.weight"]), shard.tp, sp=sp)
 
 
+def _sparse_mlp(shard: Shard, w: dict[str, Tensor], x: Tensor, sp: bool) -> Tensor:
+    """A mixture-of-experts MLP as transformers computes it (Mixtral, Qwen-MoE, OLMoE): router
+    logits, softmax in fp32, the top k experts per token (renormalised where the model says),
+    each token's k copies through their experts and summed by their weights, plus a shared
+    expert (scaled by a sigmoid gate where the model has one).
+
+    The router runs on the rank's own tokens (its sequence chunk under sequence parallel, else
+    the replicated tokens), so its weights' gradients follow the replicated-parameter rules of
+    `runtime.tensor_parallel`; routing weights enter the tensor-parallel region like
+    activations. Experts are split like the dense MLP (f over tp, partial sums reduced on exit)
+    and over the expert-parallel group: token copies go to the rank holding their expert and
+    come back by all-to-all (`_expert_exchange`)."""
+    spec, tp = shard.spec, shard.tp
+    b, s_loc, h = x.shape
+    k = spec.num_experts_per_tok
+    probs = torch.softmax(F.linear(x, w["gate.weight"]).float(), dim=-1)
+    top_w, top_i = torch.topk(probs, k, dim=-1)  # [b, s', k]
+    if spec.norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    top_w = tpx.enter(top_w.to(x.dtype), tp, sp=sp)  # [b, s, k]
+    if sp and tp.size > 1:
+        top_i = tpx.gather_ids(top_i, tp)
+    full = tpx.enter(x, tp, sp=sp)  # [b, s, h]
+    flat = full.reshape(-1, h)
+    out = _experts(shard, w, flat, top_i.reshape(-1, k), top_w.reshape(-1, k))
+    if spec.shared_expert_intermediate_size:
+        shared = F.linear(F.silu(F.linear(flat, w["shared_expert.gate_proj.weight"])) *
+                          F.linear(flat, w["shared_expert.up_proj.weight"]), w["shared_expert.down_proj.weight"])
+        if spec.shared_expert_gate:
+            gate = tpx.enter(torch.sigmoid(F.linear(x, w["shared_expert_gate.weight"])), tp, sp=sp)
+            shared = gate.reshape(-1, 1) * shared
+        out = out + shared
+    return tpx.exit(out.view(full.shape), tp, sp=sp)
+
+
+def _experts(shard: Shard, w: dict[str, Tensor], x: Tensor, top_i: Tensor, top_w: Tensor) -> Tensor:
+    """The routed experts' sum for tokens `x` [T, h] (tensor-parallel partial sums when experts
+    are split over tp): copies [T*k] sorted by expert, exchanged with the ranks holding their
+    experts, run expert by expert, exchanged back, weighted and added per token."""
+    spec, ep = shard.spec, shard.ep
+    t, k = top_i.shape
+    local = spec.experts // ep.size
+    expert = top_i.reshape(-1)
+    order = torch.argsort(expert, stable=True)
+    token = order // k  # the token of each sorted copy
+    rows = x.index_select(0, token)
+    ids = expert.index_select(0, order)
+    if ep.size > 1:
+        send = torch.bincount(ids // local, minlength=ep.size)
+        rows, ids, back = _expert_exchange(rows, ids, send, ep)
+        ids = ids - ep.rank * local
+    else:
+        back = None
+    counts = torch.bincount(ids, minlength=local).tolist()
+    gate, up, down = w["experts.gate_proj.weight"], w["experts.up_proj.weight"], w["experts.down_proj.weight"]
+    outs, start = [], 0
+    for j, n in enumerate(counts):
+        if n:
+            r = rows[start:start + n]
+            outs.append(F.linear(F.silu(F.linear(r, gate[j])) * F.linear(r, up[j]), down[j]))
+        start += n
+    y = torch.cat(outs) if outs else rows.new_zeros((0, x.shape[1])) + 0 * down.sum()
+    if back is not None:
+        y = back(y)
+    weighted = y * top_w.reshape(-1).index_select(0, order)[:, None]
+    return torch.zeros_like(x).index_add(0, token, weighted.to(x.dtype))
+
+
+def _expert_exchange(rows: Tensor, ids: Tensor, send: Tensor, ep: ExpertParallel) -> tuple[Tensor, Tensor, Any]:
+    """Send each rank of the expert-parallel group the copies for its experts (sorted by
+    expert, so by rank) and receive the copies for ours, sorted by expert again; and the
+    inverse exchange (a function) that returns each received copy's output to its sender in the
+    original order."""
+    import torch.distributed as dist
+
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=ep.group)
+    send_sizes, recv_sizes = send.tolist(), recv.tolist()
+    got = tpx.all_to_all(rows, recv_sizes, send_sizes, ep.group)
+    got_ids = torch.empty(sum(recv_sizes), dtype=ids.dtype, device=ids.device)
+    dist.all_to_all_single(got_ids, ids.contiguous(), recv_sizes, send_sizes, group=ep.group)
+    order = torch.argsort(got_ids, stable=True)  # arrivals by sender, each sorted: sort by expert
+    unsort = torch.argsort(order)
+
+    def back(y: Tensor) -> Tensor:
+        return tpx.all_to_all(y.index_select(0, unsort), send_sizes, recv_sizes, ep.group)
+
+    return got.index_select(0, order), got_ids.index_select(0, order), back
+
+
 def _layer(shard: Shard, i: int, x: Tensor, positions: Tensor, cache: KVCache | None, sp: bool,
            pad: Tensor | None = None, rope: Rope | None = None) -> Tensor:
     w = shard.fetch(f"model.layers.{i}.")
@@ -283,7 +407,8 @@ def _layer(shard: Shard, i: int, x: Tensor, positions: Tensor, cache: KVCache | 
     mlp_w = {k[len("mlp."):]: t for k, t in w.items() if k.startswith("mlp.")}
     x = x + _attention(shard, attn_w, _norm(shard.spec, w, "input_layernorm.", x), positions, cache, i, sp, pad,
                        rope)
-    return x + _mlp(shard, mlp_w, _norm(shard.spec, w, "post_attention_layernorm.", x), sp)
+    mlp = _sparse_mlp if shard.spec.is_moe_layer(i) else _mlp
+    return x + mlp(shard, mlp_w, _norm(shard.spec, w, "post_attention_layernorm.", x), sp)
 
 
 def _local_positions(positions: Tensor, tp: TensorParallel, sp: bool) -> Tensor:

@@ -168,6 +168,34 @@ def reduce_sum(x: Tensor, tp: TensorParallel) -> Tensor:
     return _ReduceFromTP.apply(x, tp)
 
 
+def gather_ids(ids: Tensor, tp: TensorParallel) -> Tensor:
+    """The full sequence [b, s, ...] of integer ids each rank holds a chunk of (no gradient)."""
+    return _all_gather_seq(ids, tp)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows exchanged over a group, `send` rows to each rank in order; backward sends the
+    gradients the other way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, recv: list[int], send: list[int], group: Any) -> Tensor:
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:
+        out = g.new_empty((sum(ctx.send), *g.shape[1:]))
+        dist.all_to_all_single(out, g.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all(x: Tensor, recv: list[int], send: list[int], group: Any) -> Tensor:
+    """`x`'s rows split by `send` go to the group's ranks in order; `recv` rows come from each."""
+    return _AllToAll.apply(x, recv, send, group)
+
+
 # Vocabulary-parallel embedding, log-probs and token choice ---------------------------------
 
 

@@ -43,6 +43,26 @@ class Source:
     transposed: bool = False
     offset: int = 0
     fused: bool = False  # one of several tensors stacked along the stored output dim (q, k, v of c_attn)
+    per_expert: bool = False  # `key` holds "{e}": one stored tensor per expert of our stacked [E, ...] tensor
+
+
+# Routed experts are stored one tensor per expert (the Hub's checkpoints, and what transformers'
+# save_pretrained writes); Mixtral names its MLP block_sparse_moe and its projections w1 (gate),
+# w3 (up), w2 (down).
+_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})}
+
+
+def _moe_sources(spec: ModelSpec, hf_type: str) -> dict[str, Source]:
+    block, projs = _EXPERT_NAMES.get(hf_type, ("mlp", {n: n for n in ("gate_proj", "up_proj", "down_proj")}))
+    out = {}
+    for i in range(spec.num_hidden_layers):
+        if not spec.is_moe_layer(i):
+            continue
+        ours, theirs = f"model.layers.{i}.mlp.", f"model.layers.{i}.{block}."
+        out[f"{ours}gate.weight"] = Source(f"{theirs}gate.weight")
+        for proj, stored in projs.items():
+            out[f"{ours}experts.{proj}.weight"] = Source(f"{theirs}experts.{{e}}.{stored}.weight", per_expert=True)
+    return out
 
 
 def _gpt2_sources(spec: ModelSpec) -> dict[str, Source]:
@@ -71,7 +91,7 @@ class HFWeights:
         from safetensors import safe_open  # the runtime's own dependency; imported where used
 
         self.directory, self.spec, self.head = Path(directory), spec, head
-        self.sources = _gpt2_sources(spec) if hf_type == "gpt2" else {}
+        self.sources = _gpt2_sources(spec) if hf_type == "gpt2" else _moe_sources(spec, hf_type) if spec.is_moe else {}
         self._open = safe_open
         self.files: dict[str, Any] = {}
         self.where = self._index()
@@ -108,7 +128,7 @@ class HFWeights:
     def source(self, param: Param) -> Source | None:
         """Where `param` is stored (None when the directory does not hold it)."""
         src = self.sources.get(param.name, Source(param.name))
-        if src.key in self.where:
+        if (src.key.format(e=0) if src.per_expert else src.key) in self.where:
             return src
         if self.spec.model_type == "gpt" and src.key.startswith("transformer.") and src.key[12:] in self.where:
             return Source(src.key[12:], src.transposed, src.offset, src.fused)  # saved from GPT2Model: no prefix
@@ -123,6 +143,17 @@ class HFWeights:
         if src is None:
             raise PlannerError(f"model directory {str(self.directory)!r} has no tensor for {param.name}"
                                + (f" ({self.sources[param.name].key})" if param.name in self.sources else ""),
+                               hint="is it a checkpoint of this architecture and head?")
+        if src.per_expert:  # our box's experts, one stored tensor each, stacked
+            lo, hi = box[0]
+            one = Param(param.name, param.shape[1:], None, param.layer, param.where)
+            pieces = [self._read_one(Source(src.key.format(e=e)), one, box[1:]) for e in range(lo, hi)]
+            return torch.stack(pieces) if pieces else torch.empty((0, *(b - a for a, b in box[1:])))
+        return self._read_one(src, param, box)
+
+    def _read_one(self, src: Source, param: Param, box: Box) -> Tensor:
+        if src.key not in self.where:
+            raise PlannerError(f"model directory {str(self.directory)!r} has no tensor {src.key!r} for {param.name}",
                                hint="is it a checkpoint of this architecture and head?")
         part = self._file(self.where[src.key]).get_slice(src.key)
         stored = tuple(part.get_shape())
@@ -168,6 +199,10 @@ ARCHITECTURES = {  # (HF model_type, head) -> transformers class written into co
     ("mistral", "lm"): "MistralForCausalLM", ("mistral", "value"): "MistralForSequenceClassification",
     ("qwen2", "lm"): "Qwen2ForCausalLM", ("qwen2", "value"): "Qwen2ForSequenceClassification",
     ("gpt2", "lm"): "GPT2LMHeadModel", ("gpt2", "value"): "GPT2ForSequenceClassification",
+    ("mixtral", "lm"): "MixtralForCausalLM", ("mixtral", "value"): "MixtralForSequenceClassification",
+    ("qwen2_moe", "lm"): "Qwen2MoeForCausalLM", ("qwen2_moe", "value"): "Qwen2MoeForSequenceClassification",
+    ("qwen3_moe", "lm"): "Qwen3MoeForCausalLM", ("qwen3_moe", "value"): "Qwen3MoeForSequenceClassification",
+    ("olmoe", "lm"): "OlmoeForCausalLM",
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
@@ -180,6 +215,12 @@ def hf_type_of(spec: ModelSpec, base: dict[str, Any] | None) -> str:
         return str(base["model_type"])
     if spec.model_type == "gpt":
         return "gpt2"
+    if spec.is_moe:
+        if spec.qk_norm == "head":
+            return "qwen3_moe"
+        if spec.qk_norm == "proj":
+            return "olmoe"
+        return "qwen2_moe" if spec.shared_expert_intermediate_size else "mixtral"
     return "mistral" if spec.sliding_window is not None else "llama"
 
 
@@ -203,9 +244,30 @@ def hf_config(spec: ModelSpec, *, head: Head, base: dict[str, Any] | None = None
                "rms_norm_eps": spec.rms_norm_eps, "rope_theta": spec.rope_theta, "hidden_act": "silu"}
         if hf_type == "llama":
             cfg.update(attention_bias=spec.attention_bias, mlp_bias=False)
-        if hf_type == "mistral":
+        if hf_type in ("mistral", "mixtral"):
             cfg["sliding_window"] = spec.sliding_window
-    cfg["architectures"] = [ARCHITECTURES[(hf_type, head)]]
+        if spec.is_moe:
+            cfg.update(num_experts_per_tok=spec.num_experts_per_tok, norm_topk_prob=spec.norm_topk_prob,
+                       output_router_logits=False)
+            if hf_type == "mixtral":
+                cfg.update(num_local_experts=spec.experts, intermediate_size=spec.expert_ffn, router_jitter_noise=0.0)
+            elif hf_type == "olmoe":
+                cfg.update(num_experts=spec.experts, intermediate_size=spec.expert_ffn, attention_bias=False,
+                           clip_qkv=None)
+            else:
+                cfg.update(num_experts=spec.experts, moe_intermediate_size=spec.expert_ffn,
+                           decoder_sparse_step=spec.decoder_sparse_step, mlp_only_layers=list(spec.mlp_only_layers),
+                           use_sliding_window=False)
+            if hf_type == "qwen2_moe":
+                cfg.update(shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+                           qkv_bias=spec.attention_bias)
+            if hf_type == "qwen3_moe":
+                cfg.update(head_dim=spec.d_head, attention_bias=spec.attention_bias)
+    arch = ARCHITECTURES.get((hf_type, head))
+    if arch is None:
+        raise PlannerError(f"transformers has no {head} head for model_type {hf_type!r}, so this checkpoint cannot be "
+                           "written as an HF directory", hint="save the model with the lm head")
+    cfg["architectures"] = [arch]
     cfg.update(torch_dtype="float32", dtype="float32")
     if head == "value":
         cfg["num_labels"] = 1
@@ -217,7 +279,15 @@ def hf_config(spec: ModelSpec, *, head: Head, base: dict[str, Any] | None = None
 def hf_tensors(spec: ModelSpec, state: dict[str, Tensor], *, hf_type: str) -> dict[str, Tensor]:
     """Our whole tensors (catalog names) under the names and layouts an HF directory stores."""
     if hf_type != "gpt2":
-        return {n: t.contiguous() for n, t in state.items()}
+        sources = _moe_sources(spec, hf_type) if spec.is_moe else {}
+        out_moe: dict[str, Tensor] = {}
+        for n, t in state.items():
+            src = sources.get(n, Source(n))
+            if src.per_expert:
+                out_moe.update({src.key.format(e=e): t[e].contiguous() for e in range(t.shape[0])})
+            else:
+                out_moe[src.key] = t.contiguous()
+        return out_moe
     sources = _gpt2_sources(spec)
     out: dict[str, Tensor] = {}
     fused: dict[str, list[tuple[int, Tensor]]] = {}

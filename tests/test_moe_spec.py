@@ -13,11 +13,11 @@ import pytest
 import torch
 import transformers
 
+from cost_models.transfer import rank_volumes
 from plans.errors import PlannerError
 from plans.layout import Layout, Mesh
 from plans.model import PRESETS, ModelSpec, resolve_model, spec_from_hf_config
 from plans.runnable import spec_runtime_problems
-from cost_models.transfer import rank_volumes
 from plans.sharding import box_numel, layout_problems, parameters, shard_box, transfer_plan, transfer_volume
 
 # Model cards: (total, active) parameters in billions as published.
