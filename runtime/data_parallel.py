@@ -268,6 +268,8 @@ class DataParallel:
         self.v = torch.zeros_like(self.m)
         self.steps = 0
         self.replicated = [n for n in names if _replicated_under_tp(shard, n)]
+        self._experts = [n for n in names if n in {p.name for p in parameters(shard.spec, head=shard.head)
+                                                   if p.expert_dim is not None}]
         # Per-head q/k norms (Qwen3) are whole on every tensor-parallel rank but each rank uses
         # them on its own heads: their gradients are partial sums over the group, with or
         # without sequence parallel.
@@ -286,6 +288,9 @@ class DataParallel:
         sum before the data-parallel one, and a tied embedding used twice by one stage (its
         gradient is accumulated twice, so no single accumulation says it is complete)."""
         late = set(self._tp_summed())
+        # Routed experts a rank's tokens miss get no gradient, so their buckets would fill in a
+        # different order on different ranks: they are reduced after the backward, in order.
+        late |= set(self._experts)
         if self.embed is not None and self.shard.spec.tied:
             late.add(self.embed)
         return late
@@ -299,25 +304,20 @@ class DataParallel:
 
     def _make_buckets(self, names: list[str]) -> list[_Bucket]:
         """Runs of consecutive non-late parameters, last first (the order backward reaches them),
-        cut at about BUCKET_BYTES and wherever the reduction group changes (routed experts are
-        summed over their own data-parallel group)."""
+        cut at about BUCKET_BYTES."""
         buckets: list[_Bucket] = []
         run: list[str] = []
-        expert = {p.name for p in parameters(self.shard.spec, head=self.shard.head) if p.expert_dim is not None}
 
         def close() -> None:
             if run:
                 lo, hi = self.views[run[-1]][0], self.views[run[0]][1]
-                axis = self.groups.expert_dp if run[0] in expert else self.groups.dp
-                buckets.append(_Bucket(names=tuple(run), lo=lo, hi=hi, axis=axis))
+                buckets.append(_Bucket(names=tuple(run), lo=lo, hi=hi))
                 run.clear()
 
         for n in reversed(names):
             if n in self._late:
                 close()
                 continue
-            if run and (run[-1] in expert) != (n in expert):
-                close()
             run.append(n)
             if (self.views[run[0]][1] - self.views[run[-1]][0]) * self.grad.element_size() >= BUCKET_BYTES:
                 close()
@@ -342,7 +342,7 @@ class DataParallel:
 
     def _start(self, bucket: _Bucket) -> None:
         bucket.started = True
-        self._waiting.extend(self._reduce_range(bucket.lo, bucket.hi, bucket.axis))
+        self._waiting.extend(self._reduce_range(bucket.lo, bucket.hi))
 
     def _reduce_range(self, lo: int, hi: int, axis: Axis | None = None) -> list[Any]:
         """Start summing gradients [lo, hi) of the flat buffer over the data-parallel group (or
@@ -395,8 +395,9 @@ class DataParallel:
         dp = self.groups.dp
         if dp.size == 1 or self.zero == 3:  # ZeRO-3 gradients were reduce-scattered in backward
             return
+        experts = set(self._experts)
         works = [w for n in sorted(self._late, key=lambda n: self.views[n][0])
-                 for w in self._reduce_range(*self.views[n])]
+                 for w in self._reduce_range(*self.views[n], self.groups.expert_dp if n in experts else None)]
         for work in works:  # issued together, waited once
             work.wait()
 
@@ -468,7 +469,6 @@ class _Bucket:
     names: tuple[str, ...]
     lo: int
     hi: int
-    axis: Axis | None = None  # the group summing them (None: the data-parallel one)
     pending: set[str] = field(default_factory=set)
     started: bool = False
 

@@ -89,7 +89,7 @@ def _whole(shard: Shard) -> Shard:
     names = list(shard.params)
     whole = dict(zip(names, shard.gather(names)))
     return Shard(spec=shard.spec, head=shard.head, layers=shard.layers, first=shard.first, last=shard.last,
-                 params=whole, tp=shard.tp)  # type: ignore[arg-type]
+                 params=whole, tp=shard.tp, ep=shard.ep)  # type: ignore[arg-type]
 
 
 def _cast_once(shard: Shard, dtype: torch.dtype) -> Shard:
@@ -288,6 +288,12 @@ def _choose_next(shard: Shard, pipe: Pipeline, g: _Group, logits: Tensor, *, k: 
         if stopped is not None:
             g.done = stopped(torch.stack(g.tokens, dim=1), g.done)
     finished = stop_token is not None and bool(g.done.all())
+    if stop_token is not None and shard.ep.size > 1:
+        # Expert parallel couples the replicas: every rank of the group runs each sparse layer's
+        # all-to-alls, so a group stops only when it has stopped on all of them.
+        going = torch.tensor([0 if finished else 1], device=device)
+        dist.all_reduce(going, op=dist.ReduceOp.MAX, group=shard.ep.group)
+        finished = not bool(going.item())
     if pipe.stages > 1 and k + 1 < gen_len:  # the next token (and whether to go on) to the first stage
         pipe.send(torch.cat([token, torch.tensor([int(finished)], device=device)]), pipe.ranks[0])
         if stop_token is not None:

@@ -64,14 +64,18 @@ class Groups:
     def __init__(self, *, distributed: bool, timeout_s: float | None = None) -> None:
         self.distributed = distributed
         self.timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-        self._cache: dict[tuple[int, ...], Any] = {}
+        self._cache: dict[tuple[Any, ...], Any] = {}
 
-    def _group(self, ranks: tuple[int, ...]) -> Any:
+    def _group(self, ranks: tuple[int, ...], tag: str = "") -> Any:
+        """The group of `ranks`; a `tag` gives a communicator of its own (the experts'
+        all-to-alls run while gradient buckets are in flight on the data-parallel one, and one
+        queue holding both could order them differently on different ranks)."""
         if len(ranks) == 1 or not self.distributed:
             return None
-        if ranks not in self._cache:
-            self._cache[ranks] = dist.new_group(list(ranks), timeout=self.timeout)
-        return self._cache[ranks]
+        key = (tag, *ranks) if tag else ranks
+        if key not in self._cache:
+            self._cache[key] = dist.new_group(list(ranks), timeout=self.timeout)
+        return self._cache[key]
 
     def build(self, mesh: Mesh, layout: Layout, *, rank: int, tied: bool) -> RankGroups | None:
         """Create every group of `layout` on `mesh` (collectively: call on every rank) and return
@@ -107,7 +111,7 @@ class Groups:
                     if ranks in seen:
                         continue
                     seen.add(ranks)
-                    group = self._group(ranks)
+                    group = self._group(ranks, tag="ep" if name == "ep" else "")
                     if rank in ranks:
                         mine[name] = Axis(ranks=ranks, index=ranks.index(rank), group=group)
         tied_axis = None

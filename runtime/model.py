@@ -371,7 +371,9 @@ def _experts(shard: Shard, w: dict[str, Tensor], x: Tensor, top_i: Tensor, top_w
             r = rows[start:start + n]
             outs.append(F.linear(F.silu(F.linear(r, gate[j])) * F.linear(r, up[j]), down[j]))
         start += n
-    y = torch.cat(outs) if outs else rows.new_zeros((0, x.shape[1])) + 0 * down.sum()
+    # With no copies here, the (empty) output still depends on the rows and weights, so backward
+    # runs this rank's side of both exchanges, as every rank of the group must.
+    y = torch.cat(outs) if outs else rows.new_zeros((0, x.shape[1])) + 0 * (down.sum() + rows.sum())
     if back is not None:
         y = back(y)
     weighted = y * top_w.reshape(-1).index_select(0, order)[:, None]

@@ -1,6 +1,7 @@
 """Whole plans of every algorithm on 4 gloo ranks against the single-process reference.
 
-One launch of 4 processes runs SFT, DPO, GRPO, RLOO, ReMax and PPO plans (built with
+One launch of 4 processes runs SFT, DPO, GRPO, RLOO, ReMax and PPO plans (and GRPO and PPO of
+mixtures of experts, with expert parallel) (built with
 `planner.algorithms` and placed by hand) for two steps; rank 0 compares every metric with
 `PlanRunner(reference=True)`. Some plans keep each model on one mesh and layout; others move
 parameters the way compiled plans do: a train call's placement is the model's home, and other
@@ -24,7 +25,7 @@ import torch.multiprocessing as mp
 from planner import algorithms
 from plans import Estimate, Layout, Mesh, Plan, PlanCall, Reallocation, SearchInfo, parse_cluster
 from plans.errors import PlannerError
-from plans.sharding import transfer_volume
+from plans.sharding import slices_key, transfer_volume
 from runtime.executor import PlanRunner
 from tests.machine import facts
 
@@ -35,7 +36,7 @@ REWARD = "runtime.tasks:pattern_reward"
 
 def _slices(mesh: Mesh, lay: Layout) -> tuple:
     """Placements with equal keys hold the same parameter slices on the same ranks."""
-    return (mesh.ranks, lay.tp, lay.pp, lay.interleave, lay.dp if lay.zero == 3 else 0)
+    return slices_key(mesh, lay)
 
 
 def place(graph, layouts: dict[str, tuple[Mesh, Layout]], *, reallocations: bool = True) -> Plan:
@@ -88,6 +89,19 @@ def _plans() -> dict[str, Plan]:
                          "actor_generate": (high, Layout(tp=2)),
                          "critic": (all4, Layout(dp=2, tp=2, zero=1, micro_batches=2, sequence_parallel=True)),
                          "critic_inference": (all4, Layout(dp=2, tp=2)), "ref": (low, Layout(tp=2))}),
+        # Mixtures of experts: GRPO trained with expert parallel over all four ranks, generating with
+        # experts split over tp and ep (a reallocation moves them), the reference on two ranks at ep 2;
+        # PPO of a Qwen-MoE-style actor (shared expert, a dense layer) trained with ep x tp, its
+        # critic at ep 4.
+        "grpo_moe": place(algorithms.grpo("tiny-mixtral", reward_fn=REWARD, batch=4, prompt_len=6, gen_len=5,
+                                          samples_per_prompt=2, ppo_minibatches=2, **common),
+                          {"actor_train": (all4, Layout(dp=4, ep=4)),
+                           "actor_generate": (all4, Layout(dp=2, tp=2, ep=2, etp=2)),
+                           "ref": (low, Layout(dp=2, ep=2))}),
+        "ppo_moe": place(algorithms.ppo("tiny-qwen-moe", reward_fn=REWARD, batch=8, prompt_len=6, gen_len=5,
+                                        ppo_minibatches=2, **common),
+                         {"actor": (all4, Layout(dp=2, tp=2, ep=2, etp=2, sequence_parallel=True)),
+                          "critic": (all4, Layout(dp=4, ep=4)), "ref": (high, Layout(tp=2, etp=2))}),
     }
 
 
@@ -128,7 +142,7 @@ def test_every_algorithm_plan_matches_the_reference(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert not result["problems"], "\n".join(result["problems"][:30]) + "\n" + facts()
-    assert result["compared"] >= 7 * 2 * 2
+    assert result["compared"] >= 9 * 2 * 2
 
 
 def test_a_batch_too_small_for_the_layout_is_refused_before_running() -> None:
