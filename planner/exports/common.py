@@ -162,14 +162,24 @@ def overlapping_iterations(plan: Plan) -> bool:
     return end > plan.estimate.iteration_s * (1 + 1e-6)
 
 
+EXPERT_PARALLEL_TARGETS = ("Megatron-LM", "verl")  # the targets with an expert-parallel setting
+
+
 def common_limits(plan: Plan, target: str) -> list[str]:
-    """What no engine here expresses: overlapped iterations."""
+    """What no engine here expresses: overlapped iterations; and, for the targets without expert
+    parallelism (DeepSpeed, OpenRLHF's DeepSpeed workers), experts split over ranks."""
+    out = []
     if overlapping_iterations(plan):
         end = max(c.est_start_s + c.est_time_s for c in plan.calls)
         early_s = end - plan.estimate.iteration_s
-        return [f"the plan overlaps iterations (the next starts {early_s:.3g} s before this one ends; steady "
-                f"state {plan.estimate.iteration_s:.3g} s): {target} runs iterations one after another"]
-    return []
+        out.append(f"the plan overlaps iterations (the next starts {early_s:.3g} s before this one ends; steady "
+                   f"state {plan.estimate.iteration_s:.3g} s): {target} runs iterations one after another")
+    if target not in EXPERT_PARALLEL_TARGETS:
+        for c in plan.calls:
+            if c.layout.ep > 1 or c.layout.etp > 1:
+                out.append(f"{c.name}: experts split over {c.layout.ep} expert-parallel x {c.layout.etp} tensor-parallel "
+                           f"ranks; {target} holds every expert whole on each rank (ZeRO shards them like any weight)")
+    return out
 
 
 # ---- what every target needs from the plan beyond layouts -------------------------------------

@@ -26,6 +26,7 @@ from planner.exports.common import (
     shell_command,
 )
 from plans.errors import PlannerError
+from plans.model import ModelSpec
 from plans.plan import Plan, PlanCall
 from plans.sharding import stage_layers
 
@@ -57,11 +58,40 @@ def model_flags(plan: Plan, call: PlanCall) -> list[tuple[str, Any]]:
     else:
         flags += [("--normalization", "LayerNorm"), ("--norm-epsilon", spec.layer_norm_epsilon),
                   ("--position-embedding-type", "learned_absolute")]
+    if spec.model_type == "llama" and spec.d_head * spec.num_attention_heads != spec.hidden_size:
+        flags.append(("--kv-channels", spec.d_head))
+    if spec.qk_norm == "head":  # Megatron's q/k layernorm normalises each head, as Qwen3's
+        flags.append(("--qk-layernorm", None))
+    flags += moe_flags(spec)
     if not spec.tied:
         flags.append(("--untie-embeddings-and-output-weights", None))
     # The planner's models train without dropout (as TRL, verl and OpenRLHF fine-tune); Megatron's
     # default is 0.1 for both.
     flags += [("--attention-dropout", 0.0), ("--hidden-dropout", 0.0)]
+    return flags
+
+
+def moe_flags(spec: ModelSpec) -> list[tuple[str, Any]]:
+    """A mixture of experts in Megatron-Core's terms: experts, top-k, expert width, which layers
+    are sparse (`--moe-layer-freq` as a list pattern), the shared expert and its gate, and the
+    router's normalisation (`--moe-router-pre-softmax`: softmax over all experts, then top-k,
+    not renormalised, as Qwen-MoE and OLMoE with norm_topk_prob false; Megatron's default, softmax
+    over the top-k logits, is the renormalised form of Mixtral and Qwen3). Tokens travel by
+    all-to-all (the planner's cost model and runtime) through grouped GEMMs."""
+    if not spec.is_moe:
+        return []
+    pattern = [int(spec.is_moe_layer(i)) for i in range(spec.num_hidden_layers)]
+    flags: list[tuple[str, Any]] = [("--num-experts", spec.experts), ("--moe-router-topk", spec.num_experts_per_tok),
+                                    ("--moe-ffn-hidden-size", spec.expert_ffn)]
+    if not all(pattern):
+        flags.append(("--moe-layer-freq", "[" + ",".join(map(str, pattern)) + "]"))
+    if spec.shared_expert_intermediate_size:
+        flags.append(("--moe-shared-expert-intermediate-size", spec.shared_expert_intermediate_size))
+        if spec.shared_expert_gate:
+            flags.append(("--moe-shared-expert-gate", None))
+    if not spec.norm_topk_prob:
+        flags.append(("--moe-router-pre-softmax", None))
+    flags += [("--moe-token-dispatcher-type", "alltoall"), ("--moe-grouped-gemm", None)]
     return flags
 
 
@@ -76,6 +106,8 @@ def parallel_flags(plan: Plan, call: PlanCall, limits: list[str], notes: list[st
     ]
     if lay.sequence_parallel:
         flags.append(("--sequence-parallel", None))
+    if spec.is_moe:
+        flags += [("--expert-model-parallel-size", lay.ep), ("--expert-tensor-parallel-size", lay.etp)]
     layers = spec.num_hidden_layers
     if lay.interleave > 1:
         if layers % (lay.pp * lay.interleave):
@@ -137,6 +169,14 @@ def export(plan: Plan, *, call: str | None = None) -> Export:
                               "DPO with --to deepspeed")
     limits = common_limits(plan, "Megatron-LM")
     notes: list[str] = []
+    for c in trains:
+        spec = plan.models[c.model].spec
+        if spec.qk_norm == "proj":
+            limits.append(f"{c.name}: q/k norms over the whole projection (OLMoE); Megatron-LM's --qk-layernorm "
+                          "normalises each head")
+        if spec.is_moe:
+            notes.append(f"{c.name}: no load-balancing loss, as the plan was costed (Megatron-LM's default "
+                         "--moe-aux-loss-coeff is 0); set one to train the router toward balance")
     others = [c.name for c in plan.calls if c.kind != "train"]
     if others:
         limits.append(f"calls {', '.join(others)} (generate/inference) and the data they pass to training: "

@@ -51,6 +51,7 @@ def _megatron(lay: Layout, *, trained: bool) -> dict[str, Any]:
     block: dict[str, Any] = {"tensor_model_parallel_size": lay.tp, "pipeline_model_parallel_size": lay.pp,
                              "virtual_pipeline_model_parallel_size": lay.interleave if lay.interleave > 1 else None,
                              "context_parallel_size": lay.cp,
+                             "expert_model_parallel_size": lay.ep, "expert_tensor_parallel_size": lay.etp,
                              # verl's default is True; the plan says whether activations shard over tp.
                              "sequence_parallel": lay.sequence_parallel and lay.tp > 1,
                              "param_offload": False}
@@ -58,6 +59,20 @@ def _megatron(lay: Layout, *, trained: bool) -> dict[str, Any]:
         block.update(use_distributed_optimizer=lay.zero in (1, 2), use_megatron_fsdp=lay.zero == 3,
                      optimizer_offload=False)
     return block
+
+
+def _rollout_experts(lay: Layout, name: str, limits: list[str]) -> dict[str, Any]:
+    """vLLM's expert parallel for a decode layout: an engine of tp x dp ranks whose experts split
+    over all of them (verl checks expert_parallel_size == tp * dp). The plan's ep group spans
+    ep * etp ranks, so that many ranks form one engine; experts also split over tp (etp > 1) has
+    no vLLM form."""
+    if lay.ep == 1:
+        return {}
+    span = lay.ep * lay.etp
+    if lay.etp > 1:
+        limits.append(f"{name}: experts split over both tp and ep (etp={lay.etp}, ep={lay.ep}); vLLM's expert "
+                      f"parallel splits whole experts over all {span} ranks of an engine")
+    return {"data_parallel_size": span // lay.tp, "expert_parallel_size": span}
 
 
 def _flatten(prefix: str, tree: dict[str, Any], out: list[tuple[str, Any]]) -> None:
@@ -140,7 +155,9 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
     algo = plan.algorithm
     trained = [c for c in (r.actor_train, r.critic_train) if c is not None]
     forward = [c for c in (r.ref_inference, r.critic_inference) if c is not None]
-    strategy = "megatron" if any(c.layout.tp > 1 or c.layout.pp > 1 for c in trained + forward) else "fsdp"
+    # Tensor, pipeline or expert parallel need Megatron workers (verl's FSDP workers have none).
+    strategy = "megatron" if any(c.layout.tp > 1 or c.layout.pp > 1 or c.layout.ep > 1
+                                 for c in trained + forward) else "fsdp"
     limits = common_limits(plan, "verl")
     notes: list[str] = []
     reward_pool: Mesh | None = None
@@ -187,6 +204,7 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
     rollout: dict[str, Any] = {
         "name": "vllm", "n": n, "temperature": gen.temperature,
         "tensor_model_parallel_size": decode_layout(gen).tp,
+        **_rollout_experts(decode_layout(gen), gen.name, limits),
         "gpu_memory_utilization": memory_fraction(plan, gen),
         "free_cache_engine": True,
         "log_prob_micro_batch_size_per_gpu": actor["ppo_micro_batch_size_per_gpu"],

@@ -63,7 +63,12 @@ def plans() -> dict[str, Plan]:
     grpo7 = _compile(grpo("qwen2.5-7b", reward_fn="runtime.tasks:pattern_reward", batch=64, prompt_len=512,
                           gen_len=1024, samples_per_prompt=8, name="grpo_7b"), "h100-sxm:1x8")
     dpo7 = _compile(dpo("llama-2-7b", batch=128, seq_len=2048, name="dpo_7b"), "a100-80gb:1x8")
-    out = {p.name: p for p in (sft7, sft70, ppo7, ppo13, ppo70, grpo7, dpo7)}
+    # Mixtures of experts: Qwen3-30B-A3B SFT (Megatron-LM; per-head q/k norms, heads wider than
+    # hidden / heads) and Mixtral GRPO (verl, OpenRLHF).
+    sft_moe = _compile(sft("qwen3-30b-a3b", batch=256, seq_len=4096, name="sft_qwen3_moe"), "h100-sxm:2x8")
+    grpo_moe = _compile(grpo("mixtral-8x7b", reward_fn="runtime.tasks:pattern_reward", batch=64, prompt_len=512,
+                             gen_len=1024, samples_per_prompt=8, name="grpo_mixtral"), "h100-sxm:2x8")
+    out = {p.name: p for p in (sft7, sft70, ppo7, ppo13, ppo70, grpo7, dpo7, sft_moe, grpo_moe)}
     variants = {
         "sft_7b_tp2_sp_z1": (sft7, {"model_train": Layout(dp=8, tp=2, zero=1, micro_batches=16,
                                                           sequence_parallel=True)}),
@@ -79,6 +84,12 @@ def plans() -> dict[str, Plan]:
         "ppo_7b_colocated_tp2_z1": (ppo7, _colocated(ppo7, Layout(dp=8, tp=2, zero=1, micro_batches=4,
                                                                   sequence_parallel=True))),
         "grpo_7b_z3": (grpo7, _colocated(grpo7, Layout(dp=8, zero=3, micro_batches=16))),
+        "sft_qwen3_moe_ep8": (sft_moe, {"model_train": Layout(dp=8, tp=2, ep=8, zero=1, micro_batches=8,
+                                                              recompute="full", sequence_parallel=True)}),
+        "sft_qwen3_moe_etp": (sft_moe, {"model_train": Layout(dp=4, tp=4, ep=4, etp=4, micro_batches=16,
+                                                              sequence_parallel=True)}),
+        "grpo_mixtral_ep": (grpo_moe, _colocated(grpo_moe, Layout(dp=8, tp=2, ep=8, zero=1, micro_batches=16,
+                                                                  sequence_parallel=True))),
         "grpo_7b_tp2_z1": (grpo7, _colocated(grpo7, Layout(dp=4, tp=2, zero=1, micro_batches=16,
                                                            sequence_parallel=True))),
     }
@@ -95,7 +106,7 @@ def _colocated(plan: Plan, train: Layout) -> dict[str, Layout]:
         # (FSDP), except generation, which an engine runs on its own full copy.
         zero = 3 if train.zero == 3 and c.kind == "inference" else 0
         out[c.name] = train if c.kind == "train" else Layout(dp=train.dp, tp=train.tp, pp=train.pp, zero=zero,
-                                                              micro_batches=1)
+                                                              micro_batches=1, ep=train.ep, etp=train.etp)
     return out
 
 

@@ -82,6 +82,23 @@ def core_config(o: dict[str, object]):  # noqa: ANN201
         recompute_granularity=o.get("recompute_granularity"), recompute_method=o.get("recompute_method"),
         recompute_num_layers=int(o["recompute_num_layers"]) if "recompute_num_layers" in o else None,
     )
+    if "num_experts" in o:  # megatron-core's MoE checks (TransformerConfig.__post_init__)
+        freq = o.get("moe_layer_freq")
+        kw.update(num_moe_experts=int(o["num_experts"]), moe_router_topk=int(o["moe_router_topk"]),
+                  moe_ffn_hidden_size=int(o["moe_ffn_hidden_size"]),
+                  moe_layer_freq=[int(x) for x in str(freq).strip("[]").split(",")] if freq else 1,
+                  moe_router_pre_softmax=bool(o.get("moe_router_pre_softmax", False)),
+                  moe_token_dispatcher_type=o["moe_token_dispatcher_type"],
+                  moe_grouped_gemm=bool(o.get("moe_grouped_gemm", False)),
+                  expert_model_parallel_size=int(o["expert_model_parallel_size"]),
+                  expert_tensor_parallel_size=int(o["expert_tensor_parallel_size"]))
+        if "moe_shared_expert_intermediate_size" in o:
+            kw["moe_shared_expert_intermediate_size"] = int(o["moe_shared_expert_intermediate_size"])
+            kw["moe_shared_expert_gate"] = bool(o.get("moe_shared_expert_gate", False))
+    if "kv_channels" in o:
+        kw["kv_channels"] = int(o["kv_channels"])
+    if "qk_layernorm" in o:
+        kw["qk_layernorm"] = True
     if "decoder_first_pipeline_num_layers" in o:
         kw["num_layers_in_first_pipeline_stage"] = int(o["decoder_first_pipeline_num_layers"])
     if kw["gated_linear_unit"]:
@@ -112,6 +129,11 @@ def test_megatron_core_configs_accept_each_export(path) -> None:  # noqa: ANN001
     assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.context_parallel_size) == \
         (lay["tp"], lay["pp"], lay["cp"])
     assert cfg.hidden_dropout == 0 and cfg.attention_dropout == 0
+    spec = plan["models"][call["model"]]["spec"]
+    if spec.get("num_experts"):
+        assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.expert_model_parallel_size,
+                cfg.expert_tensor_parallel_size) == (spec["num_experts"], spec["num_experts_per_tok"], lay["ep"],
+                                                     lay["etp"])
     assert o["lr_decay_style"] == "constant"
     assert ("use_distributed_optimizer" in o) == (lay["zero"] in (1, 2))
     assert ("use_megatron_fsdp" in o) == (lay["zero"] == 3)
@@ -162,3 +184,8 @@ def test_megatron_lm_parses_and_validates_each_export(path, monkeypatch) -> None
     assert args.data_parallel_size == lay["dp"]
     assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size) == (lay["tp"], lay["pp"])
     assert cfg.hidden_dropout == 0 and cfg.attention_dropout == 0
+    spec = plan["models"][call["model"]]["spec"]
+    if spec.get("num_experts"):
+        assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.expert_model_parallel_size,
+                cfg.expert_tensor_parallel_size) == (spec["num_experts"], spec["num_experts_per_tok"], lay["ep"],
+                                                     lay["etp"])

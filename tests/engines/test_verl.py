@@ -46,6 +46,15 @@ def test_verl_composes_and_validates_each_export(path) -> None:  # noqa: ANN001
 
     cfg = compose(doc["text"])
     validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)  # as verl builds it: its __post_init__ checks run
+    assert isinstance(rollout, RolloutConfig)
+    gen = next(c for c in plan["calls"] if c["kind"] == "generate")
+    lay = gen["decode_layout"] or gen["layout"]
+    if lay.get("ep", 1) > 1:  # vLLM's expert parallel spans the plan's expert group
+        assert rollout.expert_parallel_size == lay["ep"] * lay.get("etp", 1)
     models = plan["models"]
     has_ref = any(c["kind"] == "inference" and c["returns"] == "logprobs" and not models[c["model"]]["trainable"]
                   for c in plan["calls"])
