@@ -1,0 +1,70 @@
+"""Mixture-of-experts costs and search: what expert parallelism buys and costs, and that the
+search takes it where it pays, with `planner explain` saying why."""
+
+from __future__ import annotations
+
+import pytest
+
+from cost_models import CostModel
+from cost_models.ops import expert_load
+from planner.algorithms import grpo
+from planner.compile import compile_graph
+from planner.explain import explain_plan
+from plans import Layout, Mesh, parse_cluster
+from plans.graph import Call, ModelDecl
+from plans.model import PRESETS
+
+QWEN = PRESETS["qwen3-30b-a3b"]
+
+
+def _cost(layout: Layout, call: Call, *, cluster: str = "h100-sxm:2x8", cv: float = 0.0, trainable: bool = False):
+    # Generation as a CUDA-graph engine runs it (an eager one is bound by issuing kernels, not by the weights)
+    cm = CostModel(parse_cluster(cluster), framework="vllm" if call.kind == "generate" else "megatron")
+    decl = ModelDecl(spec=QWEN, trainable=trainable, expert_load_cv=cv)
+    return cm.call_cost(call, decl, Mesh.block(0, layout.size), layout)
+
+
+DECODE = Call(name="g", model="m", kind="generate", seqs=256, seq_len=2048, gen_len=1024, outputs=["s"])
+TRAIN = Call(name="t", model="m", kind="train", seqs=64, seq_len=4096, loss="sft")
+
+
+def test_expert_parallel_cuts_expert_memory_and_decode_weight_streaming() -> None:
+    flat, spread = _cost(Layout(dp=8), DECODE), _cost(Layout(dp=8, ep=8), DECODE)
+    assert spread.state_mem_bytes < flat.state_mem_bytes / 4  # experts are nearly all of the weights
+    # each decode step streams only the rank's own experts' weights, at the price of two all-to-alls
+    assert spread.breakdown_s["decode"] < flat.breakdown_s["decode"]
+    assert spread.breakdown_s["ep_comm"] > 0 and "ep_comm" not in flat.breakdown_s
+
+
+def test_all_to_all_costs_more_across_nodes() -> None:
+    inside = _cost(Layout(dp=8, ep=8, zero=1), TRAIN, cluster="h100-sxm:2x8")
+    across = _cost(Layout(dp=16, ep=16, zero=1), TRAIN.model_copy(update={"seqs": 128}), cluster="h100-sxm:2x8")
+    assert across.breakdown_s["ep_comm"] > 1.5 * inside.breakdown_s["ep_comm"]
+
+
+def test_uneven_routing_slows_the_experts() -> None:
+    even, skewed = _cost(Layout(dp=8, ep=8, zero=1), TRAIN), _cost(Layout(dp=8, ep=8, zero=1), TRAIN, cv=0.5)
+    assert skewed.time_s > 1.01 * even.time_s  # the busiest rank's experts and its all-to-all share
+    assert skewed.breakdown_s["ep_comm"] > 1.1 * even.breakdown_s["ep_comm"]
+    assert _cost(Layout(dp=8, zero=1), TRAIN, cv=0.5).time_s == pytest.approx(_cost(Layout(dp=8, zero=1), TRAIN).time_s)
+
+
+def test_few_decode_tokens_activate_few_experts() -> None:
+    one = expert_load(QWEN, Layout(), tokens=1)
+    assert one.active == QWEN.num_experts_per_tok and one.rows == 1
+    many = expert_load(QWEN, Layout(), tokens=4096)
+    assert many.active == QWEN.experts
+    assert expert_load(QWEN, Layout(dp=8, ep=8), tokens=4096).skew > 1.0
+
+
+def test_grpo_of_qwen3_moe_picks_expert_parallel_and_explains_it() -> None:
+    graph = grpo("qwen3-30b-a3b", reward_fn="runtime.tasks:pattern_reward", batch=128, prompt_len=1024, gen_len=2048,
+                 samples_per_prompt=8)
+    plan = compile_graph(graph, parse_cluster("h100-sxm:4x8"), time_limit_s=10)
+    chosen = {c.name: c.layout for c in plan.calls}
+    assert any(lay.ep > 1 for lay in chosen.values()), chosen
+    assert plan.estimate.peak_mem_bytes <= plan.cluster.usable_mem_bytes
+    ex = explain_plan(plan)
+    gen = next(c.name for c in plan.calls if c.kind == "generate")
+    note = next(n for n in ex.notes if n.startswith(f"{gen}: experts split"))
+    assert "all-to-all" in note and "GiB per GPU" in note and "at ep" in note
