@@ -60,7 +60,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     cpu = torch.device("cpu")
     batch = _batch(seed=5)
     for name, spec in SPECS.items():
-        for head in ("lm", "value") if name == "mixtral" else ("lm",):
+        for head in ("lm",):  # the value head of an MoE critic: test_runtime_executor's ppo_moe
             def state(p):
                 return init_tensor(p, seed=3) + 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(
                     sum(map(ord, p.name))))  # routers off their zero-ish start, so routing is decisive
@@ -89,4 +89,4 @@ def test_every_expert_layout_matches_single_process_reference(tmp_path: Path) ->
         problems += result["problems"]
         checks += result["checks"]
     assert not problems, "\n".join(problems[:40])
-    assert checks > 5 * len(CASES) * WORLD * 10
+    assert checks > 4 * len(CASES) * WORLD * 10
