@@ -6,20 +6,15 @@ updated parameter slice)."""
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from plans import PRESETS, Layout, Mesh, resolve_model
-from runtime.engine import ModelRunner
-from runtime.groups import Groups, solo_groups
+from plans import PRESETS, resolve_model
 from runtime.model import init_tensor
-from tests.test_runtime_parallel import ADAM, WORLD, _batch, _compare, _free_port, _run_model
+from tests.test_runtime_parallel import WORLD, _free_port, collect, run_layouts
 
 SPECS = {
     "mixtral": PRESETS["tiny-mixtral"],
@@ -46,47 +41,20 @@ CASES = [
 ]
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    import runtime.data_parallel
+def _state(p):  # noqa: ANN001, ANN202
+    # routers off their near-uniform start, so routing is decisive
+    return init_tensor(p, seed=3) + 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(
+        sum(map(ord, p.name))))
 
-    runtime.data_parallel.BUCKET_BYTES = 4096
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    groups = Groups(distributed=True)
-    mesh = Mesh.block(0, WORLD)
-    problems: list[str] = []
-    checks = 0
-    cpu = torch.device("cpu")
-    batch = _batch(seed=5)
-    for name, spec in SPECS.items():
-        for head in ("lm",):  # the value head of an MoE critic: test_runtime_executor's ppo_moe
-            def state(p):
-                return init_tensor(p, seed=3) + 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(
-                    sum(map(ord, p.name))))  # routers off their zero-ish start, so routing is decisive
-            ref_runner = ModelRunner(spec, head=head, trainable=True, groups=solo_groups(Layout()), state=state,
-                                     device=cpu, adam=ADAM)
-            ref = _run_model(ref_runner, batch)
-            for dp, tp, pp, extra in CASES:
-                layout = Layout(dp=dp, tp=tp, pp=pp, **extra)
-                case = f"{name}/{head} {layout.short()}"
-                mine = groups.build(mesh, layout, rank=rank, tied=spec.tied and head == "lm")
-                runner = ModelRunner(spec, head=head, trainable=True, groups=mine, state=state, device=cpu, adam=ADAM)
-                got = _run_model(runner, batch)
-                p, c = _compare(case, ref, got, runner, spec, head)
-                problems += p
-                checks += c
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"problems": problems, "checks": checks}))
-    dist.destroy_process_group()
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    # the value head of an MoE critic: test_runtime_executor's ppo_moe
+    run_layouts(rank, port, out_dir, [(name, spec, "lm") for name, spec in SPECS.items()], CASES, _state)
 
 
 @pytest.mark.slow
 def test_every_expert_layout_matches_single_process_reference(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    problems, checks = [], 0
-    for rank in range(WORLD):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        problems += result["problems"]
-        checks += result["checks"]
+    problems, checks = collect(tmp_path)
     assert not problems, "\n".join(problems[:40])
     assert checks > 4 * len(CASES) * WORLD * 10

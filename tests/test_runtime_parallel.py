@@ -136,7 +136,10 @@ def _compare(case: str, ref: dict, got: dict, runner: ModelRunner, spec, head: s
     return problems, checks
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def run_layouts(rank: int, port: int, out_dir: str, models: list[tuple[str, object, str]], cases: list,
+                state) -> None:  # noqa: ANN001
+    """On one of WORLD ranks: every (model, head) of `models` ((name, spec, head)) under every
+    case's layout against the single-process reference; problems and checks to OUT_DIR."""
     import runtime.data_parallel
 
     runtime.data_parallel.BUCKET_BYTES = 4096  # many gradient buckets, reduced as backward fills them
@@ -148,26 +151,41 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     problems: list[str] = []
     checks = 0
     cpu = torch.device("cpu")
-    for family in ("llama", "gpt"):
-        spec = PRESETS[f"tiny-{family}"]
-        batch = _batch(seed=5)
-        for head in ("lm", "value"):
-            def state(p):
-                return init_tensor(p, seed=3)
-            ref_runner = ModelRunner(spec, head=head, trainable=True, groups=solo_groups(Layout()), state=state, device=cpu,
-                                     adam=ADAM)
-            ref = _run_model(ref_runner, batch)
-            for dp, tp, pp, extra in CASES:
-                layout = Layout(dp=dp, tp=tp, pp=pp, **extra)
-                case = f"{family}/{head} {layout.short()}"
-                mine = groups.build(mesh, layout, rank=rank, tied=spec.tied and head == "lm")
-                runner = ModelRunner(spec, head=head, trainable=True, groups=mine, state=state, device=cpu, adam=ADAM)
-                got = _run_model(runner, batch)
-                p, c = _compare(case, ref, got, runner, spec, head)
-                problems += p
-                checks += c
+    batch = _batch(seed=5)
+    for name, spec, head in models:
+        ref_runner = ModelRunner(spec, head=head, trainable=True, groups=solo_groups(Layout()), state=state, device=cpu,
+                                 adam=ADAM)
+        ref = _run_model(ref_runner, batch)
+        for dp, tp, pp, extra in cases:
+            layout = Layout(dp=dp, tp=tp, pp=pp, **extra)
+            case = f"{name}/{head} {layout.short()}"
+            mine = groups.build(mesh, layout, rank=rank, tied=spec.tied and head == "lm")
+            runner = ModelRunner(spec, head=head, trainable=True, groups=mine, state=state, device=cpu, adam=ADAM)
+            got = _run_model(runner, batch)
+            p, c = _compare(case, ref, got, runner, spec, head)
+            problems += p
+            checks += c
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"problems": problems, "checks": checks}))
     dist.destroy_process_group()
+
+
+def _state(p):  # noqa: ANN001, ANN202
+    return init_tensor(p, seed=3)
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    models = [(family, PRESETS[f"tiny-{family}"], head) for family in ("llama", "gpt") for head in ("lm", "value")]
+    run_layouts(rank, port, out_dir, models, CASES, _state)
+
+
+def collect(out_dir: Path) -> tuple[list[str], int]:
+    """Every rank's problems and checks."""
+    problems, checks = [], 0
+    for rank in range(WORLD):
+        result = json.loads((out_dir / f"rank{rank}.json").read_text())
+        problems += result["problems"]
+        checks += result["checks"]
+    return problems, checks
 
 
 def _free_port() -> int:
@@ -179,11 +197,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_every_layout_matches_single_process_reference(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    problems, checks = [], 0
-    for rank in range(WORLD):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        problems += result["problems"]
-        checks += result["checks"]
+    problems, checks = collect(tmp_path)
     assert not problems, "\n".join(problems[:40])
     # Every rank checks its parameters in every case, the last stages the outputs too.
     assert checks > 2 * 2 * len(CASES) * WORLD * 10
