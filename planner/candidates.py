@@ -19,6 +19,7 @@ from plans.cluster import ClusterSpec
 from plans.graph import Call, Graph, ModelDecl
 from plans.layout import Layout, Mesh
 from plans.model import ModelSpec
+from plans.runnable import expert_layout_problems
 from plans.sharding import layout_problems, slices_key
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -199,8 +200,11 @@ def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpa
     for size in mesh_sizes(cluster, space):
         mesh = Mesh.block(0, size)
         costed = []
+        # A plan for the planner's runtime (framework torch) splits experts only as it runs them.
+        runtime = cm.framework.name == "torch"
         valid = [lay for lay in layouts_for(call, decl, size, cluster)
-                 if space.layout_ok is None or space.layout_ok(call, decl, lay)]
+                 if (space.layout_ok is None or space.layout_ok(call, decl, lay))
+                 and not (runtime and expert_layout_problems(decl.spec, lay))]
         for lay in valid:
             cost = cm.call_cost(call, view, mesh, lay)
             if cost.peak_mem_bytes <= cap:
@@ -271,6 +275,8 @@ def min_memory_needed(call: Call, decl: ModelDecl, cm: CostModel, space: SearchS
     best = None
     for lay in layouts_for(call, decl, size, cluster):
         if space.layout_ok is not None and not space.layout_ok(call, decl, lay):
+            continue
+        if cm.framework.name == "torch" and expert_layout_problems(decl.spec, lay):
             continue
         peak = cm.call_cost(call, view, Mesh.block(0, size), lay).peak_mem_bytes
         best = peak if best is None else min(best, peak)

@@ -13,6 +13,7 @@ from planner.explain import explain_plan
 from plans import Layout, Mesh, parse_cluster
 from plans.graph import Call, ModelDecl
 from plans.model import PRESETS
+from plans.runnable import runtime_problems
 
 QWEN = PRESETS["qwen3-30b-a3b"]
 
@@ -64,6 +65,7 @@ def test_grpo_of_qwen3_moe_picks_expert_parallel_and_explains_it() -> None:
     chosen = {c.name: c.layout for c in plan.calls}
     assert any(lay.ep > 1 for lay in chosen.values()), chosen
     assert plan.estimate.peak_mem_bytes <= plan.cluster.usable_mem_bytes
+    assert runtime_problems(plan) == []  # a plan for the planner's runtime splits experts only as it runs them
     ex = explain_plan(plan)
     gen = next(c.name for c in plan.calls if c.kind == "generate")
     note = next(n for n in ex.notes if n.startswith(f"{gen}: experts split"))
