@@ -38,6 +38,15 @@
      this session the prediction used the ``torch`` preset, which then had these traits; ``torch``
      now describes the planner's runtime, which is not what Meta ran.)
 
+   - NVIDIA NeMo AutoModel, ``docs/performance-summary.md`` (NVIDIA-NeMo/Automodel, "Last Updated
+     2025-10-02"), pre-training on DGX-H100 in BF16: Qwen3 MoE 30B (Qwen3-30B-A3B) on 8 GPUs,
+     global batch 512, micro-batch 4, 16 accumulations, sequence 4096, EP 8, FSDP over the 8 GPUs,
+     Transformer Engine and DeepEP kernels, a forced-balanced router, 12,040 tokens/s per GPU. We
+     predict ZeRO-3 over dp 8 with ep 8, 16 micro-batches, the ``megatron-core`` stack, no extra
+     router unevenness. The row does not state its activation recompute; a fixed rule picks it
+     before any prediction is looked at: the first of none, selective, full that fits in memory,
+     else the one needing the least.
+
 3. Out of sample on the vTrain rows (``--cross-validate``): leave one model size out. For each
    size, the coefficients are fitted again, from the same fixed start as `planner calibrate`, on
    every row of the other sizes (both files, equal weight), and the held-out size's rows are
@@ -62,11 +71,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cost_models.api import CostModel  # noqa: E402
 from cost_models.calibration import Calibration, default_calibration, load_calibration  # noqa: E402
 from cost_models.estimate import estimate_training, training_layout  # noqa: E402
 from cost_models.fit import START, Setup, fit, mape, predict  # noqa: E402
 from cost_models.measured import MeasuredRun, read_measured  # noqa: E402
-from plans import PlannerError, parse_cluster, resolve_model  # noqa: E402
+from plans import Layout, Mesh, PlannerError, parse_cluster, resolve_model  # noqa: E402
+from plans.graph import Call, ModelDecl  # noqa: E402
 
 VTRAIN = Setup(gpu="a100-80gb", gpus_per_node=8, intra_node_gbps=None, inter_node_gbps=800, framework="megatron")
 
@@ -213,6 +224,36 @@ def report_llama3(cal: Calibration) -> float:
     return m
 
 
+# (model, GPUs, global batch, micro-batches per step, sequence, ep, published tokens/s per GPU)
+AUTOMODEL_MOE = [("qwen3-30b-a3b", 8, 512, 16, 4096, 8, 12040)]
+
+
+def report_moe(cal: Calibration) -> float:
+    print("\nheld out: NeMo AutoModel MoE pre-training on DGX-H100, BF16 (docs/performance-summary.md, 2025-10-02), "
+          "tokens/s per GPU")
+    errs = []
+    for name, gpus, batch, micro, seq, ep, published in AUTOMODEL_MOE:
+        cm = CostModel(parse_cluster(f"h100-sxm:{gpus // 8}x8"), cal, framework="megatron-core")
+        call = Call(name="train", model="m", kind="train", seqs=batch, seq_len=seq, loss="sft")
+        decl = ModelDecl(spec=resolve_model(name), trainable=True)
+        costs = {rc: cm.call_cost(call, decl, Mesh.block(0, gpus),
+                                  Layout(dp=gpus, ep=ep, zero=3, micro_batches=micro, recompute=rc))
+                 for rc in ("none", "selective", "full")}
+        fitting = [rc for rc, c in costs.items() if c.peak_mem_bytes <= cm.cluster.usable_mem_bytes]
+        rc = fitting[0] if fitting else min(costs, key=lambda k: costs[k].peak_mem_bytes)
+        cost = costs[rc]
+        predicted = batch * seq / cost.time_s / gpus
+        errs.append(pct(predicted, published))
+        print(f"  {name} {gpus} GPUs dp{gpus} ep{ep} z3 mb{micro} recompute {rc}  published {published:,}  predicted "
+              f"{predicted:,.0f}  ({errs[-1]:+.1f}%), all-to-all {cost.breakdown_s.get('ep_comm', 0.0):.2f} s of "
+              f"{cost.time_s:.2f} s, peak memory {cost.peak_mem_bytes / 2**30:.0f} GiB"
+              + ("" if fitting else f" (no recompute mode fits in {cm.cluster.usable_mem_bytes / 2**30:.0f} GiB: "
+                 "the rule takes the leanest)"))
+    m = sum(abs(e) for e in errs) / len(errs)
+    print(f"  MAPE {m:.2f}% over {len(errs)} rows; {sign_summary(errs, of='throughput')}")
+    return m
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibration", type=Path, help="calibration file (default: the shipped one)")
@@ -251,6 +292,7 @@ def main() -> None:
             cross_validate(files, cal, setup, args.sweeps, args.cv_file)
     report_megatron(cal)
     report_llama3(cal)
+    report_moe(cal)
 
 
 if __name__ == "__main__":
