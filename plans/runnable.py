@@ -26,12 +26,6 @@ def layout_runtime_problems(layout: Layout) -> list[str]:
     return problems
 
 
-def spec_runtime_problems(spec: ModelSpec) -> list[str]:
-    """The parts of a model the runtime does not compute yet (the planner costs and plans them)."""
-    del spec  # every model the specs describe runs; layouts may not (`expert_layout_problems`)
-    return []
-
-
 def expert_layout_problems(spec: ModelSpec, layout: Layout) -> list[str]:
     """How the runtime cannot split `spec`'s experts under `layout` (empty when it can): experts
     are split over tp like the dense MLP (etp = tp), and expert-parallel training keeps full
@@ -59,8 +53,6 @@ def runtime_problems(plan: Plan, *, reference: bool = False) -> list[str]:
     where every call runs unsharded: then the layouts do not matter, but the models' own limits
     and how the plan says parameters move still must hold."""
     problems = []
-    for decl in plan.models.values():
-        problems += spec_runtime_problems(decl.spec)
     for c in plan.calls:
         spec = plan.models[c.model].spec
         if c.seq_len > spec.max_position_embeddings:

@@ -17,7 +17,7 @@ from cost_models.transfer import rank_volumes
 from plans.errors import PlannerError
 from plans.layout import Layout, Mesh
 from plans.model import PRESETS, ModelSpec, resolve_model, spec_from_hf_config
-from plans.runnable import spec_runtime_problems
+from plans.runnable import expert_layout_problems
 from plans.sharding import box_numel, layout_problems, parameters, shard_box, transfer_plan, transfer_volume
 
 # Model cards: (total, active) parameters in billions as published.
@@ -100,10 +100,12 @@ def test_mixtral_router_noise_is_refused() -> None:
         spec_from_hf_config({**config, "router_jitter_noise": 0.1}, source="c")
 
 
-def test_the_runtime_says_what_it_does_not_run_yet() -> None:
-    assert any("mixture-of-experts" in p for p in spec_runtime_problems(PRESETS["tiny-mixtral"]))
-    assert any("qk_norm" in p for p in spec_runtime_problems(PRESETS["qwen3-30b-a3b"]))
-    assert spec_runtime_problems(PRESETS["tiny-llama"]) == []
+def test_the_runtime_says_which_expert_splits_it_does_not_run_yet() -> None:
+    spec = PRESETS["tiny-mixtral"]
+    assert expert_layout_problems(spec, Layout(dp=2, tp=2, ep=2, etp=2)) == []
+    assert "etp=1 with tp=2" in expert_layout_problems(spec, Layout(dp=2, tp=2, ep=2))[0]
+    assert "ZeRO 1 with expert parallel" in expert_layout_problems(spec, Layout(dp=4, ep=2, zero=1))[0]
+    assert expert_layout_problems(PRESETS["tiny-llama"], Layout(dp=2, tp=2)) == []  # dense: nothing to split
 
 
 def test_expert_parallel_shards_partition_every_expert_tensor() -> None:
