@@ -268,8 +268,8 @@ class DataParallel:
         self.v = torch.zeros_like(self.m)
         self.steps = 0
         self.replicated = [n for n in names if _replicated_under_tp(shard, n)]
-        self._experts = [n for n in names if n in {p.name for p in parameters(shard.spec, head=shard.head)
-                                                   if p.expert_dim is not None}]
+        expert_names = {p.name for p in parameters(shard.spec, head=shard.head) if p.expert_dim is not None}
+        self._experts = [n for n in names if n in expert_names]
         # Per-head q/k norms (Qwen3) are whole on every tensor-parallel rank but each rank uses
         # them on its own heads: their gradients are partial sums over the group, with or
         # without sequence parallel.
@@ -299,7 +299,7 @@ class DataParallel:
         """Parameters whose gradients are summed over the tensor-parallel group before anything else."""
         if self.groups.tp.size == 1:
             return []
-        summed = self.replicated if self.shard.tp.sequence_parallel else [n for n in self.replicated if n in self.partial]
+        summed = self.replicated if self.shard.tp.sequence_parallel else []
         return list(dict.fromkeys([*summed, *self.partial]))
 
     def _make_buckets(self, names: list[str]) -> list[_Bucket]:

@@ -158,10 +158,7 @@ def _norm(spec: ModelSpec, w: dict[str, Tensor], name: str, x: Tensor) -> Tensor
     """LayerNorm with bias (gpt) or RMSNorm with fp32 statistics (llama) of the weights `{name}weight` (and `{name}bias`) in `w`."""
     if spec.model_type == "gpt":
         return F.layer_norm(x, (x.shape[-1],), w[f"{name}weight"], w[f"{name}bias"], spec.layer_norm_epsilon)
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + spec.rms_norm_eps)
-    return w[f"{name}weight"] * x32.to(dtype)
+    return _rms(spec, w[f"{name}weight"], x)
 
 
 def _rms(spec: ModelSpec, weight: Tensor, x: Tensor) -> Tensor:
