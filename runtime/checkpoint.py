@@ -12,8 +12,9 @@ partitions first, `DataParallel.moments`), and its RNG states (torch, CUDA, Pyth
 are created new (never through a link) and fsynced; rank 0 gathers every rank's list of pieces
 with its file's size and SHA-256, writes the manifest last and renames the directory into place
 (then fsyncs ROOT). A failure (a full disk, while writing a shard or the manifest) is one error on
-every rank and removes the ``.tmp`` directory; pruning (``--checkpoint-keep``) never follows a
-link and only warns when it fails, since the checkpoint just saved is complete. A crash at any point
+every rank and removes the ``.tmp`` directory, and so does an interrupt (every rank removes it);
+pruning (``--checkpoint-keep``) never follows a link and only warns when it fails, since the
+checkpoint just saved is complete. A crash (a killed process) at any point
 before the rename leaves only a ``.tmp`` directory, which `plans.checkpoint.latest_complete` never
 picks and the next save removes; so a checkpoint is complete or absent.
 
@@ -330,12 +331,14 @@ def save_checkpoint(runner: PlanRunner, root: str | Path, *, step: int, keep: in
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     what = f"saving checkpoint {final.name}"
-    _rank0(runner, lambda: _prepare(root, tmp), what=what)
     try:
+        _rank0(runner, lambda: _prepare(root, tmp), what=what)
         return _save(runner, tmp, final, step=step, keep=keep, hooks=hooks, what=what)
-    except BaseException:  # a failure or an interrupt: no .tmp directory is left behind
-        if runner.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:  # a failure or an interrupt, even one while rank 0 is still preparing the directory
+        # Every rank removes it, not only rank 0: interrupted together (Ctrl-C reaches the whole process
+        # group), a rank may still create its shard file after rank 0's removal listed the directory, which
+        # would leave it behind; whichever rank touches it last removes it.
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
