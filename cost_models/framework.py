@@ -81,6 +81,10 @@ class Framework:
     # per matrix); 0 where bf16 weights are kept beside fp32 master weights.
     weight_cast_bytes: float = 0.0
     gpu_calibrated: bool = True  # False: its efficiencies were never measured on a GPU
+    # A sliding window is an argument of the attention kernel, which skips the keys outside it
+    # (FlashAttention-2's window_size, as vLLM, Transformer Engine and FSDP stacks call it); False:
+    # the window is an explicit mask and every score is computed (the planner's runtime).
+    windowed_attention: bool = True
     # The LM head makes at most this many logits at a time (fused head and log-probs) and its
     # backward makes each chunk again when there is more than one; None: all logits at once.
     logits_chunk_elements: int | None = None
@@ -137,6 +141,7 @@ FRAMEWORKS: dict[str, Framework] = {
         residual_fwd=(10.0,), residual_bwd=(6.0, 12.0), rope_fwd=(4.0, 4.0, 4.0, 6.0), rope_bwd=(4.0, 4.0, 4.0, 6.0),
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), attn_out_copy=True,
         weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26, decode_cuda_graphs=True,
+        windowed_attention=False,
         grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0,
     ),
 }

@@ -6,7 +6,11 @@ exact for both families:
 
 - per layer forward, tokens M = b*s on a rank: QKV ``2*M*h*(a+2*kv)*d/t``, attention scores and
   context ``2 * 2*b*(a/t)*s_q*s_k*d`` (halved for causal flash attention), output projection
-  ``2*M*a*d*h/t``, MLP ``2*M*h*f/t`` per matrix (2 for GELU, 3 for SwiGLU);
+  ``2*M*a*d*h/t``, MLP ``2*M*h*f/t`` per matrix (2 for GELU, 3 for SwiGLU); with a sliding
+  window W shorter than the keys (Mistral), a kernel that takes the window (FlashAttention's
+  ``window_size``: `Framework.windowed_attention`) computes ``min(p, W)`` keys for query p and a
+  decode step reads the last W of the cache, while an explicit mask (the planner's runtime,
+  PyTorch SDPA with ``attn_mask``) computes every score, the causal half too;
 - backward: two GEMMs per forward GEMM (input and weight gradient), so twice the forward FLOPs;
   flash attention backward is 2.5x its forward (FlashAttention-2, Dao 2023);
 - LM head ``2*M*h*V/t`` forward.
@@ -186,9 +190,18 @@ def _attention(spec: ModelSpec, fw: Framework, *, b: int, s_q: int, s_k: int, tp
     m_q = b * s_q
     q_bytes = 2.0 * m_q * spec.num_attention_heads * d / tp
     kv_bytes = 2.0 * 2 * b * s_k * spec.kv_heads * d / tp
+    window = spec.sliding_window if spec.sliding_window is not None and spec.sliding_window < s_k else None
+    if window is not None and fw.windowed_attention:  # the kernel skips the keys outside the window
+        # causal: query p sees min(p, W) keys, summed over a sequence of s_k; decode: the last W of the cache
+        keys = (window * (window + 1) / 2 + (s_k - window) * window) / s_k if causal else float(window)
+        if not causal:
+            kv_bytes *= window / s_k  # decode reads only the window's part of the cache
+    elif window is not None:  # an explicit mask: every score is computed, the causal half included
+        keys = float(s_k)
+    else:
+        keys = s_k * ((s_k + 1) / (2 * s_k) if causal else 1.0)
     if fw.attention == "flash":
-        frac = (s_k + 1) / (2 * s_k) if causal else 1.0
-        n_scores = float(heads) * s_q * s_k * frac
+        n_scores = float(heads) * s_q * keys
         flops = 4.0 * d * n_scores
         f = Kernel("attn", flops, 2 * q_bytes + kv_bytes, s_q, s_k, d, heads, n_scores)
         b_ = Kernel("attn", FLASH_BWD_FLOPS_RATIO * flops, 4 * q_bytes + 2 * kv_bytes, s_q, s_k, d, heads, n_scores,

@@ -573,9 +573,37 @@ def _megatron_spec(f: dict[str, Any]) -> dict[str, Any]:
         spec["rms_norm_eps"] = float(f.get("norm-epsilon", 1e-5))
         spec["rope_theta"] = float(f.get("rotary-base", 10000))
         spec["attention_bias"] = bool(f.get("add-qkv-bias", False))
+        spec.update(_megatron_positions(f))
     else:
         spec["layer_norm_epsilon"] = float(f.get("norm-epsilon", 1e-5))
     return spec
+
+
+def _megatron_positions(f: dict[str, Any]) -> dict[str, Any]:
+    """RoPE scaling and the sliding window of Megatron-LM's flags (the inverse of
+    `planner.exports.megatron.position_flags`)."""
+    from planner.exports.megatron import MEGATRON_LLAMA3
+
+    out: dict[str, Any] = {}
+    if f.get("use-rope-scaling"):
+        factor = float(f.get("rope-scaling-factor", 8.0))
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": factor, **MEGATRON_LLAMA3}
+    elif "rotary-seq-len-interpolation-factor" in f:
+        factor = _int(f["rotary-seq-len-interpolation-factor"], "--rotary-seq-len-interpolation-factor")
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    if f.get("position-embedding-type") == "yarn":
+        raise PlannerError("--position-embedding-type yarn is not imported (YaRN from Megatron-LM's flags)",
+                           hint="give the model with --model model=DIRECTORY (its config.json's rope_scaling)")
+    if "window-size" in f:
+        parts = str(f["window-size"]).strip("()").split(",")
+        if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+            raise PlannerError(f"--window-size {f['window-size']!r} is not two integers (left,right)")
+        left, right = (int(p) for p in parts)
+        if right != 0 or left < 0:
+            raise PlannerError(f"--window-size {f['window-size']!r}: only causal windows (left,0) are supported",
+                               hint="a window of W positions, itself included, is --window-size W-1,0")
+        out["sliding_window"] = left + 1
+    return out
 
 
 def from_megatron(words: list[str], cluster: ClusterSpec, models: dict[str, str], *, world: int | None) -> Imported:

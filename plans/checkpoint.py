@@ -158,7 +158,7 @@ def graph_fingerprint(graph: Graph) -> str:
         decl["spec"].pop("name", None)
         # Fields added after checkpoint format 1 are left out while unset, so the checkpoints of
         # graphs that do not use them keep their fingerprints.
-        for obj, key in ((decl, "weights"), (decl["spec"], "sliding_window")):
+        for obj, key in ((decl, "weights"), (decl["spec"], "sliding_window"), (decl["spec"], "rope_scaling")):
             if obj.get(key) is None:
                 obj.pop(key, None)
     for inp in data.get("inputs", []):

@@ -35,6 +35,48 @@ MAX_VOCAB = 2**24
 MAX_POSITIONS = 2**24
 
 
+RopeType = Literal["linear", "llama3", "yarn"]
+
+
+class RopeScaling(Strict):
+    """RoPE scaling of a long-context llama-family model, as transformers computes it
+    (``rope_scaling`` / ``rope_parameters`` of config.json): the inverse frequencies are rescaled,
+    and for YaRN cos and sin are multiplied by an attention factor. ``linear`` divides every
+    frequency by `factor`; ``llama3`` (Llama 3.1 and later) divides the low frequencies by
+    `factor`, keeps the high ones and blends in between; ``yarn`` (Qwen2.5/Qwen3 long context)
+    blends interpolation and extrapolation over a ramp set by `beta_fast` and `beta_slow`.
+    Dynamic NTK and LongRoPE depend on the running sequence length and are refused."""
+
+    rope_type: RopeType = Field(description="'linear', 'llama3' or 'yarn'.")
+    factor: float | None = Field(None, gt=0, le=1e6, description="Context extension factor; yarn without it uses "
+                                 "max_position_embeddings / original_max_position_embeddings.")
+    original_max_position_embeddings: int | None = Field(
+        None, ge=1, le=MAX_POSITIONS, description="llama3/yarn: the pre-training context length (transformers' "
+        "default: max_position_embeddings).")
+    low_freq_factor: float | None = Field(None, gt=0, le=1e6, description="llama3: wavelengths above original / "
+                                          "low_freq_factor are scaled by factor.")
+    high_freq_factor: float | None = Field(None, gt=0, le=1e6, description="llama3: wavelengths below original / "
+                                           "high_freq_factor are kept.")
+    attention_factor: float | None = Field(None, gt=0, le=1e3, description="yarn: cos/sin multiplier (default "
+                                           "0.1 ln(factor) + 1, or from mscale and mscale_all_dim).")
+    beta_fast: float | None = Field(None, gt=0, le=1e6, description="yarn: extrapolation bound of the ramp (32).")
+    beta_slow: float | None = Field(None, gt=0, le=1e6, description="yarn: interpolation bound of the ramp (1).")
+    mscale: float | None = Field(None, ge=0, le=1e3, description="yarn (DeepSeek style): attention factor numerator.")
+    mscale_all_dim: float | None = Field(None, ge=0, le=1e3, description="yarn: attention factor denominator.")
+    truncate: bool = Field(True, description="yarn: round the ramp's bounds to whole dimensions.")
+
+    @model_validator(mode="after")
+    def check_needed(self) -> RopeScaling:
+        need = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ()}
+        missing = [f for f in need[self.rope_type] if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"rope_type {self.rope_type!r} needs {', '.join(missing)}")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:  # type: ignore[operator]
+            raise ValueError(f"llama3 needs high_freq_factor ({self.high_freq_factor}) above low_freq_factor "
+                             f"({self.low_freq_factor})")
+        return self
+
+
 class ModelSpec(Strict):
     """A decoder-only transformer, described by HF config field names."""
 
@@ -62,6 +104,9 @@ class ModelSpec(Strict):
     rms_norm_eps: float = Field(1e-5, gt=0, description="llama RMSNorm epsilon.")
     layer_norm_epsilon: float = Field(1e-5, gt=0, description="gpt LayerNorm epsilon.")
     rope_theta: float = Field(10000.0, gt=0, description="llama rotary base.")
+    rope_scaling: RopeScaling | None = Field(
+        None, description="llama family: RoPE scaling for long context (Llama 3.1 'llama3', YaRN, linear); None: plain "
+        "RoPE.")
     sliding_window: int | None = Field(
         None, ge=1, le=MAX_POSITIONS, description="llama family (Mistral): each position attends to the last "
         "sliding_window positions, itself included; None attends to all.")
@@ -172,7 +217,16 @@ class ModelSpec(Strict):
     def check_window_family(self) -> ModelSpec:
         if self.sliding_window is not None and self.model_type != "llama":
             raise ValueError("sliding_window applies to llama-family models only (Mistral)")
+        if self.rope_scaling is not None and self.model_type != "llama":
+            raise ValueError("rope_scaling applies to llama-family models only (gpt learns its positions)")
         return self
+
+    @property
+    def rope_original_positions(self) -> int:
+        """The context RoPE scaling counts from (transformers' default: max_position_embeddings)."""
+        r = self.rope_scaling
+        return (r.original_max_position_embeddings if r is not None and r.original_max_position_embeddings
+                else self.max_position_embeddings)
 
     @model_validator(mode="after")
     def check_qk_norm_family(self) -> ModelSpec:
@@ -282,6 +336,9 @@ def _gpt(name: str, h: int, layers: int, heads: int, vocab: int = 50257, pos: in
     )
 
 
+_LLAMA31 = RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=8192)
+
 # Published configurations (HF config.json of each model; GPT-3 from Brown et al. 2020, Table 2.1,
 # with the head count that divides the width where the table's d_head does not).
 PRESETS: dict[str, ModelSpec] = {
@@ -293,7 +350,12 @@ PRESETS: dict[str, ModelSpec] = {
         _llama("codellama-34b", 8192, 48, 64, 8, 22016, 32000, 16384, rope_theta=1e6),
         _llama("llama-3-8b", 4096, 32, 32, 8, 14336, 128256, 8192, rope_theta=5e5),
         _llama("llama-3-70b", 8192, 80, 64, 8, 28672, 128256, 8192, rope_theta=5e5),
-        _llama("llama-3-405b", 16384, 126, 128, 8, 53248, 128256, 131072, rope_theta=5e5),
+        # Llama 3.1 (and "Llama 3 405B", which only exists as 3.1): 128k context by llama3 RoPE scaling.
+        _llama("llama-3-405b", 16384, 126, 128, 8, 53248, 128256, 131072, rope_theta=5e5, rope_scaling=_LLAMA31),
+        _llama("mistral-7b-v0.1", 4096, 32, 32, 8, 14336, 32000, 32768, sliding_window=4096),
+        _llama("llama-3.1-8b", 4096, 32, 32, 8, 14336, 128256, 131072, rope_theta=5e5, rope_scaling=_LLAMA31),
+        _llama("llama-3.1-70b", 8192, 80, 64, 8, 28672, 128256, 131072, rope_theta=5e5, rope_scaling=_LLAMA31),
+        _llama("llama-3.1-405b", 16384, 126, 128, 8, 53248, 128256, 131072, rope_theta=5e5, rope_scaling=_LLAMA31),
         _llama("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064, 32768, attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6),
         _llama("qwen2.5-32b", 5120, 64, 40, 8, 27648, 152064, 32768, attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6),
         _llama("qwen2.5-72b", 8192, 80, 64, 8, 29568, 152064, 32768, attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6),
@@ -355,6 +417,7 @@ _HF_FAMILIES: dict[str, tuple[ModelType, dict[str, str], dict[str, Any]]] = {
 # (TRL, OpenRLHF, verl) disable it; training without dropout is stated in the README.)
 _LLAMA_EXACT: dict[str, tuple[Any, ...]] = {
     "hidden_act": ("silu", "swish"), "mlp_bias": (False, None), "use_sliding_window": (False, None),
+    "partial_rotary_factor": (1, 1.0, None),
 }
 _MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 _EXACT: dict[str, dict[str, tuple[Any, ...]]] = {
@@ -375,24 +438,43 @@ def _refuse(source: str, field: str, value: Any, why: str) -> PlannerError:
                         "their default values of this field; convert the model or change the field if it is wrong")
 
 
-def _rope_theta(config: dict[str, Any], *, source: str) -> float | None:
-    """The rotary base of a config written by transformers 4 (``rope_theta``, ``rope_scaling``) or
-    5 (``rope_parameters``); RoPE scaling (linear, dynamic, YaRN, llama3) is refused, naming it."""
+_ROPE_KEYS = frozenset(RopeScaling.model_fields) - {"rope_type"}
+
+
+def _rope_fields(config: dict[str, Any], *, source: str) -> dict[str, Any]:
+    """``rope_theta`` and ``rope_scaling`` of a config written by transformers 4 (``rope_theta``,
+    ``rope_scaling``) or 5 (``rope_parameters``). Linear, llama3 and YaRN scaling are computed;
+    dynamic NTK and LongRoPE (which change with the running length) are refused, naming them."""
     params = config.get("rope_parameters")
     scaling = config.get("rope_scaling")
-    theta = config.get("rope_theta")
-    if isinstance(params, dict):
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
-            raise _refuse(source, "rope_parameters.rope_type", kind, "(RoPE scaling) is not supported yet")
-        theta = params.get("rope_theta", theta)
-    elif params is not None:
-        raise _refuse(source, "rope_parameters", params, "is not a mapping")
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
-        if kind not in (None, "default"):
-            raise _refuse(source, "rope_scaling", scaling, "(RoPE scaling) is not supported yet")
-    return theta
+    out: dict[str, Any] = {}
+    if config.get("rope_theta") is not None:
+        out["rope_theta"] = config["rope_theta"]
+    where, given = "rope_scaling", scaling
+    if params is not None:
+        if not isinstance(params, dict):
+            raise _refuse(source, "rope_parameters", params, "is not a mapping")
+        if params.get("rope_theta") is not None:
+            out["rope_theta"] = params["rope_theta"]
+        where, given = "rope_parameters", {k: v for k, v in params.items() if k != "rope_theta"}
+    if given is None:
+        return out
+    if not isinstance(given, dict):
+        raise _refuse(source, where, given, "is not a mapping")
+    kind = given.get("rope_type", given.get("type", "default"))
+    if kind in (None, "default"):
+        return out
+    if kind not in ("linear", "llama3", "yarn"):
+        raise _refuse(source, f"{where}.rope_type", kind, "(RoPE scaling that changes with the running sequence "
+                      "length) is not supported; linear, llama3 and yarn are")
+    if given.get("partial_rotary_factor", 1.0) not in (1, 1.0):
+        raise _refuse(source, f"{where}.partial_rotary_factor", given["partial_rotary_factor"],
+                      "(rotary embedding of part of each head) is not supported")
+    rope = {k: v for k, v in given.items() if k in _ROPE_KEYS and v is not None}
+    if "original_max_position_embeddings" in config:  # Phi-3 style: outside the rope dict, and it wins
+        rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    out["rope_scaling"] = {"rope_type": kind, **rope}
+    return out
 
 
 def _exact_fields(config: dict[str, Any], hf_type: str, *, source: str) -> dict[str, Any]:
@@ -402,9 +484,7 @@ def _exact_fields(config: dict[str, Any], hf_type: str, *, source: str) -> dict[
             raise _refuse(source, field, config[field], f"is not supported (supported: {', '.join(map(repr, allowed))})")
     out: dict[str, Any] = {}
     if hf_type in ("llama", "mistral", "qwen2", *_MOE_FAMILIES):
-        theta = _rope_theta(config, source=source)
-        if theta is not None:
-            out["rope_theta"] = theta
+        out.update(_rope_fields(config, source=source))
         heads, width, head_dim = config.get("num_attention_heads"), config.get("hidden_size"), config.get("head_dim")
         if hf_type != "qwen3_moe" and head_dim is not None and isinstance(heads, int) and isinstance(width, int) \
                 and heads > 0 and head_dim * heads != width:
@@ -438,7 +518,7 @@ def spec_from_hf_config(config: dict[str, Any], *, source: str) -> ModelSpec:
             hint=f"supported model_type values: {', '.join(sorted(_HF_FAMILIES))}",
         )
     family, renames, fixed = _HF_FAMILIES[hf_type]
-    fields = set(ModelSpec.model_fields) - {"name", "model_type", "sliding_window"}
+    fields = set(ModelSpec.model_fields) - {"name", "model_type", "sliding_window", "rope_scaling"}
     data: dict[str, Any] = {"model_type": family, "name": source}
     for key, value in config.items():
         key = renames.get(key, key)

@@ -23,6 +23,7 @@ With one rank everything reduces to the plain single-process model: that is the 
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -185,15 +186,65 @@ def _rope(spec: ModelSpec, positions: Tensor, dtype: torch.dtype) -> tuple[Tenso
     rotated value to the factor; IEEE products are sign-symmetric) with one rotation op instead
     of slice, slice, neg and cat."""
     d = spec.d_head
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d))
+    inv_freq, scale = rope_frequencies(spec, positions.device)
     freqs = positions.float()[..., None] * inv_freq  # [..., s, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     if emb.dim() == 3:
         emb = emb[:, None]  # broadcast over heads
     half = d // 2
-    sin = emb.sin()
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:  # YaRN's attention factor, on both (transformers' attention_scaling)
+        cos, sin = cos * scale, sin * scale
     sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    return emb.cos().to(dtype), sin.to(dtype)
+    return cos.to(dtype), sin.to(dtype)
+
+
+def rope_frequencies(spec: ModelSpec, device: torch.device) -> tuple[Tensor, float]:
+    """The inverse frequencies [d/2] of RoPE and the factor on cos and sin, as transformers'
+    ``ROPE_INIT_FUNCTIONS`` compute them in fp32 for the spec's `rope_scaling` (the same ops in
+    the same order, so the results are bitwise equal): plain, linear, llama3 or YaRN."""
+    d, base, r = spec.d_head, spec.rope_theta, spec.rope_scaling
+    if r is None or r.rope_type != "yarn":
+        inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    if r is None:
+        return inv_freq, 1.0
+    if r.rope_type == "linear":
+        return inv_freq / r.factor, 1.0  # type: ignore[operator]
+    original = spec.rope_original_positions
+    if r.rope_type == "llama3":
+        factor, low, high = r.factor, r.low_freq_factor, r.high_freq_factor
+        low_wavelen, high_wavelen = original / low, original / high  # type: ignore[operator]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)  # type: ignore[operator]
+        smooth = (original / wavelen - low) / (high - low)  # type: ignore[operator]
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled  # type: ignore[operator]
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    # YaRN (Peng et al. 2023): interpolate the low frequencies, extrapolate the high ones, a linear ramp between.
+    factor = r.factor if r.factor is not None else spec.max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    scale = r.attention_factor
+    if scale is None:
+        scale = mscale(factor, r.mscale) / mscale(factor, r.mscale_all_dim) if r.mscale and r.mscale_all_dim \
+            else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    lo, hi = correction_dim(r.beta_fast or 32), correction_dim(r.beta_slow or 1)
+    if r.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, d - 1)
+    if lo == hi:
+        hi += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = base ** (torch.arange(0, d, 2).to(device=device, dtype=torch.float) / d)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1).to(device)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep, float(scale)
 
 
 def row_positions(slots: Tensor, pad: Tensor | None) -> Tensor:

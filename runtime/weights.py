@@ -246,6 +246,8 @@ def hf_config(spec: ModelSpec, *, head: Head, base: dict[str, Any] | None = None
             cfg.update(attention_bias=spec.attention_bias, mlp_bias=False)
         if hf_type in ("mistral", "mixtral"):
             cfg["sliding_window"] = spec.sliding_window
+        if spec.rope_scaling is not None:  # transformers 4's key, which transformers 5 reads too
+            cfg["rope_scaling"] = spec.rope_scaling.model_dump(exclude_defaults=True)
         if spec.is_moe:
             cfg.update(num_experts_per_tok=spec.num_experts_per_tok, norm_topk_prob=spec.norm_topk_prob,
                        output_router_logits=False)

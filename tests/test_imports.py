@@ -150,3 +150,25 @@ def test_import_cli_takes_engine_flags_unquoted_and_says_when_a_config_does_not_
     # OpenRLHF's default ZeRO-2 with four 8B models on each GPU: the cost model finds it does not fit.
     assert "exceeds GPU memory" in r.out
     assert json.loads(out.read_text())["search"]["status"] == "exceeds GPU memory"
+
+
+@pytest.mark.parametrize("name", ["sft_llama31", "sft_mistral"])
+def test_megatron_flags_carry_rope_scaling_and_the_window_back(name) -> None:  # noqa: ANN001
+    """The model read back from an export's flags alone (no --model) has the plan's RoPE scaling and window."""
+    from plans.model import resolve_model
+
+    plan = matrix()[name]
+    exp = export_plan(plan, "megatron", call="model_train")
+    spec = resolve_model(imports._megatron_spec(imports.flag_values(imports.command_words(exp.text))))
+    want = plan.models["model"].spec
+    assert (spec.rope_scaling, spec.sliding_window, spec.rope_theta) == (want.rope_scaling, want.sliding_window,
+                                                                         want.rope_theta)
+    assert spec.num_params() == want.num_params()
+
+
+@pytest.mark.parametrize(("window", "message"), [("4095,1", "only causal windows"), ("x", "is not two integers")])
+def test_megatron_windows_that_are_not_causal_are_refused(window: str, message: str) -> None:
+    flags = {"num-layers": "2", "hidden-size": "64", "num-attention-heads": "4", "vocab-size": "128",
+             "normalization": "RMSNorm", "swiglu": True, "window-size": window}
+    with pytest.raises(PlannerError, match=message):
+        imports._megatron_spec(flags)

@@ -19,6 +19,10 @@ PUBLISHED = {
     "llama-3-8b": 8_030_261_248,
     "llama-3-70b": 70_553_706_496,
     "llama-3-405b": 405_853_388_800,
+    "mistral-7b-v0.1": 7_241_732_096,
+    "llama-3.1-8b": 8_030_261_248,  # 3.1 changed the context (RoPE scaling), not the weights
+    "llama-3.1-70b": 70_553_706_496,
+    "llama-3.1-405b": 405_853_388_800,
     "qwen2.5-7b": 7_615_616_512,
     "qwen2.5-32b": 32_763_876_352,
     "qwen2.5-72b": 72_706_203_648,
@@ -121,3 +125,20 @@ def test_unsupported_hf_type_and_missing_file(tmp_path):
         resolve_model(str(tmp_path / "nope.json"))
     with pytest.raises(PlannerError, match="unknown model 'llama-9b'"):
         resolve_model("llama-9b")
+
+
+def test_rope_scaling_is_checked_where_it_is_given():
+    base = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+                vocab_size=128)
+    with pytest.raises(PlannerError, match="rope_type 'llama3' needs low_freq_factor, high_freq_factor"):
+        resolve_model({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(PlannerError, match="high_freq_factor .* above low_freq_factor"):
+        resolve_model({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                                "high_freq_factor": 1.0}})
+    with pytest.raises(PlannerError, match="rope_type"):
+        resolve_model({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    with pytest.raises(PlannerError, match="gpt learns its positions"):
+        resolve_model({**base, "model_type": "gpt", "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    spec = resolve_model({**base, "max_position_embeddings": 4096, "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+    assert spec.rope_original_positions == 4096  # transformers' default for the pre-training length
+    assert PRESETS["llama-3.1-8b"].rope_original_positions == 8192

@@ -4,7 +4,8 @@ change the math are computed or refused by name.
 
 The directories are made here with transformers (random weights, tiny sizes): llama, qwen2 (q/k/v
 bias), mistral with a sliding window shorter than the sequence, and gpt2 (fused, transposed
-Conv1D weights); llama also as a sharded checkpoint with an index.
+Conv1D weights); llama also as a sharded checkpoint with an index, and with RoPE scaling (Llama
+3.1's llama3, linear; qwen2 with YaRN).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ SEQ = 12
 WINDOW = 5  # mistral: shorter than SEQ, so the window cuts
 LAYOUTS = [Layout(tp=4), Layout(pp=4), Layout(tp=2, pp=2), Layout(dp=2, tp=2, zero=3),
            Layout(dp=2, pp=2, micro_batches=2), Layout(tp=4, sequence_parallel=True), Layout(dp=4, zero=3)]
+ROPE = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64},
+        "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        "linear": {"rope_type": "linear", "factor": 2.0}}
 COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, intermediate_size=96,
               vocab_size=128, max_position_embeddings=64)
 
@@ -46,6 +51,11 @@ def make_models(root: Path) -> dict[str, Path]:
         "llama": transformers.LlamaConfig(**COMMON, rope_theta=5e5, rms_norm_eps=1e-6),
         "qwen2": transformers.Qwen2Config(**COMMON),
         "mistral": transformers.MistralConfig(**COMMON, sliding_window=WINDOW),
+        # RoPE scaling: head_dim 8 at base 1e4 has wavelengths 6.3, 63, 628, 6283, so llama3's bounds
+        # (64 / 4 and 64 / 1) keep one, blend one and scale two; YaRN's ramp spans them too.
+        "llama31": transformers.LlamaConfig(**COMMON, rope_theta=1e4, rope_scaling=ROPE["llama3"]),
+        "qwen2_yarn": transformers.Qwen2Config(**COMMON, rope_theta=1e4, rope_scaling=ROPE["yarn"]),
+        "llama_linear": transformers.LlamaConfig(**COMMON, rope_scaling=ROPE["linear"]),
         "gpt2": transformers.GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=128, n_positions=64,
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     }
@@ -97,7 +107,8 @@ def test_a_directory_spec_is_its_config_and_names_its_weights(models) -> None:
     assert weights_directory("tiny-llama") is None and weights_directory(str(models["llama"] / "config.json")) is None
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "llama_sharded"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gpt2", "llama_sharded", "llama31", "qwen2_yarn",
+                                  "llama_linear"])
 def test_one_process_logprobs_equal_transformers(models, name: str) -> None:
     tokens = _tokens()
     runner, weights = _runner(models[name], solo_groups(Layout()), layout=Layout())
@@ -154,8 +165,11 @@ def test_every_layout_on_four_ranks_reads_only_its_slices_and_equals_transformer
 
 
 @pytest.mark.parametrize(("edit", "field"), [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_parameters.rope_type"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "rope_scaling.rope_type"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}}, "rope_parameters.rope_type"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
+     "rope_scaling.partial_rotary_factor"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"head_dim": 16}, "head_dim"),
@@ -190,3 +204,18 @@ def test_a_directory_changed_since_the_plan_is_refused(models, tmp_path: Path) -
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(PlannerError, match="no longer holds the model the plan was compiled for"):
         open_weights(str(copy), spec=spec, head="lm")
+
+
+@pytest.mark.parametrize("kind", sorted(ROPE))
+def test_rope_scaling_survives_the_hf_config_written_for_it(kind: str) -> None:
+    """A spec with RoPE scaling (no directory of its own) is written with a config.json that
+    transformers reads as the same scaling, and that planner reads back as the same spec."""
+    from runtime.weights import hf_config
+
+    spec = resolve_model({"model_type": "llama", **COMMON, "rope_theta": 1e4, "rope_scaling": ROPE[kind]})
+    cfg = hf_config(spec, head="lm")
+    loaded = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    want = {**ROPE[kind], "rope_theta": 1e4}
+    assert {k: v for k, v in loaded.rope_parameters.items() if k in want} == want
+    assert spec_from_hf_config(json.loads(loaded.to_json_string()), source="config.json").rope_scaling == \
+        spec.rope_scaling

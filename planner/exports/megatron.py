@@ -55,6 +55,7 @@ def model_flags(plan: Plan, call: PlanCall) -> list[tuple[str, Any]]:
                   ("--disable-bias-linear", None)]
         if spec.attention_bias:
             flags.append(("--add-qkv-bias", None))
+        flags += position_flags(spec)
     else:
         flags += [("--normalization", "LayerNorm"), ("--norm-epsilon", spec.layer_norm_epsilon),
                   ("--position-embedding-type", "learned_absolute")]
@@ -69,6 +70,55 @@ def model_flags(plan: Plan, call: PlanCall) -> list[tuple[str, Any]]:
     # default is 0.1 for both.
     flags += [("--attention-dropout", 0.0), ("--hidden-dropout", 0.0)]
     return flags
+
+
+# Megatron-Core's llama3 RoPE scaling takes only the factor; the rest is fixed in
+# `RotaryEmbedding._apply_scaling` (megatron/core/models/common/embeddings/rotary_pos_embedding.py).
+MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def position_flags(spec: ModelSpec) -> list[tuple[str, Any]]:
+    """RoPE scaling and the sliding window in Megatron's terms (what they cannot say:
+    `position_limits`). Llama 3.1's scaling is ``--use-rope-scaling``; linear scaling by a whole
+    factor is ``--rotary-seq-len-interpolation-factor`` (positions divided by it, the same as
+    dividing the frequencies); a window of W positions (itself included) is Transformer Engine's
+    ``--window-size W-1,0`` (W-1 keys back, none ahead)."""
+    flags: list[tuple[str, Any]] = []
+    r = spec.rope_scaling
+    if r is not None and r.rope_type == "llama3" and _megatron_llama3(spec):
+        flags += [("--use-rope-scaling", None), ("--rope-scaling-factor", r.factor)]
+    if r is not None and r.rope_type == "linear" and float(r.factor).is_integer():  # type: ignore[arg-type]
+        flags.append(("--rotary-seq-len-interpolation-factor", int(r.factor)))  # type: ignore[arg-type]
+    if spec.sliding_window is not None:
+        flags.append(("--window-size", f"{spec.sliding_window - 1},0"))
+    return flags
+
+
+def _megatron_llama3(spec: ModelSpec) -> bool:
+    r = spec.rope_scaling
+    return r is not None and r.low_freq_factor == MEGATRON_LLAMA3["low_freq_factor"] and \
+        r.high_freq_factor == MEGATRON_LLAMA3["high_freq_factor"] and \
+        spec.rope_original_positions == MEGATRON_LLAMA3["original_max_position_embeddings"]
+
+
+def position_limits(plan: Plan) -> list[str]:
+    """RoPE scalings Megatron-LM's flags cannot express, per model."""
+    out = []
+    for name, decl in plan.models.items():
+        spec, r = decl.spec, decl.spec.rope_scaling
+        if r is None:
+            continue
+        if r.rope_type == "llama3" and not _megatron_llama3(spec):
+            out.append(f"{name}: llama3 RoPE scaling with low_freq_factor {r.low_freq_factor}, high_freq_factor "
+                       f"{r.high_freq_factor}, original context {spec.rope_original_positions}; Megatron-Core fixes "
+                       "them at 1, 4 and 8192 (only --rope-scaling-factor is a flag)")
+        elif r.rope_type == "linear" and not float(r.factor).is_integer():  # type: ignore[arg-type]
+            out.append(f"{name}: linear RoPE scaling by {r.factor}; --rotary-seq-len-interpolation-factor takes "
+                       "whole numbers")
+        elif r.rope_type == "yarn":
+            out.append(f"{name}: YaRN RoPE scaling is not exported (Megatron-LM's --position-embedding-type yarn "
+                       "was not checked against transformers' YaRN); set its --yarn-* flags by hand")
+    return out
 
 
 def moe_flags(spec: ModelSpec) -> list[tuple[str, Any]]:
@@ -182,6 +232,7 @@ def export(plan: Plan, *, call: str | None = None) -> Export:
         limits.append(f"calls {', '.join(others)} (generate/inference) and the data they pass to training: "
                       "Megatron-LM's training script runs one training job (export RLHF plans with --to verl or "
                       "--to openrlhf)")
+    limits += position_limits(plan)
     if plan.reallocations:
         limits.append("parameter reallocations between calls (" +
                       ", ".join(f"{r.model}: {r.from_call} -> {r.to_call}" for r in plan.reallocations) + ")")

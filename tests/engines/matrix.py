@@ -68,7 +68,12 @@ def plans() -> dict[str, Plan]:
     sft_moe = _compile(sft("qwen3-30b-a3b", batch=256, seq_len=4096, name="sft_qwen3_moe"), "h100-sxm:2x8")
     grpo_moe = _compile(grpo("mixtral-8x7b", reward_fn="runtime.tasks:pattern_reward", batch=64, prompt_len=512,
                              gen_len=1024, samples_per_prompt=8, name="grpo_mixtral"), "h100-sxm:2x8")
-    out = {p.name: p for p in (sft7, sft70, ppo7, ppo13, ppo70, grpo7, dpo7, sft_moe, grpo_moe)}
+    # Long context: Llama 3.1's RoPE scaling at 16k tokens; Mistral's sliding window (4096) shorter
+    # than the sequence.
+    sft_llama31 = _compile(sft("llama-3.1-8b", batch=64, seq_len=16384, name="sft_llama31"), "h100-sxm:1x8")
+    sft_mistral = _compile(sft("mistral-7b-v0.1", batch=128, seq_len=8192, name="sft_mistral"), "h100-sxm:1x8")
+    out = {p.name: p for p in (sft7, sft70, ppo7, ppo13, ppo70, grpo7, dpo7, sft_moe, grpo_moe, sft_llama31,
+                               sft_mistral)}
     variants = {
         "sft_7b_tp2_sp_z1": (sft7, {"model_train": Layout(dp=8, tp=2, zero=1, micro_batches=16,
                                                           sequence_parallel=True)}),

@@ -99,6 +99,8 @@ def core_config(o: dict[str, object]):  # noqa: ANN201
         kw["kv_channels"] = int(o["kv_channels"])
     if "qk_layernorm" in o:
         kw["qk_layernorm"] = True
+    if "window_size" in o:  # Megatron-LM's tuple_type: "(left,right)" or "left,right"
+        kw["window_size"] = tuple(int(x) for x in str(o["window_size"]).strip("()").split(","))
     if "decoder_first_pipeline_num_layers" in o:
         kw["num_layers_in_first_pipeline_stage"] = int(o["decoder_first_pipeline_num_layers"])
     if kw["gated_linear_unit"]:
@@ -134,6 +136,11 @@ def test_megatron_core_configs_accept_each_export(path) -> None:  # noqa: ANN001
         assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.expert_model_parallel_size,
                 cfg.expert_tensor_parallel_size) == (spec["num_experts"], spec["num_experts_per_tok"], lay["ep"],
                                                      lay["etp"])
+    scaling = spec.get("rope_scaling")
+    if scaling and scaling["rope_type"] == "llama3":  # Megatron-Core's llama3 scaling: only the factor is a flag
+        assert "use_rope_scaling" in o and float(o["rope_scaling_factor"]) == scaling["factor"]
+    if spec.get("sliding_window"):  # W positions, itself included: W-1 keys back, none ahead
+        assert cfg.window_size == (spec["sliding_window"] - 1, 0)
     assert o["lr_decay_style"] == "constant"
     assert ("use_distributed_optimizer" in o) == (lay["zero"] in (1, 2))
     assert ("use_megatron_fsdp" in o) == (lay["zero"] == 3)
