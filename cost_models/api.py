@@ -24,6 +24,7 @@ from cost_models.calibration import Calibration, default_calibration
 from cost_models.framework import UNCALIBRATED_ATTENTION_SHARE, Framework, resolve_framework
 from cost_models.generation import decode_split, generate_times
 from cost_models.hardware import Hardware, core_share, effective_hardware
+from cost_models.lengths import length_dist
 from cost_models.memory import (
     forward_working_bytes,
     fragmentation_bytes,
@@ -94,9 +95,11 @@ def model_flops(spec: ModelSpec, call: Call, *, head: Head = "lm") -> float:
         return call.seqs * call.seq_len * (6.0 * n + 12.0 * lh * call.seq_len)
     if call.kind == "inference":
         return call.seqs * call.seq_len * (2.0 * n + 4.0 * lh * call.seq_len)
-    p, g = call.prompt_len, call.gen_len
+    p = call.prompt_len
+    dist = length_dist(call.response_len, call.gen_len)
+    g = dist.mean if dist is not None else call.gen_len  # the tokens really generated
     ctx_sum = p * p + g * p + g * (g + 1) / 2  # prefill tokens see the prompt; decoded token i sees p + i
-    return call.seqs * (2.0 * n * call.seq_len + 4.0 * lh * ctx_sum)
+    return call.seqs * (2.0 * n * (p + g) + 4.0 * lh * ctx_sum)
 
 
 class CostModel:
@@ -151,7 +154,7 @@ class CostModel:
                   decode_layout: Layout | None = None) -> CallCost:
         """Time and per-rank memory of `call` on `mesh` with `layout` (decode with `decode_layout`)."""
         gpn = self.cluster.gpus_per_node
-        key = (call.kind, call.seqs, call.seq_len, call.gen_len, call.minibatches, call.returns, decl,
+        key = (call.kind, call.seqs, call.seq_len, call.gen_len, call.response_len, call.minibatches, call.returns, decl,
                mesh.first % gpn if mesh.size < gpn else 0, mesh.size, layout, decode_layout)
         hit = self._calls.get(key)
         if hit is None:
@@ -180,7 +183,8 @@ class CostModel:
         else:
             dec = decode_layout or layout
             parts: StepTimes = generate_times(spec, fw, hw, layout, dec, topo, seqs=call.seqs,
-                                              prompt_len=call.prompt_len, gen_len=call.gen_len, load_cv=cv)
+                                              prompt_len=call.prompt_len, gen_len=call.gen_len, load_cv=cv,
+                                              lengths=length_dist(call.response_len, call.gen_len))
             times = dict(parts.parts)
             if dec != layout:
                 times["reshard"] = times.get("reshard", 0.0) + self.realloc_cost(decl, (mesh, layout), (mesh, dec)).time_s

@@ -85,6 +85,9 @@ class Framework:
     # (FlashAttention-2's window_size, as vLLM, Transformer Engine and FSDP stacks call it); False:
     # the window is an explicit mask and every score is computed (the planner's runtime).
     windowed_attention: bool = True
+    # Generation drops a finished response from the running batch (vLLM's continuous batching);
+    # False: every row of a batch is computed until its longest response ends (the runtime).
+    decode_drops_finished: bool = False
     # The LM head makes at most this many logits at a time (fused head and log-probs) and its
     # backward makes each chunk again when there is more than one; None: all logits at once.
     logits_chunk_elements: int | None = None
@@ -123,14 +126,14 @@ FRAMEWORKS: dict[str, Framework] = {
     "rlhf-engine": Framework(
         name="rlhf-engine", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
-        decode_cuda_graphs=True,
+        decode_cuda_graphs=True, decode_drops_finished=True,
     ),
     # vLLM as verl and OpenRLHF run it for rollouts: bf16 weights, fused kernels, decode steps
     # replayed as CUDA graphs (its generate calls; it does not train).
     "vllm": Framework(
         name="vllm", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
-        decode_cuda_graphs=True,
+        decode_cuda_graphs=True, decode_drops_finished=True,
     ),
     # Fused AdamW over fp32 p, g, m, v: read 16, write 12, zero the gradient 4. A micro-batch's
     # weight gradient: bf16 to fp32 (2+4), accumulated (4+4+4).

@@ -8,7 +8,9 @@ products that stream the layer's weights from HBM, attention streams the sequenc
 cache, each layer does its two tensor-parallel all-reduces on a tiny message (latency-bound),
 and the host issues every kernel (often the bound in eager frameworks). Attention cost is linear
 in the context, so the decode phase is ``gen_len - 1`` steps at the mean context
-``prompt_len + (gen_len + 1) / 2``. Choosing each token (sampling, cache bookkeeping) costs the
+``prompt_len + (gen_len + 1) / 2``; when the call says how long its responses really are
+(`Call.response_len`), the expected longest response of a batch sets its steps, and an engine that
+drops finished rows runs them at the rows still going (`cost_models.lengths`). Choosing each token (sampling, cache bookkeeping) costs the
 host `decode_step_overhead_ms` besides its kernels. The runtime casts its fp32 weights to the
 compute dtype once per call, and on a GPU replays each decode step as one CUDA graph, so its
 kernels cost the host nothing (`Framework.decode_cuda_graphs`).
@@ -30,6 +32,7 @@ from cost_models import comm
 from cost_models.compute import kernels_time_s
 from cost_models.framework import Framework
 from cost_models.hardware import Hardware
+from cost_models.lengths import LengthDist, decode_segments
 from cost_models.memory import kv_cache_bytes
 from cost_models.ops import embedding_work, expert_load, gemm, layer_work, mean_layer_params, mem
 from cost_models.training import StepTimes, Stretch, Topology, forward_pass, stage_layer_counts, stretch_of
@@ -97,8 +100,10 @@ def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, 
 
 
 def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, decode: Layout, topo: Topology, *,
-                   seqs: int, prompt_len: int, gen_len: int, load_cv: float = 0.0) -> StepTimes:
-    """Wall time of prefill, cache writes, layout change and decode, by kind."""
+                   seqs: int, prompt_len: int, gen_len: int, load_cv: float = 0.0,
+                   lengths: LengthDist | None = None) -> StepTimes:
+    """Wall time of prefill, cache writes, layout change and decode, by kind. `lengths`: how long
+    the responses really are (`cost_models.lengths`; None: all run to `gen_len`)."""
     out = StepTimes()
     split = decode_split(seqs, decode)
     if fw.weight_cast_bytes:  # the weights are cast once for the call, not on each step
@@ -118,12 +123,17 @@ def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout,
     if (decode.tp, decode.pp, decode.dp, decode.cp) != (layout.tp, layout.pp, layout.dp, layout.cp):
         whole = comm.group_at(first=topo.first, stride=1, n=topo.size, mesh_size=topo.size, gpus_per_node=topo.gpus_per_node)
         out.add("reshard", comm.all_to_all_s(cache, whole, hw))
-    ctx = prompt_len + (gen_len + 1) // 2
-    step, tp_comm, ep_comm = decode_step_s(spec, fw, hw, decode, topo, b=split.seqs_per_group, groups=split.groups, ctx=ctx,
-                                  load_cv=load_cv)
-    steps = split.waves * (gen_len - 1)
-    out.add("decode", steps * (step - tp_comm - ep_comm))
-    out.add("tp_comm", steps * tp_comm)
-    out.add("ep_comm", steps * ep_comm)
-    out.add("overhead", split.waves * gen_len * hw.decode_step_overhead_s)
+    # The rows that decode until the longest of them ends: a wave, or all the pipelined groups.
+    rows = split.seqs_per_group * (split.groups if decode.pp > 1 else 1)
+    total = 0.0
+    for n, mid, running in decode_segments(lengths, cap=gen_len, rows=rows, drops_finished=fw.decode_drops_finished):
+        b = -(-running // split.groups) if decode.pp > 1 else running
+        step, tp_comm, ep_comm = decode_step_s(spec, fw, hw, decode, topo, b=b, groups=split.groups,
+                                               ctx=prompt_len + int(mid), load_cv=load_cv)
+        steps = split.waves * n
+        total += n
+        out.add("decode", steps * (step - tp_comm - ep_comm))
+        out.add("tp_comm", steps * tp_comm)
+        out.add("ep_comm", steps * ep_comm)
+    out.add("overhead", split.waves * (total + 1) * hw.decode_step_overhead_s)
     return out

@@ -290,7 +290,7 @@ def layout_evaluations(graph: Graph, cm: CostModel, space: SearchSpace) -> dict[
     out: dict[str, int] = {}
     for c in graph.calls:
         decl = graph.models[c.model]
-        key = (c.kind, c.seqs, c.seq_len, c.gen_len, c.minibatches, c.returns, decl.spec, decl.head,
+        key = (c.kind, c.seqs, c.seq_len, c.gen_len, c.response_len, c.minibatches, c.returns, decl.spec, decl.head,
                decl.trainable and c.kind == "train")
         out[c.name] = 0 if key in seen else sum(len(layouts_for(c, decl, size, cm.cluster))
                                                  for size in mesh_sizes(cm.cluster, space))

@@ -17,6 +17,7 @@ that names the call, model or handle at fault.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,18 @@ def _check_count(what: str, value: Any) -> None:
         raise PlannerError(f"{what} must be a whole number, got {value!r}")
     if value < 1:
         raise PlannerError(f"{what} must be at least 1, got {value}")
+
+
+def _response_len(value: Any) -> dict[str, Any] | None:
+    """`generate(response_len=...)`: a mean (a number) or measured lengths (whole numbers)."""
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return {"mean": float(value)}
+    if isinstance(value, (list, tuple)):
+        return {"samples": tuple(value)}
+    raise PlannerError(f"response_len must be a mean (a number) or measured lengths (a list of whole numbers), "
+                       f"got {type(value).__name__}")
 
 
 def _algorithm(algorithm: Any, *, graph: str) -> AlgorithmConfig:
@@ -247,10 +260,13 @@ class ModelHandle:
         return self.graph._models[self.name]
 
     def generate(self, prompts: Data | str, *, gen_len: int | None = None, samples_per_prompt: int = 1,
-                 temperature: float = 1.0, name: str | None = None, output: str | None = None) -> Data:
+                 temperature: float = 1.0, name: str | None = None, output: str | None = None,
+                 response_len: float | Sequence[int] | None = None) -> Data:
         """Sample `gen_len` tokens (default: the graph's) for each prompt, `samples_per_prompt` times.
 
-        The output handle holds the full sequences and the log-probs of the sampled tokens."""
+        The output handle holds the full sequences and the log-probs of the sampled tokens.
+        `response_len`, for the cost only: the mean tokens a response really has, or measured
+        lengths (default: every response runs to gen_len)."""
         g = self.graph
         if gen_len is not None:
             _check_count(f"generate on {self.name!r}: gen_len", gen_len)
@@ -262,7 +278,7 @@ class ModelHandle:
         return g._add_call(model=self.name, kind="generate", inputs=(src,), name=name, output=output,
                            default_output="samples", seqs=src.seqs * samples_per_prompt,
                            seq_len=src.seq_len + gen, gen_len=gen, samples_per_prompt=samples_per_prompt,
-                           temperature=temperature)
+                           temperature=temperature, response_len=_response_len(response_len))
 
     def inference(self, *inputs: Data | str, returns: Returns | None = None, name: str | None = None,
                   output: str | None = None) -> Data:

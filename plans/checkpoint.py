@@ -153,6 +153,8 @@ def graph_fingerprint(graph: Graph) -> str:
     placement). A re-planned plan keeps it, so its runs may resume the old plan's checkpoints."""
     data = graph.model_dump(mode="json")
     data["calls"] = sorted(data["calls"], key=lambda c: c["name"])  # execution order is placement
+    for call in data["calls"]:
+        call.pop("response_len", None)  # a costing figure: the computation is the same
     data.pop("name", None)  # renaming a job does not change its state
     for decl in data["models"].values():
         decl["spec"].pop("name", None)

@@ -71,6 +71,29 @@ class ModelDecl(Strict):
                                   "routing counts). The busiest expert-parallel rank bounds each sparse layer.")
 
 
+MAX_LENGTH_SAMPLES = 4096
+
+
+class ResponseLengths(Strict):
+    """How long a generate call's responses really are, for its cost: `gen_len` is only the cap.
+    Either the `mean` (lengths are then taken as geometric, a constant chance of stopping at each
+    token, capped at gen_len) or measured `samples` (one length per response, e.g. from a previous
+    run). The longest response of a batch sets how many decode steps it takes."""
+
+    mean: float | None = Field(None, ge=1, le=MAX_POSITIONS, description="Mean generated tokens per response.")
+    samples: tuple[int, ...] = Field((), max_length=MAX_LENGTH_SAMPLES,
+                                     description="Measured generated tokens of responses (each 1..gen_len).")
+    source: str | None = Field(None, max_length=4096, description="Where the figures came from (display only).")
+
+    @model_validator(mode="after")
+    def check_one(self) -> ResponseLengths:
+        if (self.mean is None) == (not self.samples):
+            raise ValueError("give either mean or samples of the response lengths")
+        if any(n < 1 for n in self.samples):
+            raise ValueError(f"response length samples must be at least 1 token, got {min(self.samples)}")
+        return self
+
+
 class Call(Strict):
     """One generate, inference or train call on a model, with the work it does per iteration."""
 
@@ -84,6 +107,8 @@ class Call(Strict):
     gen_len: int = Field(0, ge=0, le=MAX_POSITIONS, description="generate: new tokens per sequence.")
     samples_per_prompt: int = Field(1, ge=1, le=MAX_SEQS, description="generate: samples drawn per prompt (seqs counts samples).")
     temperature: float = Field(1.0, ge=0, description="generate: sampling temperature; 0 is greedy.")
+    response_len: ResponseLengths | None = Field(None, description="generate: how long responses really are "
+                                                 "(None: every response runs to gen_len).")
     returns: Returns | None = Field(None, description="inference: per-token logprobs, per-token values, or one score per sequence.")
     loss: Loss | None = Field(None, description="train: the loss optimised.")
     minibatches: int = Field(1, ge=1, le=MAX_SEQS, description="train: optimizer steps per call (the batch splits evenly).")
@@ -103,8 +128,14 @@ class Call(Strict):
                 raise ValueError(f"call {self.name!r}: generate needs 0 < gen_len < seq_len")
             if self.seqs % self.samples_per_prompt:
                 raise ValueError(f"call {self.name!r}: seqs {self.seqs} is not a multiple of samples_per_prompt")
-        elif self.gen_len or self.samples_per_prompt != 1:
-            raise ValueError(f"call {self.name!r}: gen_len and samples_per_prompt apply to generate calls only")
+            r = self.response_len
+            longest = max(r.samples) if r is not None and r.samples else (r.mean if r is not None else 0)
+            if longest and longest > self.gen_len:
+                raise ValueError(f"call {self.name!r}: response lengths up to {longest:g} exceed gen_len "
+                                 f"{self.gen_len}, the most a response can have")
+        elif self.gen_len or self.samples_per_prompt != 1 or self.response_len is not None:
+            raise ValueError(f"call {self.name!r}: gen_len, samples_per_prompt and response_len apply to generate "
+                             "calls only")
         return self
 
     @model_validator(mode="after")

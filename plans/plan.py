@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -23,6 +23,9 @@ from plans.graph import AlgorithmConfig, Call, DataInput, Graph, HostStep, Model
 from plans.io import write_text_atomic
 from plans.layout import Layout, Mesh
 from plans.sharding import layout_problems
+
+# The cost model's framework presets (`cost_models.framework.FRAMEWORKS`, which a test keeps equal).
+FrameworkName = Literal["megatron", "megatron-core", "rlhf-engine", "vllm", "torch"]
 
 PLAN_VERSION = 1
 
@@ -83,8 +86,9 @@ class Estimate(Strict):
     peak_mem_bytes: int = Field(ge=0, description="Highest estimated memory on any rank, bytes.")
     costed_for: str | None = Field(None, description="The software stack the times are costed for, and what it was "
                                    "calibrated on.")
-    framework: str | None = Field(None, description="The cost model's framework preset (`cost_models.framework`) the "
-                                  "estimates used; None: torch, the planner's runtime.")
+    framework: FrameworkName | None = Field(None, description="The cost model's framework preset "
+                                            "(`cost_models.framework`) the estimates used; None: torch, the "
+                                            "planner's runtime.")
 
 
 class SearchInfo(Strict):

@@ -103,3 +103,12 @@ def test_a_mutated_plan_file_through_the_cli(cli, tmp_path):
     good = tmp_path / "good.json"
     good.write_text(json.dumps(BASES[0]))
     assert cli("validate", str(good)).code == 0
+
+
+def test_a_plan_names_only_frameworks_the_cost_model_has() -> None:
+    import typing
+
+    from cost_models.framework import FRAMEWORKS
+    from plans.plan import FrameworkName
+
+    assert set(typing.get_args(FrameworkName)) == set(FRAMEWORKS)

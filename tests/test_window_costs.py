@@ -53,3 +53,4 @@ def test_rope_scaling_changes_no_kernel() -> None:
     fw = resolve_framework("megatron-core")
     assert layer_work(plain, fw, b=2, s=64, tp=1, cp=1, sp=False) == layer_work(scaled, fw, b=2, s=64, tp=1, cp=1,
                                                                                  sp=False)
+

@@ -127,6 +127,8 @@ def compile_cmd(
     chat_template: Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Apply the tokenizer's chat template to prompts.")] = True,
     lr: Annotated[Optional[float], typer.Option("--lr", min=0, help="Algorithms: learning rate of the train calls [default: 1e-5].")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="A string that also ends a response (repeat for several; with --data).")] = None,
+    response_len_mean: Annotated[Optional[float], typer.Option("--response-len-mean", min=1, help="Generate calls: the mean tokens a response really has (gen_len is the cap); lengths are costed as geometric (a constant chance of stopping at each token), and a batch takes as many steps as its longest response [default: every response runs to gen_len].")] = None,
+    response_len_from: Annotated[Optional[Path], typer.Option("--response-len-from", help="Generate calls: take that mean from a previous run's --metrics-out file (its last 10 steps' response_len).")] = None,
 ) -> None:
     from planner.compile import SearchProgress, compile_graph
     from planner.render import print_plan
@@ -150,6 +152,15 @@ def compile_cmd(
         prompt_len=prompt_len, gen_len=gen_len, seq_len=seq_len, samples_per_prompt=samples_per_prompt,
         ppo_minibatches=ppo_minibatches, function=function, data=source, lr=lr, stop=stop)
     graph = loaded.graph
+    if response_len_mean is not None and response_len_from is not None:
+        raise PlannerError("give --response-len-mean or --response-len-from, not both")
+    if response_len_mean is not None or response_len_from is not None:
+        from planner.lengths import from_metrics, with_response_len
+        from plans.graph import ResponseLengths
+
+        lengths = from_metrics(response_len_from) if response_len_from is not None else \
+            ResponseLengths(mean=response_len_mean, source="--response-len-mean")
+        graph = with_response_len(graph, lengths)
     if cluster is None and loaded.cluster is None:
         raise PlannerError("no cluster given", hint="pass --cluster GPU:NODESxPER_NODE, e.g. --cluster a100-80gb:2x8")
     cl = with_headroom(resolve_cluster(cluster if cluster is not None else loaded.cluster), mem_headroom)
