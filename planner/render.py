@@ -7,7 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from plans.hardware import GIB
-from plans.plan import Plan
+from plans.plan import Plan, PlanCall
 
 
 def make_console(*, stderr: bool = False) -> Console:
@@ -95,9 +95,22 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     if plan.host_steps:
         steps = ", ".join(f"{s.name} ({', '.join(s.inputs)} -> {', '.join(s.outputs)})" for s in plan.host_steps)
         console.print(f"host steps, run as written on every rank: {steps}", highlight=False, soft_wrap=True)
+    for c in plan.calls:
+        if c.response_len is not None:
+            console.print(f"{c.name}: costed at {response_len_text(c)}", highlight=False, soft_wrap=True)
     code_lines(plan, console)
     for line in estimate_lines(plan):
         console.print(line, highlight=False)
+
+
+def response_len_text(call: PlanCall) -> str:
+    """How long a generate call's responses were taken to be, for its cost."""
+    r = call.response_len
+    assert r is not None
+    what = f"responses of mean {r.mean:g} tokens (geometric)" if r.mean is not None else \
+        f"{len(r.samples)} measured response lengths (mean {sum(r.samples) / len(r.samples):.0f})"
+    src = f", from {escape(r.source)}" if r.source else ""
+    return f"{what} under the {call.gen_len}-token cap{src}"
 
 
 def code_lines(plan: Plan, console: Console) -> None:

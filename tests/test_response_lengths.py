@@ -109,6 +109,9 @@ def test_compile_takes_the_mean_or_a_previous_runs_metrics(cli, tmp_path: Path) 
     assert r.code == 0, r.err
     (gen,) = [c for c in json.loads(r.out)["calls"] if c["kind"] == "generate"]
     assert gen["response_len"]["mean"] == 6.0 and "last 10 steps" in gen["response_len"]["source"]
+    shown = cli(*[a for a in GRPO if a != "--json"], "--response-len-from", str(metrics), "-o", str(tmp_path / "p.json"))
+    assert shown.code == 0 and "actor_generate: costed at responses of mean 6 tokens (geometric) under the 8-token " \
+        "cap, from m.jsonl: mean response_len of its last 10 steps" in shown.out, shown.out
 
 
 @pytest.mark.parametrize(("args", "message"), [
