@@ -40,7 +40,7 @@ LAYOUTS = [Layout(tp=4), Layout(pp=4), Layout(tp=2, pp=2), Layout(dp=2, tp=2, ze
 ROPE = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 64},
         "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-        "linear": {"rope_type": "linear", "factor": 2.0}}
+        "linear": {"rope_type": "linear", "factor": 2.0}}  # copied where transformers takes them: it fills in rope_theta
 COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, intermediate_size=96,
               vocab_size=128, max_position_embeddings=64)
 
@@ -53,9 +53,9 @@ def make_models(root: Path) -> dict[str, Path]:
         "mistral": transformers.MistralConfig(**COMMON, sliding_window=WINDOW),
         # RoPE scaling: head_dim 8 at base 1e4 has wavelengths 6.3, 63, 628, 6283, so llama3's bounds
         # (64 / 4 and 64 / 1) keep one, blend one and scale two; YaRN's ramp spans them too.
-        "llama31": transformers.LlamaConfig(**COMMON, rope_theta=1e4, rope_scaling=ROPE["llama3"]),
-        "qwen2_yarn": transformers.Qwen2Config(**COMMON, rope_theta=1e4, rope_scaling=ROPE["yarn"]),
-        "llama_linear": transformers.LlamaConfig(**COMMON, rope_scaling=ROPE["linear"]),
+        "llama31": transformers.LlamaConfig(**COMMON, rope_theta=1e4, rope_scaling=dict(ROPE["llama3"])),
+        "qwen2_yarn": transformers.Qwen2Config(**COMMON, rope_theta=1e4, rope_scaling=dict(ROPE["yarn"])),
+        "llama_linear": transformers.LlamaConfig(**COMMON, rope_scaling=dict(ROPE["linear"])),
         "gpt2": transformers.GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=128, n_positions=64,
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     }
