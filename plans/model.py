@@ -219,6 +219,9 @@ class ModelSpec(Strict):
             raise ValueError("sliding_window applies to llama-family models only (Mistral)")
         if self.rope_scaling is not None and self.model_type != "llama":
             raise ValueError("rope_scaling applies to llama-family models only (gpt learns its positions)")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type == "yarn" and self.rope_theta <= 1:
+            raise ValueError(f"yarn RoPE scaling needs rope_theta above 1 (its ramp divides by log(rope_theta)), "
+                             f"got {self.rope_theta}")
         return self
 
     @property

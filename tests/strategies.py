@@ -108,6 +108,16 @@ def hf_configs(draw: st.DrawFn) -> dict[str, Any]:
     cfg["torch_dtype"] = "bfloat16"
     for key in draw(st.lists(st.sampled_from([*cfg, "n_inner", "rope_theta"]), max_size=2)):
         cfg[key] = draw(FIELD_VALUES)
+    if draw(st.booleans()):  # RoPE scaling in either spelling, its fields sometimes junk or missing
+        rope: dict[str, Any] = {"rope_type": draw(st.sampled_from(["llama3", "yarn", "linear", "dynamic", "longrope",
+                                                                   "default", None, 3, ""]))}
+        for key in draw(st.lists(st.sampled_from(["factor", "low_freq_factor", "high_freq_factor", "beta_fast",
+                                                  "original_max_position_embeddings", "attention_factor", "truncate",
+                                                  "partial_rotary_factor", "mscale", "rope_theta", "type"]),
+                                 max_size=4)):
+            rope[key] = draw(st.one_of(FIELD_VALUES, st.sampled_from([1.0, 4.0, 8.0, 64])))
+        where = draw(st.sampled_from(["rope_scaling", "rope_parameters"]))
+        cfg[where] = rope if draw(st.integers(0, 4)) else draw(FIELD_VALUES)
     return cfg
 
 

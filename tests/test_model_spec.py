@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from plans.errors import PlannerError
 from plans.model import PRESETS, ModelSpec, resolve_model
+from tests.strategies import fuzz_settings
 
 # Published parameter counts: exact figures from the models' Hugging Face model cards / safetensors
 # indexes (Llama 2, Code Llama, Llama 3/3.1, Qwen2.5).
@@ -142,3 +145,21 @@ def test_rope_scaling_is_checked_where_it_is_given():
     spec = resolve_model({**base, "max_position_embeddings": 4096, "rope_scaling": {"rope_type": "yarn", "factor": 4}})
     assert spec.rope_original_positions == 4096  # transformers' default for the pre-training length
     assert PRESETS["llama-3.1-8b"].rope_original_positions == 8192
+
+
+@given(kind=st.sampled_from(["linear", "llama3", "yarn"]), factor=st.floats(0.01, 1e4), low=st.floats(0.01, 100),
+       gap=st.floats(0.01, 100), original=st.integers(1, 1 << 20), theta=st.floats(1.001, 1e9),
+       beta=st.one_of(st.none(), st.floats(0.01, 1e3)), truncate=st.booleans())
+@fuzz_settings(60)
+def test_every_valid_rope_scaling_gives_finite_frequencies(kind, factor, low, gap, original, theta, beta, truncate):
+    import torch
+
+    from runtime.model import rope_frequencies
+
+    spec = resolve_model({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                          "intermediate_size": 96, "vocab_size": 128, "rope_theta": theta,
+                          "rope_scaling": {"rope_type": kind, "factor": factor, "low_freq_factor": low,
+                                           "high_freq_factor": low + gap, "original_max_position_embeddings": original,
+                                           "beta_fast": beta, "truncate": truncate}})
+    inv_freq, scale = rope_frequencies(spec, torch.device("cpu"))
+    assert inv_freq.shape == (8,) and bool(torch.isfinite(inv_freq).all()) and scale > 0
