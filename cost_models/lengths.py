@@ -42,11 +42,11 @@ class LengthDist:
         """Expected longest of `rows` independent responses."""
         return _expected_max(self, max(1, rows))
 
-    def running(self, step: int) -> float:
-        """P(L >= step): the share of rows still generating their `step`-th token (1-based)."""
-        if step <= 1:
-            return 1.0
-        return 1.0 - self.cdf[min(step - 1, self.cap)]
+    def running(self, steps: np.ndarray) -> np.ndarray:
+        """P(L >= k) for each step k of `steps` (1-based): the share of rows still generating
+        their k-th token."""
+        cdf = np.asarray(self.cdf)
+        return 1.0 - cdf[np.clip(steps - 1, 0, self.cap)]
 
 
 @lru_cache(maxsize=4096)
@@ -112,7 +112,7 @@ def decode_segments(dist: LengthDist | None, *, cap: int, rows: int, drops_finis
         ks = np.arange(int(np.ceil(a)), int(np.ceil(b)))
         if len(ks) == 0:
             continue
-        share = float(np.mean([dist.running(int(k)) for k in ks]))
+        share = float(np.mean(dist.running(ks)))
         running = max(1, int(np.ceil(rows * share)))
         out.append((float(b - a), float((a + b) / 2), running))
     return out

@@ -129,8 +129,8 @@ class Call(Strict):
             if self.seqs % self.samples_per_prompt:
                 raise ValueError(f"call {self.name!r}: seqs {self.seqs} is not a multiple of samples_per_prompt")
             r = self.response_len
-            longest = max(r.samples) if r is not None and r.samples else (r.mean if r is not None else 0)
-            if longest and longest > self.gen_len:
+            longest = (max(r.samples) if r.samples else r.mean or 0) if r is not None else 0
+            if longest > self.gen_len:
                 raise ValueError(f"call {self.name!r}: response lengths up to {longest:g} exceed gen_len "
                                  f"{self.gen_len}, the most a response can have")
         elif self.gen_len or self.samples_per_prompt != 1 or self.response_len is not None:

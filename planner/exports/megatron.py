@@ -83,42 +83,35 @@ def position_flags(spec: ModelSpec) -> list[tuple[str, Any]]:
     factor is ``--rotary-seq-len-interpolation-factor`` (positions divided by it, the same as
     dividing the frequencies); a window of W positions (itself included) is Transformer Engine's
     ``--window-size W-1,0`` (W-1 keys back, none ahead)."""
-    flags: list[tuple[str, Any]] = []
-    r = spec.rope_scaling
-    if r is not None and r.rope_type == "llama3" and _megatron_llama3(spec):
-        flags += [("--use-rope-scaling", None), ("--rope-scaling-factor", r.factor)]
-    if r is not None and r.rope_type == "linear" and float(r.factor).is_integer():  # type: ignore[arg-type]
-        flags.append(("--rotary-seq-len-interpolation-factor", int(r.factor)))  # type: ignore[arg-type]
+    flags = _rope_flags(spec)[0]
     if spec.sliding_window is not None:
         flags.append(("--window-size", f"{spec.sliding_window - 1},0"))
     return flags
 
 
-def _megatron_llama3(spec: ModelSpec) -> bool:
+def _rope_flags(spec: ModelSpec) -> tuple[list[tuple[str, Any]], str | None]:
+    """The flags of the spec's RoPE scaling, or why Megatron-LM has none for it."""
     r = spec.rope_scaling
-    return r is not None and r.low_freq_factor == MEGATRON_LLAMA3["low_freq_factor"] and \
-        r.high_freq_factor == MEGATRON_LLAMA3["high_freq_factor"] and \
-        spec.rope_original_positions == MEGATRON_LLAMA3["original_max_position_embeddings"]
+    if r is None:
+        return [], None
+    if r.rope_type == "llama3":
+        fixed = (r.low_freq_factor, r.high_freq_factor, spec.rope_original_positions)
+        if fixed == tuple(MEGATRON_LLAMA3.values()):
+            return [("--use-rope-scaling", None), ("--rope-scaling-factor", r.factor)], None
+        return [], (f"llama3 RoPE scaling with low_freq_factor {r.low_freq_factor}, high_freq_factor "
+                    f"{r.high_freq_factor}, original context {spec.rope_original_positions}; Megatron-Core fixes "
+                    "them at 1, 4 and 8192 (only --rope-scaling-factor is a flag)")
+    if r.rope_type == "linear":
+        if float(r.factor).is_integer():  # type: ignore[arg-type]
+            return [("--rotary-seq-len-interpolation-factor", int(r.factor))], None  # type: ignore[arg-type]
+        return [], f"linear RoPE scaling by {r.factor}; --rotary-seq-len-interpolation-factor takes whole numbers"
+    return [], ("YaRN RoPE scaling is not exported (Megatron-LM's --position-embedding-type yarn was not checked "
+                "against transformers' YaRN); set its --yarn-* flags by hand")
 
 
 def position_limits(plan: Plan) -> list[str]:
     """RoPE scalings Megatron-LM's flags cannot express, per model."""
-    out = []
-    for name, decl in plan.models.items():
-        spec, r = decl.spec, decl.spec.rope_scaling
-        if r is None:
-            continue
-        if r.rope_type == "llama3" and not _megatron_llama3(spec):
-            out.append(f"{name}: llama3 RoPE scaling with low_freq_factor {r.low_freq_factor}, high_freq_factor "
-                       f"{r.high_freq_factor}, original context {spec.rope_original_positions}; Megatron-Core fixes "
-                       "them at 1, 4 and 8192 (only --rope-scaling-factor is a flag)")
-        elif r.rope_type == "linear" and not float(r.factor).is_integer():  # type: ignore[arg-type]
-            out.append(f"{name}: linear RoPE scaling by {r.factor}; --rotary-seq-len-interpolation-factor takes "
-                       "whole numbers")
-        elif r.rope_type == "yarn":
-            out.append(f"{name}: YaRN RoPE scaling is not exported (Megatron-LM's --position-embedding-type yarn "
-                       "was not checked against transformers' YaRN); set its --yarn-* flags by hand")
-    return out
+    return [f"{name}: {why}" for name, decl in plan.models.items() if (why := _rope_flags(decl.spec)[1])]
 
 
 def moe_flags(spec: ModelSpec) -> list[tuple[str, Any]]:
