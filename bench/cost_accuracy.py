@@ -46,6 +46,18 @@
      router unevenness. The row does not state its activation recompute; a fixed rule picks it
      before any prediction is looked at: the first of none, selective, full that fits in memory,
      else the one needing the least.
+   - yanring/Megatron-MoE-ModelZoo, ``best_practice/qwen3/readme.md``, "Performance Results, H100"
+     (added 2025-05-27): Qwen3-235B-A22B on 256 H100s (8x50 GB/s InfiniBand per node), BF16,
+     DeepEP, sequence 4096, global batch 2048, micro-batch 1 (4 with FSDP), the distributed
+     optimizer, aux-loss routing, step times of three layouts (`ZOO_MOE`). Left out: the
+     "+1f1b overlap" row (the all-to-all hidden under another micro-batch's compute, not priced)
+     and the pp 32 vpp 3 row (its first chunk holds the embedding alone, which the planner's
+     pipeline split cannot express). The rows' "norm, act" recompute (elementwise kernels only)
+     is costed as none.
+   Both MoE sources ran DeepEP, so both are costed with ``moe_dispatch="deepep"`` (one copy per
+   rank, and per node across nodes, that holds a token's experts). That trait was added after
+   seeing the first ModelZoo row's all-to-all take 15 of a predicted 26 s; it is the dispatcher's
+   published behaviour, not a fitted factor.
 
 3. Out of sample on the vTrain rows (``--cross-validate``): leave one model size out. For each
    size, the coefficients are fitted again, from the same fixed start as `planner calibrate`, on
@@ -75,6 +87,7 @@ from cost_models.api import CostModel  # noqa: E402
 from cost_models.calibration import Calibration, default_calibration, load_calibration  # noqa: E402
 from cost_models.estimate import estimate_training, training_layout  # noqa: E402
 from cost_models.fit import START, Setup, fit, mape, predict  # noqa: E402
+from cost_models.framework import Framework, resolve_framework  # noqa: E402
 from cost_models.measured import MeasuredRun, read_measured  # noqa: E402
 from plans import Layout, Mesh, PlannerError, parse_cluster, resolve_model  # noqa: E402
 from plans.graph import Call, ModelDecl  # noqa: E402
@@ -224,16 +237,47 @@ def report_llama3(cal: Calibration) -> float:
     return m
 
 
+def deepep_stack() -> Framework:
+    """``megatron-core`` with DeepEP's dispatch (a token sent once per rank, and once per node
+    across nodes, holding its experts), the dispatcher both MoE sources ran."""
+    return dataclasses.replace(resolve_framework("megatron-core"), moe_dispatch="deepep")
+
+
 # (model, GPUs, global batch, micro-batches per step, sequence, ep, published tokens/s per GPU)
 AUTOMODEL_MOE = [("qwen3-30b-a3b", 8, 512, 16, 4096, 8, 12040)]
 
 
+@dataclasses.dataclass(frozen=True)
+class ZooRow:
+    """One row of the Megatron-MoE-ModelZoo H100 table (Qwen3-235B-A22B, BF16, 256 GPUs,
+    sequence 4096, global batch 2048, DeepEP), with its layout."""
+
+    label: str
+    tp: int
+    ep: int
+    pp: int
+    vpp: int
+    dp: int
+    zero: int  # 1: the distributed optimizer of every run; 3: the row's Megatron FSDP
+    mbs: int
+    recompute: str  # the row's: "norm, act" recomputes only elementwise kernels, costed as none
+    step_s: float
+
+
+ZOO_MOE = [
+    ZooRow("cross-node EP", 2, 32, 8, 4, 16, 1, 1, "none", 19.7),
+    ZooRow("intra-node EP, FSDP", 2, 8, 1, 1, 128, 3, 4, "full", 17.6),
+    ZooRow("intra-node EP, TP 4", 4, 8, 8, 4, 8, 1, 1, "none", 29.0),
+]
+
+
 def report_moe(cal: Calibration) -> float:
-    print("\nheld out: NeMo AutoModel MoE pre-training on DGX-H100, BF16 (docs/performance-summary.md, 2025-10-02), "
+    print("\nheld out: MoE pre-training on DGX-H100, BF16, costed for megatron-core with DeepEP's dispatch, "
           "tokens/s per GPU")
     errs = []
+    print("  NeMo AutoModel (docs/performance-summary.md, 2025-10-02):")
     for name, gpus, batch, micro, seq, ep, published in AUTOMODEL_MOE:
-        cm = CostModel(parse_cluster(f"h100-sxm:{gpus // 8}x8"), cal, framework="megatron-core")
+        cm = CostModel(parse_cluster(f"h100-sxm:{gpus // 8}x8"), cal, framework=deepep_stack())
         call = Call(name="train", model="m", kind="train", seqs=batch, seq_len=seq, loss="sft")
         decl = ModelDecl(spec=resolve_model(name), trainable=True)
         costs = {rc: cm.call_cost(call, decl, Mesh.block(0, gpus),
@@ -244,11 +288,27 @@ def report_moe(cal: Calibration) -> float:
         cost = costs[rc]
         predicted = batch * seq / cost.time_s / gpus
         errs.append(pct(predicted, published))
-        print(f"  {name} {gpus} GPUs dp{gpus} ep{ep} z3 mb{micro} recompute {rc}  published {published:,}  predicted "
+        print(f"    {name} {gpus} GPUs dp{gpus} ep{ep} z3 mb{micro} recompute {rc}  published {published:,}  predicted "
               f"{predicted:,.0f}  ({errs[-1]:+.1f}%), all-to-all {cost.breakdown_s.get('ep_comm', 0.0):.2f} s of "
               f"{cost.time_s:.2f} s, peak memory {cost.peak_mem_bytes / 2**30:.0f} GiB"
               + ("" if fitting else f" (no recompute mode fits in {cm.cluster.usable_mem_bytes / 2**30:.0f} GiB: "
                  "the rule takes the leanest)"))
+    print("  Megatron-MoE-ModelZoo (best_practice/qwen3/readme.md, H100 table of 2025-05-27), qwen3-235b-a22b on 256 GPUs:")
+    gpus, batch, seq = 256, 2048, 4096
+    cm = CostModel(parse_cluster(f"h100-sxm:{gpus // 8}x8"), cal, framework=deepep_stack())
+    call = Call(name="train", model="m", kind="train", seqs=batch, seq_len=seq, loss="sft")
+    decl = ModelDecl(spec=resolve_model("qwen3-235b-a22b"), trainable=True)
+    for r in ZOO_MOE:
+        layout = Layout(dp=r.dp, tp=r.tp, pp=r.pp, ep=r.ep, zero=r.zero, micro_batches=batch // (r.dp * r.mbs),
+                        recompute=r.recompute, sequence_parallel=r.tp > 1, interleave=r.vpp)
+        cost = cm.call_cost(call, decl, Mesh.block(0, gpus), layout)
+        published = batch * seq / r.step_s / gpus
+        predicted = batch * seq / cost.time_s / gpus
+        errs.append(pct(predicted, published))
+        print(f"    {r.label}: {layout.short()}  step published {r.step_s:.1f} s, predicted {cost.time_s:.1f} s  "
+              f"tokens/s per GPU {published:,.0f} vs {predicted:,.0f}  ({errs[-1]:+.1f}%), all-to-all "
+              f"{cost.breakdown_s.get('ep_comm', 0.0):.1f} s, data-parallel {cost.breakdown_s.get('dp_comm', 0.0):.1f} s, "
+              f"peak memory {cost.peak_mem_bytes / 2**30:.0f} GiB")
     m = sum(abs(e) for e in errs) / len(errs)
     print(f"  MAPE {m:.2f}% over {len(errs)} rows; {sign_summary(errs, of='throughput')}")
     return m

@@ -53,6 +53,10 @@ class Group:
     def spans_nodes(self) -> bool:
         return self.per_node < self.n
 
+    @property
+    def nodes(self) -> int:
+        return self.n // self.per_node
+
 
 def group_at(*, first: int, stride: int, n: int, mesh_size: int, gpus_per_node: int) -> Group:
     """The group of `n` ranks ``first + i*stride`` in a mesh of `mesh_size` ranks."""
@@ -95,14 +99,16 @@ def all_gather_s(nbytes: float, g: Group, hw: Hardware) -> float:
 reduce_scatter_s = all_gather_s
 
 
-def all_to_all_s(nbytes: float, g: Group, hw: Hardware) -> float:
-    """Time for every rank to exchange `nbytes` (its whole buffer) with all others."""
+def all_to_all_s(nbytes: float, g: Group, hw: Hardware, leaving_bytes: float | None = None) -> float:
+    """Time for every rank to exchange `nbytes` (its whole buffer) with all others; of it
+    `leaving_bytes` per rank cross the network (default: the share bound for other nodes' ranks)."""
     if g.n <= 1 or nbytes <= 0:
         return 0.0
     intra = (g.n - 1) / g.n * nbytes / hw.intra_bytes_s
     if not g.spans_nodes:
         return intra + (g.n - 1) * hw.intra_latency_s
-    leaving = g.per_node * g.concurrent * (g.n - g.per_node) / g.n * nbytes
+    per_rank = (g.n - g.per_node) / g.n * nbytes if leaving_bytes is None else leaving_bytes
+    leaving = g.per_node * g.concurrent * per_rank
     return max(intra, leaving / hw.node_net_bytes_s) + (g.n - 1) * hw.inter_latency_s
 
 

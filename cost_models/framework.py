@@ -40,6 +40,7 @@ from typing import Literal
 from plans.errors import PlannerError
 
 AttentionImpl = Literal["flash", "materialized"]
+MoeDispatch = Literal["alltoall", "deepep"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,13 @@ class Framework:
     # DeepSpeed and Megatron; the runtime reduces ZeRO-2 buckets to their owner but keeps one
     # gradient buffer of the whole stage, so only ZeRO-3 shards it).
     grads_sharded_from_zero: int = 2
+    # How a mixture-of-experts layer moves its tokens to the experts. "alltoall": one copy per
+    # (token, chosen expert), two of a token's experts on one rank included (Megatron-core's
+    # alltoall dispatcher, the planner's runtime). "deepep": one copy per rank that holds any of
+    # the token's experts, and across nodes one copy per node, forwarded over NVLink inside it
+    # (DeepEP's dispatch and combine, DeepSeek-V3 report section 3.2.2; Megatron-core's flex
+    # dispatcher).
+    moe_dispatch: MoeDispatch = "alltoall"
     # ZeRO-3 buffers, in layers' weights: gathered weights in flight (the layer computing and the
     # one prefetched) and, in training, gradients on their way to the reduce-scatter. The runtime
     # keeps per gather the gathered buffer and the unpacked weights (2 copies, 2 gathers in flight)

@@ -75,7 +75,8 @@ def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, 
     g = {"tp": topo.group(layout, "tp"), "cp": comm.Group(1, 1, 1), "ep": topo.group(layout, "ep")}
 
     def one(sparse: bool) -> Stretch:
-        moe = expert_load(spec, layout, tokens=b, load_cv=load_cv) if sparse else None
+        moe = expert_load(spec, layout, tokens=b, load_cv=load_cv, dispatch=fw.moe_dispatch,
+                          ep_nodes=g["ep"].nodes) if sparse else None
         w = layer_work(spec, fw, b=b, s=1, tp=tp, cp=1, sp=False, kv_len=ctx, moe=moe)
         out = stretch_of(w.fwd, w.fwd_comm, g, hw)
         if fw.decode_cuda_graphs and hw.sm_count is not None:  # a GPU replays the step: no per-kernel host cost

@@ -37,7 +37,7 @@ from functools import lru_cache
 from typing import Literal
 
 from cost_models.comm import expected_max_normal
-from cost_models.framework import Framework
+from cost_models.framework import Framework, MoeDispatch
 from plans.layout import Layout
 from plans.model import Head, ModelSpec
 
@@ -75,6 +75,7 @@ class Comm:
     op: CommOp
     bytes: float
     group: Literal["tp", "cp", "ep"]
+    leaving: float | None = None  # all-to-all: bytes per rank that leave the node, where not the even share
 
 
 @dataclass(frozen=True)
@@ -162,10 +163,25 @@ class ExpertLoad:
     width: int  # expert width on this rank (f / etp)
     skew: float
     a2a_bytes: float  # what the busiest rank sends (and receives) in one all-to-all
+    a2a_leaving: float | None = None  # of it, what leaves the node (None: the share of the other nodes' ranks)
 
 
-def expert_load(spec: ModelSpec, layout: Layout, *, tokens: int, load_cv: float = 0.0) -> ExpertLoad:
-    """The `ExpertLoad` of `tokens` tokens of one replica (one micro-batch, one context chunk)."""
+def groups_hit(experts: int, k: int, groups: int) -> float:
+    """Expected groups holding at least one of a token's `k` distinct experts, `experts` of them
+    spread evenly over `groups` groups (ranks or nodes) and chosen uniformly."""
+    per = experts // groups
+    miss = 1.0
+    for i in range(k):  # none of the k draws (without replacement) lands in a given group
+        miss *= max(0.0, (experts - per - i) / (experts - i))
+    return groups * (1.0 - miss)
+
+
+def expert_load(spec: ModelSpec, layout: Layout, *, tokens: int, load_cv: float = 0.0,
+                dispatch: MoeDispatch = "alltoall", ep_nodes: int = 1) -> ExpertLoad:
+    """The `ExpertLoad` of `tokens` tokens of one replica (one micro-batch, one context chunk).
+
+    With the ``deepep`` dispatch a token goes once to each rank holding any of its experts and,
+    across the `ep_nodes` nodes of the expert-parallel group, once to each other node holding any."""
     e, k, ep = spec.experts, spec.num_experts_per_tok, layout.ep
     routed = max(1, tokens // layout.tp) if layout.etp == 1 and layout.tp > 1 else tokens
     group_tokens = ep * routed
@@ -178,8 +194,17 @@ def expert_load(spec: ModelSpec, layout: Layout, *, tokens: int, load_cv: float 
     else:
         skew = 1.0
     rows = max(1, math.ceil(routed * k / active * skew))
-    a2a = 2.0 * routed * k * spec.hidden_size * skew if ep > 1 else 0.0
-    return ExpertLoad(routed, active, rows, spec.expert_ffn // layout.etp, skew, a2a)
+    token = 2.0 * routed * spec.hidden_size * skew  # bytes of the routed tokens, busiest rank
+    leaving = None
+    if ep <= 1:
+        a2a = 0.0
+    elif dispatch == "deepep":
+        a2a = token * groups_hit(e, k, ep)
+        if ep_nodes > 1:  # own node's share excluded: (nodes-1)/nodes of the nodes hit are others
+            leaving = token * groups_hit(e, k, ep_nodes) * (ep_nodes - 1) / ep_nodes
+    else:
+        a2a = token * k
+    return ExpertLoad(routed, active, rows, spec.expert_ffn // layout.etp, skew, a2a, leaving)
 
 
 def _attention(spec: ModelSpec, fw: Framework, *, b: int, s_q: int, s_k: int, tp: int, causal: bool) -> tuple[
@@ -301,8 +326,8 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
             mlp_part += (Comm("all_gather", act, "tp"),)
         fwd_comm = bwd_comm = attn_part + mlp_part
     if moe is not None and moe.a2a_bytes:
-        fwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep"),) * 2  # dispatch, combine
-        bwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep"),) * 2
+        fwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving),) * 2  # dispatch, combine
+        bwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving),) * 2
     if cp > 1:
         kv_chunk = 2.0 * 2 * b * s_loc * kv * d / tp
         fwd_comm += (Comm("ring_p2p", (cp - 1) * kv_chunk, "cp"),)

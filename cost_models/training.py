@@ -118,7 +118,7 @@ def comm_time_s(c: Comm, g: comm.Group, hw: Hardware) -> float:
     if c.op == "all_reduce":
         return comm.all_reduce_s(c.bytes, g, hw)
     if c.op == "all_to_all":
-        return comm.all_to_all_s(c.bytes, g, hw)
+        return comm.all_to_all_s(c.bytes, g, hw, c.leaving)
     if c.op in ("all_gather", "reduce_scatter"):
         return comm.all_gather_s(c.bytes, g, hw)
     # Ring attention: cp-1 neighbour exchanges carrying `bytes` in all, each paying a latency.
@@ -214,9 +214,10 @@ def layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, to
 @lru_cache(maxsize=16384)
 def _layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, b: int, s: int,
                  training: bool, sparse: bool, load_cv: float) -> LayerTimes:
-    moe = expert_load(spec, layout, tokens=b * (s // layout.cp), load_cv=load_cv) if sparse else None
-    w = layer_work(spec, fw, b=b, s=s, tp=layout.tp, cp=layout.cp, sp=layout.sequence_parallel, moe=moe)
     groups = {"tp": topo.group(layout, "tp"), "cp": topo.group(layout, "cp"), "ep": topo.group(layout, "ep")}
+    moe = expert_load(spec, layout, tokens=b * (s // layout.cp), load_cv=load_cv, dispatch=fw.moe_dispatch,
+                      ep_nodes=groups["ep"].nodes) if sparse else None
+    w = layer_work(spec, fw, b=b, s=s, tp=layout.tp, cp=layout.cp, sp=layout.sequence_parallel, moe=moe)
     attn_fwd = kernels_time_s(w.attn_core, hw)
     fwd = stretch_of(w.fwd, w.fwd_comm, groups, hw, hidden_comm="cp", hide_under=attn_fwd)
     if not training:

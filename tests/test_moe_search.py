@@ -3,10 +3,14 @@ search takes it where it pays, with `planner explain` saying why."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import pytest
 
 from cost_models import CostModel
-from cost_models.ops import expert_load
+from cost_models.framework import resolve_framework
+from cost_models.ops import expert_load, groups_hit
 from planner.algorithms import grpo
 from planner.compile import compile_graph
 from planner.explain import explain_plan
@@ -48,6 +52,36 @@ def test_uneven_routing_slows_the_experts() -> None:
     assert skewed.time_s > 1.01 * even.time_s  # the busiest rank's experts and its all-to-all share
     assert skewed.breakdown_s["ep_comm"] > 1.1 * even.breakdown_s["ep_comm"]
     assert _cost(Layout(dp=8, zero=1), TRAIN, cv=0.5).time_s == pytest.approx(_cost(Layout(dp=8, zero=1), TRAIN).time_s)
+
+
+def test_groups_hit_is_the_exact_expectation() -> None:
+    # 8 experts on 4 ranks, top 2: a rank is missed with probability C(6,2)/C(8,2) = 15/28
+    assert groups_hit(8, 2, 4) == pytest.approx(4 * (1 - 15 / 28))
+    pairs = list(itertools.combinations(range(8), 2))  # every top-2 choice, equally likely
+    assert groups_hit(8, 2, 4) == pytest.approx(sum(len({e // 2 for e in p}) for p in pairs) / len(pairs))
+    assert groups_hit(128, 8, 128) == pytest.approx(8)  # one expert per rank: k distinct ranks
+    assert groups_hit(128, 8, 1) == pytest.approx(1)
+    assert 1 < groups_hit(128, 8, 4) < 4
+
+
+def test_deepep_sends_a_token_once_per_rank_and_node() -> None:
+    cm = {d: CostModel(parse_cluster("h100-sxm:4x8"),
+                       framework=dataclasses.replace(resolve_framework("megatron-core"), moe_dispatch=d))
+          for d in ("alltoall", "deepep")}
+    call = TRAIN.model_copy(update={"seqs": 256})
+
+    def a2a(d: str, spec=QWEN) -> float:
+        decl = ModelDecl(spec=spec, trainable=True)
+        return cm[d].call_cost(call, decl, Mesh.block(0, 32), Layout(dp=32, ep=32, zero=1)).breakdown_s["ep_comm"]
+
+    # top 8 of 128 experts over 4 nodes: a token reaches about 2.7 other nodes, not 6 copies
+    assert a2a("deepep") < 0.6 * a2a("alltoall")
+    # with one expert per token there is nothing to share: both send the same bytes
+    top1 = QWEN.model_copy(update={"num_experts_per_tok": 1})
+    assert a2a("deepep", top1) == pytest.approx(a2a("alltoall", top1))
+    inside, across = (expert_load(QWEN, Layout(dp=32, ep=32), tokens=4096, dispatch="deepep", ep_nodes=n) for n in (1, 4))
+    assert inside.a2a_leaving is None and across.a2a_leaving is not None
+    assert across.a2a_leaving < across.a2a_bytes
 
 
 def test_few_decode_tokens_activate_few_experts() -> None:
