@@ -41,6 +41,7 @@ from plans.errors import PlannerError
 
 AttentionImpl = Literal["flash", "materialized"]
 MoeDispatch = Literal["alltoall", "deepep"]
+CpComm = Literal["ring", "all_gather"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,14 @@ class Framework:
     # (DeepEP's dispatch and combine, DeepSeek-V3 report section 3.2.2; Megatron-core's flex
     # dispatcher).
     moe_dispatch: MoeDispatch = "alltoall"
+    # How context-parallel ranks share keys and values. "ring": each passes its chunk around the
+    # ring while attention runs on the one it holds (ring attention; Transformer Engine's p2p, what
+    # Megatron-core runs), hidden under that attention; "all_gather": every chunk is all-gathered
+    # before attention and the gradients reduce-scattered after, not overlapped (the planner's runtime).
+    cp_comm: CpComm = "ring"
+    # Under context parallel the gradient reduction still overlaps the backward (False: the
+    # planner's runtime sums every gradient over the cp group after the backward, then reduces).
+    cp_overlaps_grad_reduce: bool = True
     # ZeRO-3 buffers, in layers' weights: gathered weights in flight (the layer computing and the
     # one prefetched) and, in training, gradients on their way to the reduce-scatter. The runtime
     # keeps per gather the gathered buffer and the unpacked weights (2 copies, 2 gathers in flight)
@@ -152,7 +161,7 @@ FRAMEWORKS: dict[str, Framework] = {
         residual_fwd=(10.0,), residual_bwd=(6.0, 12.0), rope_fwd=(4.0, 4.0, 4.0, 6.0), rope_bwd=(4.0, 4.0, 4.0, 6.0),
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), attn_out_copy=True,
         weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26, decode_cuda_graphs=True,
-        windowed_attention=False,
+        windowed_attention=False, cp_comm="all_gather", cp_overlaps_grad_reduce=False,
         grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0,
     ),
 }

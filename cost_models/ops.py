@@ -330,8 +330,12 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
         bwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving),) * 2
     if cp > 1:
         kv_chunk = 2.0 * 2 * b * s_loc * kv * d / tp
-        fwd_comm += (Comm("ring_p2p", (cp - 1) * kv_chunk, "cp"),)
-        bwd_comm += (Comm("ring_p2p", 2 * (cp - 1) * kv_chunk, "cp"),)  # K, V and their gradients
+        if fw.cp_comm == "all_gather":  # every chunk of K and V gathered; their gradients reduce-scattered
+            fwd_comm += (Comm("all_gather", cp * kv_chunk, "cp"),)
+            bwd_comm += (Comm("reduce_scatter", cp * kv_chunk, "cp"),)
+        else:
+            fwd_comm += (Comm("ring_p2p", (cp - 1) * kv_chunk, "cp"),)
+            bwd_comm += (Comm("ring_p2p", 2 * (cp - 1) * kv_chunk, "cp"),)  # K, V and their gradients
 
     n_tensors = (12 if gpt else 9) + (3 if spec.attention_bias else 0) + (2 if spec.qk_norm != "none" else 0)
     params = layer_params_per_rank(spec, tp, sparse=moe is not None)

@@ -219,10 +219,11 @@ def _layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
                       ep_nodes=groups["ep"].nodes) if sparse else None
     w = layer_work(spec, fw, b=b, s=s, tp=layout.tp, cp=layout.cp, sp=layout.sequence_parallel, moe=moe)
     attn_fwd = kernels_time_s(w.attn_core, hw)
-    fwd = stretch_of(w.fwd, w.fwd_comm, groups, hw, hidden_comm="cp", hide_under=attn_fwd)
+    hidden = "cp" if fw.cp_comm == "ring" else None  # ring attention overlaps its exchange; a gather does not
+    fwd = stretch_of(w.fwd, w.fwd_comm, groups, hw, hidden_comm=hidden, hide_under=attn_fwd)
     if not training:
         return LayerTimes(fwd, Stretch(), fwd)
-    bwd = stretch_of(w.bwd, w.bwd_comm, groups, hw, hidden_comm="cp", hide_under=2 * attn_fwd)
+    bwd = stretch_of(w.bwd, w.bwd_comm, groups, hw, hidden_comm=hidden, hide_under=2 * attn_fwd)
     accum = Stretch(kernels_time_s((w.grad_accum,), hw), 0.0, w.grad_tensors * hw.host_kernel_s)
     if layout.recompute == "full":
         rec = fwd
@@ -377,7 +378,7 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
     wait = comm.skew_wait_s(since_sync_s, g.n, hw)
     if layout.zero <= 1:
         t = comm.all_reduce_s(grad, g, hw) if layout.zero == 0 else comm.reduce_scatter_s(grad, g, hw)
-        if fw.overlap_grad_reduce:
+        if fw.overlap_grad_reduce and (layout.cp == 1 or fw.cp_overlaps_grad_reduce):
             exposed = max(t - last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw))
             return exposed + comm.overlap_interference_s(t - exposed, hw) + wait
         return t + wait

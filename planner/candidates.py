@@ -131,7 +131,7 @@ def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) ->
     train = call.kind == "train"
     seqs = _per_rank_seqs(call)
     cps = [1]
-    if train and call.seq_len >= LONG_SEQ_TOKENS:
+    if call.kind in ("train", "inference") and call.seq_len >= LONG_SEQ_TOKENS:  # generation keeps whole sequences
         cps = [c for c in (1, 2, 4, 8) if call.seq_len % (2 * c) == 0]
     for tp, pp, cp in product(_divisors(cluster.gpus_per_node), _divisors(size), cps):
         if size % (tp * pp * cp):
@@ -154,7 +154,7 @@ def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) ->
                 # through the stages when pp > 1, run as waves (each with its own activations or KV
                 # cache) when pp = 1, which is how a large batch fits at all.
                 mbs = _micro_batch_counts(per_dp)
-                out += [Layout(dp=dp, tp=tp, pp=pp, micro_batches=mb, ep=ep, etp=etp) for mb in mbs]
+                out += [Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batches=mb, ep=ep, etp=etp) for mb in mbs]
     return out
 
 

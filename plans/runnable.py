@@ -19,8 +19,9 @@ from plans.sharding import slices_key
 def layout_runtime_problems(layout: Layout) -> list[str]:
     """The layout dimensions of `layout` the runtime does not implement."""
     problems = []
-    if layout.cp != 1:
-        problems.append(f"context parallel (cp={layout.cp}) is not run by the runtime yet")
+    if layout.cp > 1 and layout.ep > 1:
+        problems.append(f"context parallel (cp={layout.cp}) with expert parallel (ep={layout.ep}) is not run by the "
+                        "runtime yet")
     if layout.interleave != 1:
         problems.append(f"interleaved pipelines (interleave={layout.interleave}) are not run by the runtime yet")
     return problems
@@ -74,6 +75,9 @@ def runtime_problems(plan: Plan, *, reference: bool = False) -> list[str]:
             if layout is not None:
                 problems += [f"call {c.name!r} {what} {layout.short()}: {p}" for p in
                              layout_runtime_problems(layout) + expert_layout_problems(spec, layout)]
+        if c.kind == "generate" and c.layout.cp > 1:
+            problems.append(f"call {c.name!r}: generation under context parallel (cp={c.layout.cp}) is not run by the "
+                            "runtime; give it cp=1 (context-parallel ranks become data-parallel ones)")
         if c.decode_layout is not None and c.decode_layout != c.layout:
             problems.append(f"call {c.name!r} decodes with a layout different from its prefill; the runtime does not "
                             "reallocate between phases yet")

@@ -24,7 +24,9 @@ minibatch's last micro-batch a bucket's collective starts, asynchronously, as so
 of its parameters' gradients has been accumulated (a post-accumulate-grad hook); the step waits
 for them all. Parameters whose gradients need another reduction first (replicated parameters
 under sequence parallel, summed over the tensor-parallel group; a tied embedding shared by two
-stages) are reduced after the backward, in that order. Buckets fire in the order autograd
+stages) are reduced after the backward, in that order. Under context parallel every gradient is
+a share over the rank's positions: the whole buffer is summed over the cp group after the
+backward (its ranks hold the same slices), then reduced as above. Buckets fire in the order autograd
 reaches them, the same on every rank of the group.
 
 Gradients are sums, not means: losses are normalised by the global token (or sequence) count
@@ -276,7 +278,7 @@ class DataParallel:
         self.partial = [n for n in names if shard.spec.qk_norm == "head" and n.endswith(("q_norm.weight", "k_norm.weight"))]
         self.embed = "model.embed_tokens.weight" if "model.embed_tokens.weight" in shard.params else None
         self._late = self._late_names(names)
-        self._buckets = self._make_buckets(names) if dp.size > 1 and self.zero != 3 else []
+        self._buckets = self._make_buckets(names) if dp.size > 1 and self.zero != 3 and groups.cp.size == 1 else []
         self._armed = False
         self._waiting: list[Any] = []
         for b, bucket in enumerate(self._buckets):
@@ -287,6 +289,8 @@ class DataParallel:
         """Parameters reduced after the backward: those needing a tensor-parallel or tied-stage
         sum before the data-parallel one, and a tied embedding used twice by one stage (its
         gradient is accumulated twice, so no single accumulation says it is complete)."""
+        if self.groups.cp.size > 1:  # every gradient is summed over the context-parallel group first
+            return set(names)
         late = set(self._tp_summed())
         # Routed experts a rank's tokens miss get no gradient, so their buckets would fill in a
         # different order on different ranks: they are reduced after the backward, in order.
@@ -378,6 +382,9 @@ class DataParallel:
         self._check_grads_in_buffer()
         if self._buckets:
             self._finish_buckets()
+        cp = self.groups.cp
+        if cp.size > 1:  # each rank's gradients are its positions' share (ZeRO-3: of its slices)
+            dist.all_reduce(self.grad, group=cp.group)
         tp = self.groups.tp
         summed = self._tp_summed()
         if summed:

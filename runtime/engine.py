@@ -5,8 +5,11 @@
 1. pipeline parallel: the stage's layers (`plans.sharding.stage_layers`);
 2. tensor parallel (and the ZeRO-3 row split): each tensor's slice is its
    `plans.sharding.shard_box`, plus the rank's tensor-parallel context (sequence parallel on/off);
-3. activation recompute (none, selective, full);
-4. data parallel: the ZeRO-3 gather, flat buffers, gradient reduction and optimizer partition.
+3. expert and context parallel: the rank's expert and context-parallel groups
+   (`runtime.context_parallel`: a share of each sequence's positions);
+4. activation recompute (none, selective, full);
+5. data parallel: the ZeRO-3 gather, flat buffers, gradient reduction (summed over the
+   context-parallel group first) and optimizer partition.
 
 `ModelRunner` then runs the three call kinds on the rank's data-parallel rows of a batch that
 every rank holds in full. Outputs are complete on the last pipeline stage (every tensor-parallel
@@ -30,6 +33,7 @@ from plans.model import Head, ModelSpec
 from plans.runnable import expert_layout_problems, layout_runtime_problems
 from plans.sharding import Box, Param, split_range
 from runtime import generate as gen
+from runtime.context_parallel import ContextParallel
 from runtime.data_parallel import AdamConfig, DataParallel, apply_data_parallel
 from runtime.groups import RankGroups
 from runtime.model import ExpertParallel, Shard, build_shard, stage_forward, token_logprobs, token_values
@@ -61,6 +65,8 @@ def parallelize(spec: ModelSpec, *, head: Head, trainable: bool, groups: RankGro
                                      sequence_parallel=layout.sequence_parallel)
     if groups.ep.size > 1:
         shard.ep = ExpertParallel(group=groups.ep.group, size=groups.ep.size, rank=groups.ep.index)
+    if groups.cp.size > 1:
+        shard.cp = ContextParallel(group=groups.cp.group, size=groups.cp.size, rank=groups.cp.index)
     apply_recompute(shard, mode=layout.recompute)
     dp = apply_data_parallel(shard, groups=groups, zero=layout.zero, trainable=trainable, adam=adam)
     return shard, pipe, dp
@@ -110,18 +116,20 @@ class ModelRunner:
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def _padded_len(self, s: int) -> int:
-        """Sequence length the model runs at: a multiple of tp under sequence parallel (the extra
-        positions are padding after the real ones, so causal attention never sees them)."""
-        tp = self.shard.tp
-        if not tp.sequence_parallel:
-            return s
-        return -(-s // tp.size) * tp.size
+        """Sequence length the model runs at: a multiple of tp under sequence parallel, and of
+        2 * cp under context parallel (the extra positions are padding after the real ones, so
+        causal attention never sees them)."""
+        m = self._sp_factor() * self.shard.cp.multiple
+        return -(-s // m) * m
 
     def _run_stage(self, tokens: Tensor, x: Tensor | None, pad: Tensor | None = None) -> Tensor:
         s = self._padded_len(tokens.shape[1])
-        positions = torch.arange(s, device=self.device).clamp(max=self.spec.max_position_embeddings - 1)
+        slots = self.shard.cp.slots(s, self.device)  # every slot, or this context-parallel rank's
+        positions = slots.clamp(max=self.spec.max_position_embeddings - 1)
         if self.pipe.first:
             x = torch.nn.functional.pad(tokens, (0, s - tokens.shape[1]))
+            if self.shard.cp.size > 1:
+                x = x.index_select(1, slots.to(x.device))
         assert x is not None
         with self._autocast():
             return stage_forward(self.shard, x, positions=positions, pad=pad)
@@ -130,15 +138,15 @@ class ModelRunner:
         s = tokens.shape[1]
         with self._autocast():
             if what == "logprobs":
-                padded = torch.nn.functional.pad(tokens, (0, h.shape[1] * self._sp_factor() - s))
-                return token_logprobs(self.shard, h, padded)[:, :s - 1]
+                padded = torch.nn.functional.pad(tokens, (0, self._padded_len(s) - s))
+                return token_logprobs(self.shard, h, padded.to(h.device))[:, :s - 1]
             return token_values(self.shard, h)[:, :s]
 
     def _sp_factor(self) -> int:
         return self.shard.tp.size if self.shard.tp.sequence_parallel else 1
 
     def _act_shape(self, b: int, s: int) -> tuple[int, ...]:
-        return (b, self._padded_len(s) // self._sp_factor(), self.spec.hidden_size)
+        return (b, self._padded_len(s) // self._sp_factor() // self.shard.cp.size, self.spec.hidden_size)
 
     def _act_shape_of(self, micro: tuple[tuple[int, int], ...], s: int, i: int) -> tuple[int, ...]:
         """The activation shape of micro-batch `i` of rows `micro`."""
@@ -218,6 +226,10 @@ class ModelRunner:
         """Continue this replica's rows of `prompts` [B, p] (left-padded by `pad` [B] tokens,
         when given) by `gen_len` tokens (see `runtime.generate`); the result (tokens, log-probs,
         mask) is on the last stage."""
+        if self.shard.cp.size > 1:
+            raise PlannerError(f"generation under context parallel (cp={self.shard.cp.size}) is not run by the runtime",
+                               hint="give the generate call a layout with cp=1 (context-parallel ranks become "
+                                    "data-parallel ones)")
         split = self.split(prompts.shape[0])
         rows = torch.arange(split.start, split.stop, device=self.device)
         mine = None if pad is None else pad[split.start:split.stop].to(self.device)

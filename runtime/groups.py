@@ -48,6 +48,7 @@ class RankGroups:
     pp: Axis  # the rank's pipeline: one rank per stage, same (dp, cp, tp) coordinates
     tied: Axis | None  # first and last stage sharing a tied embedding (pp > 1), else None
     ep: Axis = SOLO  # the stage's ranks holding the other experts (`Layout.expert_coord`)
+    cp: Axis = SOLO  # the ranks sharing this rank's sequences: same (pp, dp, tp) coordinates
     edp: Axis | None = None  # the ranks holding this rank's expert slices (None: the dp axis)
 
     @property
@@ -89,6 +90,8 @@ class Groups:
             return tuple(out)
 
         axes = {"tp": ("pp", "dp", "cp"), "dp": ("pp", "cp", "tp"), "pp": ("dp", "cp", "tp")}
+        if layout.cp > 1:
+            axes["cp"] = ("pp", "dp", "tp")
         mine: dict[str, Axis] = {}
         for name, fixed_axes in axes.items():
             seen: set[tuple[int, ...]] = set()
@@ -129,7 +132,8 @@ class Groups:
             return None
         local = mesh.ranks.index(rank)
         return RankGroups(layout=layout, local=local, coord=layout.coord(local), tp=mine["tp"], dp=mine["dp"],
-                          pp=mine["pp"], tied=tied_axis, ep=mine.get("ep", SOLO), edp=mine.get("edp"))
+                          pp=mine["pp"], tied=tied_axis, ep=mine.get("ep", SOLO), edp=mine.get("edp"),
+                          cp=mine.get("cp", SOLO))
 
 
 def init_default_group(backend: str, *, timeout_s: float) -> None:

@@ -39,11 +39,13 @@ from plans.layout import Layout
 from plans.model import Head, ModelSpec, spec_from_hf_config
 from plans.sharding import Box, Param, parameters, shard_box
 from runtime import tensor_parallel as tpx
+from runtime.context_parallel import ContextParallel, gather_kv, gather_positions
 from runtime.recompute import Recompute, checkpointed
 from runtime.tensor_parallel import TensorParallel
 
 INIT_STD = 0.02  # GPT-2 / Llama initializer_range
 LOGITS_CHUNK_ELEMENTS = 2**26  # log-probs: logits (tokens x vocabulary rows) made at once, forward and backward
+ATTN_BLOCK_ELEMENTS = 2**24  # context parallel: attention scores (queries x keys x heads x rows) made at once
 
 
 @dataclass
@@ -83,6 +85,7 @@ class Shard:
     params: dict[str, torch.nn.Parameter]
     tp: TensorParallel = field(default_factory=TensorParallel)
     ep: ExpertParallel = field(default_factory=lambda: ExpertParallel())
+    cp: ContextParallel = field(default_factory=ContextParallel)
     recompute: Recompute = "none"
     gather: Callable[[list[str]], list[Tensor]] | None = None
 
@@ -294,6 +297,27 @@ def _attention_mask(q_slots: Tensor, k_len: int, *, window: int | None, pad: Ten
     return ((mask[None] & real) | (k == q)[None])[:, None]  # [b, 1, sq, sk]
 
 
+def _blocked_core(q: Tensor, k: Tensor, v: Tensor, q_slots: Tensor, window: int | None,
+                  pad: Tensor | None) -> Tensor:
+    """Attention of queries at `q_slots` (a context-parallel rank's, ascending) to every slot's
+    keys, under the causal mask of the slots: a block of queries at a time, each over the keys up
+    to its last slot, so no more than about ATTN_BLOCK_ELEMENTS scores exist at once (an explicit
+    mask makes SDPA materialise them)."""
+    b, heads, sq, _ = q.shape
+    ends = q_slots.tolist()  # the slots are known on the host: no device sync per block
+    outs, a = [], 0
+    while a < sq:
+        z = a
+        while z < sq and b * heads * (z - a + 1) * (ends[z] + 1) <= ATTN_BLOCK_ELEMENTS:
+            z += 1
+        z = max(z, a + 1)
+        kmax = ends[z - 1] + 1
+        mask = _attention_mask(q_slots[a:z], kmax, window=window, pad=pad, always=True)
+        outs.append(_attention_core(q[:, :, a:z], k[:, :, :kmax], v[:, :, :kmax], False, mask))
+        a = z
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
 class Rope:
     """cos/sin of one forward's positions, computed once for all its layers (per dtype)."""
 
@@ -326,6 +350,11 @@ def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor,
         cos, sin = (rope or Rope(spec, row_positions(positions, pad)))(q.dtype)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     causal, static = True, cache is not None and cache.static
+    split = shard.cp.size > 1  # this rank's queries are some slots of the sequence: all keys, masked by slot
+    if split:
+        if cache is not None:
+            raise ValueError("a KV cache is not split over context-parallel ranks")
+        k, v = gather_kv(k, shard.cp), gather_kv(v, shard.cp)
     if cache is not None and static:  # the slots by index, then the whole buffer under the mask
         kc, vc = cache.kv[layer]
         kc.index_copy_(2, positions, k)
@@ -341,8 +370,12 @@ def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor,
             if s != 1:
                 raise ValueError("a KV cache extends by one position at a time after the prefill")
             causal = False  # one query attends to every cached position
-    mask = _attention_mask(positions, k.shape[2], window=spec.sliding_window, pad=pad, always=static)
-    core = checkpointed(_attention_core, q, k, v, causal, mask, enabled=shard.recompute == "selective")
+    if split:
+        core = checkpointed(_blocked_core, q, k, v, positions, spec.sliding_window, pad,
+                            enabled=shard.recompute == "selective")
+    else:
+        mask = _attention_mask(positions, k.shape[2], window=spec.sliding_window, pad=pad, always=static)
+        core = checkpointed(_attention_core, q, k, v, causal, mask, enabled=shard.recompute == "selective")
     out = F.linear(core.transpose(1, 2).reshape(b, s, -1), w["o_proj.weight"])
     out = tpx.exit(out, shard.tp, sp=sp)
     return out + w["o_proj.bias"] if "o_proj.bias" in w else out
@@ -510,13 +543,22 @@ def token_logprobs(shard: Shard, h: Tensor, tokens: Tensor) -> Tensor:
 
     The head runs fused with the log-probs (`tensor_parallel.head_logprobs`), a chunk of at most
     LOGITS_CHUNK_ELEMENTS logits at a time, forward and backward; the last position predicts
-    nothing and is left out before the head."""
-    sp = shard.tp.sequence_parallel
-    h = tpx.enter(_final_norm(shard, h), shard.tp, sp=sp)[:, :-1]  # sequence parallel: gathered here
+    nothing and is left out before the head. Under context parallel `h` holds this rank's slots
+    (`tokens` the whole padded rows): each slot's next token is looked up, the last slot's
+    prediction (of nothing) is made and dropped after the log-probs are gathered over the group."""
+    sp, cp = shard.tp.sequence_parallel, shard.cp
+    h = tpx.enter(_final_norm(shard, h), shard.tp, sp=sp)  # sequence parallel: gathered here
+    if cp.size > 1:
+        s = tokens.shape[1]
+        nxt = (cp.slots(s, tokens.device) + 1).clamp(max=s - 1)
+        targets = tokens.index_select(1, nxt)
+    else:
+        h, targets = h[:, :-1], tokens[:, 1:]
     b, s1, hidden = h.shape
-    out = tpx.head_logprobs(h.reshape(b * s1, hidden), _lm_weight(shard), tokens[:, 1:].reshape(-1), shard.tp,
+    out = tpx.head_logprobs(h.reshape(b * s1, hidden), _lm_weight(shard), targets.reshape(-1), shard.tp,
                             vocab_size=shard.spec.vocab_size, chunk_elements=LOGITS_CHUNK_ELEMENTS)
-    return out.view(b, s1)
+    out = out.view(b, s1)
+    return gather_positions(out, cp)[:, :-1] if cp.size > 1 else out
 
 
 def token_values(shard: Shard, h: Tensor) -> Tensor:
@@ -524,7 +566,7 @@ def token_values(shard: Shard, h: Tensor) -> Tensor:
     sp = shard.tp.sequence_parallel
     (w,) = shard.fetch("score.weight").values()
     values = F.linear(_final_norm(shard, h), w).squeeze(-1).float()  # [b, s'] on this rank's chunk
-    return tpx.gather_seq(values.unsqueeze(-1), shard.tp, sp=sp).squeeze(-1)
+    return gather_positions(tpx.gather_seq(values.unsqueeze(-1), shard.tp, sp=sp).squeeze(-1), shard.cp)
 
 
 def last_logits(shard: Shard, h: Tensor) -> Tensor:

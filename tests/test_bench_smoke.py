@@ -18,6 +18,7 @@ BENCH = ROOT / "bench"
 SMOKE = {
     "cost_accuracy.py": ([], "MAPE"),
     "cost_speed.py": ([], "uncached ms/call"),
+    "long_context.py": (["--smoke"], "equal to the reference"),
     "predict_vs_measure.py": (["--repeats", "1", "--steps", "2", "--calibration",
                                str(ROOT / "cost_models" / "data" / "cpu.json")], "predicted"),
     "real_job.py": (["--steps", "2"], "transformers reloads the trained actor"),

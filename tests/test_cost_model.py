@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -251,6 +252,23 @@ def test_context_parallel_splits_the_sequence():
     short = Call(name="t", model="m", kind="train", seqs=64, seq_len=1024, loss="sft")
     exposed = slow.call_cost(short, decl, Mesh.block(0, 8), Layout(tp=4, cp=2, micro_batches=8, sequence_parallel=True))
     assert exposed.breakdown_s["cp_comm"] > 0 and "cp_comm" not in dp.breakdown_s
+
+
+def test_context_parallel_all_gather_is_priced_unhidden_for_the_runtime():
+    """The planner's runtime all-gathers keys and values before attention and reduce-scatters
+    their gradients after (`runtime.context_parallel`): the same bytes as a ring, none of it
+    hidden, and its gradient reduction waits for the backward."""
+    decl = ModelDecl(spec=LLAMA, trainable=True)
+    call = Call(name="t", model="m", kind="train", seqs=8, seq_len=16384, loss="sft")
+    lay = Layout(tp=4, cp=2, micro_batches=8, sequence_parallel=True)
+    ring = CostModel(parse_cluster("a100-80gb:1x8"), CAL, framework="megatron-core").call_cost(call, decl, Mesh.block(0, 8), lay)
+    torch_fw = CostModel(parse_cluster("a100-80gb:1x8"), CAL, framework="torch")
+    gather = torch_fw.call_cost(call, decl, Mesh.block(0, 8), lay)
+    assert "cp_comm" not in ring.breakdown_s  # 16k tokens of attention hide the ring
+    assert gather.breakdown_s["cp_comm"] > 0
+    unfolded = dataclasses.replace(torch_fw.framework, cp_comm="ring", cp_overlaps_grad_reduce=True)
+    hidden = CostModel(parse_cluster("a100-80gb:1x8"), CAL, framework=unfolded).call_cost(call, decl, Mesh.block(0, 8), lay)
+    assert "cp_comm" not in hidden.breakdown_s and hidden.time_s < gather.time_s
 
 
 @pytest.mark.parametrize("name", ["llama-2-70b", "gpt3-1.3b", "qwen2.5-7b"])
