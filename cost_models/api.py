@@ -45,7 +45,7 @@ from cost_models.training import (
     stage_param_counts,
     train_step,
 )
-from cost_models.transfer import rank_volumes
+from cost_models.transfer import KV_BYTES, RankVolumes, kv_volumes, rank_volumes
 from plans.cluster import ClusterSpec
 from plans.errors import PlannerError
 from plans.graph import Call, ModelDecl
@@ -186,8 +186,9 @@ class CostModel:
                                               prompt_len=call.prompt_len, gen_len=call.gen_len, load_cv=cv,
                                               lengths=length_dist(call.response_len, call.gen_len))
             times = dict(parts.parts)
-            if dec != layout:
-                times["reshard"] = times.get("reshard", 0.0) + self.realloc_cost(decl, (mesh, layout), (mesh, dec)).time_s
+            if dec != layout:  # the weights and the prefilled KV cache move to the decode layout
+                times["reshard"] = (times.get("reshard", 0.0) + self.realloc_cost(decl, (mesh, layout), (mesh, dec)).time_s
+                                    + self.kv_reshard_cost(decl, call, mesh, layout, dec).time_s)
             mem = self._generate_memory(decl, layout, dec, call, topo)
         state = sum(v for k, v in mem.items() if k in ("params", "grads", "optimizer"))
         return CallCost(
@@ -327,8 +328,8 @@ class CostModel:
             decode["buffers"] = pre["params"]
         decode = self._compute_dtype(decode)
         decode.update(self._outside_tensors(dec, decode, topo, moe=spec.is_moe))
-        if dec != layout:  # the prefill layout's communicators stay
-            decode["nccl"] = max(decode["nccl"], pre["nccl"])
+        if dec != layout and "nccl" in pre:  # the prefill layout's communicators stay (none on a CPU)
+            decode["nccl"] = max(decode.get("nccl", 0), pre["nccl"])
         return decode if sum(decode.values()) >= sum(pre.values()) else pre
 
     # ---- moving parameters and data --------------------------------------------------------
@@ -348,9 +349,22 @@ class CostModel:
         # already holds are copied locally through HBM.
         if src == dst:
             return ReallocCost(0, 0.0)
-        gpn, hw, pb = self.cluster.gpus_per_node, self.hw, self.framework.param_bytes
-        vol = rank_volumes(decl.spec, head=decl.head, src=src, dst=dst, gpus_per_node=gpn)
-        local_s = 2.0 * pb * vol.local_numel / max(1, dst[0].size) / hw.mem_bytes_s
+        vol = rank_volumes(decl.spec, head=decl.head, src=src, dst=dst, gpus_per_node=self.cluster.gpus_per_node)
+        return self._move_cost(vol, self.framework.param_bytes, dst[0].size)
+
+    def kv_reshard_cost(self, decl: ModelDecl, call: Call, mesh: Mesh, prefill: Layout, decode: Layout) -> ReallocCost:
+        """Bytes and time to move a generate call's prefilled KV cache (every prompt position but
+        the last, which the decode layout runs as its first step) from its prefill layout to its
+        decode layout (`plans.sharding.kv_transfer_plan`, what the runtime moves)."""
+        if prefill == decode or call.prompt_len <= 1:
+            return ReallocCost(0, 0.0)
+        vol = kv_volumes(decl.spec, rows=call.seqs, positions=call.prompt_len - 1, src=(mesh, prefill),
+                         dst=(mesh, decode), gpus_per_node=self.cluster.gpus_per_node)
+        return self._move_cost(vol, KV_BYTES, mesh.size)
+
+    def _move_cost(self, vol: RankVolumes, pb: int, dst_size: int) -> ReallocCost:
+        gpn, hw = self.cluster.gpus_per_node, self.hw
+        local_s = 2.0 * pb * vol.local_numel / max(1, dst_size) / hw.mem_bytes_s
         # The host packs every slice it sends before the messages go and unpacks (or copies) every
         # slice it gets after: the busiest packer, then the busiest unpacker.
         assert vol.send_pieces is not None and vol.recv_pieces is not None and vol.local_pieces is not None

@@ -121,9 +121,6 @@ def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout,
     layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, layout.pp, layout.interleave))
     cache = kv_cache_bytes(spec, seqs=per_rank, ctx=prompt_len, layers=layers, tp=layout.tp)
     out.add("prefill", cache / hw.mem_bytes_s)
-    if (decode.tp, decode.pp, decode.dp, decode.cp) != (layout.tp, layout.pp, layout.dp, layout.cp):
-        whole = comm.group_at(first=topo.first, stride=1, n=topo.size, mesh_size=topo.size, gpus_per_node=topo.gpus_per_node)
-        out.add("reshard", comm.all_to_all_s(cache, whole, hw))
     # The rows that decode until the longest of them ends: a wave, or all the pipelined groups.
     rows = split.seqs_per_group * (split.groups if decode.pp > 1 else 1)
     total = 0.0

@@ -17,7 +17,7 @@ import numpy as np
 
 from plans.layout import Layout, Mesh
 from plans.model import Head, ModelSpec
-from plans.sharding import Param, _stage_of_layer, param_stages, parameters
+from plans.sharding import Param, _stage_of_layer, kv_tensor_transfers, param_stages, parameters
 
 
 @dataclass(frozen=True)
@@ -227,4 +227,44 @@ def _rank_volumes(spec: ModelSpec, head: Head, src: tuple[Mesh, Layout], dst: tu
         for t, a in zip(totals, arrays):
             t += a * scale
         local += kept * scale
+    return RankVolumes(first, totals[0], totals[1], totals[2], totals[3], local, totals[4], totals[5], totals[6])
+
+
+KV_BYTES = 2  # a KV cache element (bf16), as `cost_models.memory.kv_cache_bytes` counts it
+
+
+def kv_volumes(spec: ModelSpec, *, rows: int, positions: int, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout],
+               gpus_per_node: int) -> RankVolumes:
+    """Per-rank send/receive elements of moving a prefilled KV cache between layouts: the totals of
+    `plans.sharding.kv_transfer_plan` (a test checks them against it)."""
+    return _kv_volumes(spec, rows, positions, src, dst, gpus_per_node)
+
+
+@lru_cache(maxsize=8192)
+def _kv_volumes(spec: ModelSpec, rows: int, positions: int, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout],
+                gpn: int) -> RankVolumes:
+    first = min(src[0].first, dst[0].first)
+    span = max(src[0].first + src[0].size, dst[0].first + dst[0].size) - first
+    # Layers held by the same stages move alike: one of each (source stage, destination stage) group.
+    s_owner = _stage_of_layer(spec.num_hidden_layers, src[1].pp, src[1].interleave)
+    d_owner = _stage_of_layer(spec.num_hidden_layers, dst[1].pp, dst[1].interleave)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in range(spec.num_hidden_layers):
+        groups.setdefault((s_owner[i], d_owner[i]), []).append(i)
+    totals = [np.zeros(span, dtype=np.int64) for _ in range(7)]
+    local = 0
+    for layers in groups.values():
+        scale = len(layers)
+        for name in (f"kv.{layers[0]}.k", f"kv.{layers[0]}.v"):
+            for t in kv_tensor_transfers(spec, name, rows=rows, positions=positions, src=src, dst=dst,
+                                         gpus_per_node=gpn):
+                if t.src == t.dst:
+                    local += t.numel * scale
+                    totals[6][t.dst - first] += scale
+                    continue
+                lane = 0 if t.src // gpn == t.dst // gpn else 1  # 0: NVLink, 1: the network
+                totals[lane][t.src - first] += t.numel * scale
+                totals[2 + lane][t.dst - first] += t.numel * scale
+                totals[4][t.src - first] += scale
+                totals[5][t.dst - first] += scale
     return RankVolumes(first, totals[0], totals[1], totals[2], totals[3], local, totals[4], totals[5], totals[6])

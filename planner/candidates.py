@@ -75,7 +75,7 @@ class SearchSpace:
     keep_per_size: int = 4  # layouts kept per mesh size after dominance pruning
     mesh_sizes: tuple[int, ...] | None = None  # only these mesh sizes
     layout_ok: LayoutFilter | None = None  # applied before pruning
-    split_decode: bool = False  # generation may decode with a different layout than it prefills with (opt-in)
+    split_decode: bool = True  # generation may decode with a different layout than it prefills with
     # Costing one layout takes about a millisecond; past this many (distinct calls x mesh sizes x
     # layouts) a request is refused with an error rather than left to run for many minutes.
     max_layout_evals: int = 200_000
@@ -221,10 +221,16 @@ def _split_decode(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, prefil
     """Generation that prefills with one layout and decodes with another on the same mesh (the
     cost model charges moving the weights and KV cache between them), where that is faster."""
     out = []
+    # A decode layout's own decode steps bound any split decoding with it from below (the prefill
+    # and the move cost more on top), so layouts whose decode alone is no faster are not costed.
+    decode_s = {}
+    for dec in layouts:
+        plain = cm.call_cost(call, view, mesh, dec)
+        decode_s[dec] = plain.time_s - plain.breakdown_s.get("prefill", 0.0)
     for pre in prefills:
         best = pre
         for dec in layouts:
-            if dec == pre.layout:
+            if dec == pre.layout or decode_s[dec] >= best.time_s:
                 continue
             cost = cm.call_cost(call, view, mesh, pre.layout, decode_layout=dec)
             if cost.peak_mem_bytes <= cm.cluster.mem_bytes and cost.time_s < best.time_s:

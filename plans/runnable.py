@@ -75,12 +75,9 @@ def runtime_problems(plan: Plan, *, reference: bool = False) -> list[str]:
             if layout is not None:
                 problems += [f"call {c.name!r} {what} {layout.short()}: {p}" for p in
                              layout_runtime_problems(layout) + expert_layout_problems(spec, layout)]
-        if c.kind == "generate" and c.layout.cp > 1:
-            problems.append(f"call {c.name!r}: generation under context parallel (cp={c.layout.cp}) is not run by the "
+        if c.kind == "generate" and max(c.layout.cp, c.decode_layout.cp if c.decode_layout else 1) > 1:
+            problems.append(f"call {c.name!r}: generation under context parallel is not run by the "
                             "runtime; give it cp=1 (context-parallel ranks become data-parallel ones)")
-        if c.decode_layout is not None and c.decode_layout != c.layout:
-            problems.append(f"call {c.name!r} decodes with a layout different from its prefill; the runtime does not "
-                            "reallocate between phases yet")
         rows, group = batch_units(c)
         if rows // group < c.layout.dp:
             what = "each minibatch of" if c.kind == "train" else "the batch of"

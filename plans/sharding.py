@@ -275,14 +275,21 @@ def _pieces(param: Param, spec: ModelSpec, src: tuple[Mesh, Layout], dst: tuple[
             gpus_per_node: int) -> Iterator[tuple[int, int, Box, int]]:
     """(sender, receiver, slice, numel) for every slice of `param` the destination layout needs."""
     (smesh, slay), (dmesh, dlay) = src, dst
+    return _route([(rank, shard_box(param, spec, slay, local)) for local, rank in enumerate(smesh.ranks)],
+                  [(rank, shard_box(param, spec, dlay, local)) for local, rank in enumerate(dmesh.ranks)],
+                  first=dmesh.first, gpus_per_node=gpus_per_node)
+
+
+def _route(held: list[tuple[int, Box | None]], wanted: list[tuple[int, Box | None]], *, first: int,
+           gpus_per_node: int) -> Iterator[tuple[int, int, Box, int]]:
+    """(sender, receiver, slice, numel) that give every rank of `wanted` its box of one tensor from
+    the ranks of `held` (global rank, box or None), each element sent once per receiver lacking it."""
     cells: dict[Box, list[int]] = defaultdict(list)  # box -> global ranks holding it
-    for local, rank in enumerate(smesh.ranks):
-        box = shard_box(param, spec, slay, local)
+    for rank, box in held:
         if box is not None and box_numel(box):
             cells[box].append(rank)
     needs: dict[Box, list[int]] = defaultdict(list)  # box -> global ranks needing it
-    for local, rank in enumerate(dmesh.ranks):
-        need = shard_box(param, spec, dlay, local)
+    for rank, need in wanted:
         if need is not None and box_numel(need):
             needs[need].append(rank)
     holder_sets = {box: set(h) for box, h in cells.items()}
@@ -305,7 +312,7 @@ def _pieces(param: Param, spec: ModelSpec, src: tuple[Mesh, Layout], dst: tuple[
                     # by whole nodes changes nothing): prefer holders on the receiver's node, and
                     # spread receivers over replicas by their position in the destination mesh.
                     near = by_node[box].get(node) or cells[box]
-                    yield near[(rank - dmesh.first) % len(near)], rank, piece, numel
+                    yield near[(rank - first) % len(near)], rank, piece, numel
 
 
 def transfer_plan(spec: ModelSpec, *, head: Head, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout],
@@ -320,6 +327,47 @@ def transfer_plan(spec: ModelSpec, *, head: Head, src: tuple[Mesh, Layout], dst:
     for param in parameters(spec, head=head):
         out += [Transfer(param.name, s, d, box) for s, d, box, _ in _pieces(param, spec, src, dst, gpus_per_node)]
     return out
+
+
+def kv_names(spec: ModelSpec) -> list[str]:
+    """The KV cache as named tensors: keys and values of each decoder layer, each
+    ``[rows, kv_heads, positions, d_head]`` over the whole batch of a generate call."""
+    return [f"kv.{i}.{kv}" for i in range(spec.num_hidden_layers) for kv in ("k", "v")]
+
+
+def kv_box(spec: ModelSpec, layout: Layout, local: int, name: str, *, rows: int, positions: int) -> Box | None:
+    """The part of KV tensor `name` rank `local` holds under `layout` after a prefill of
+    `positions` tokens of `rows` sequences: its data-parallel replica's rows (the contiguous split
+    of the runtime's generation, one group per replica), its tensor-parallel rank's key/value heads
+    (the k/v projections' split), and the layers of its pipeline stage; None when it holds none."""
+    c = layout.coord(local)
+    layer = int(name.split(".")[1])
+    if c.pp != _stage_of_layer(spec.num_hidden_layers, layout.pp, layout.interleave)[layer]:
+        return None
+    r0, r1 = split_range(rows, layout.dp, c.dp)
+    h0, h1 = split_range(spec.kv_heads, layout.tp, c.tp)
+    return ((r0, r1), (h0, h1), (0, positions), (0, spec.d_head))
+
+
+def kv_transfer_plan(spec: ModelSpec, *, rows: int, positions: int, src: tuple[Mesh, Layout],
+                     dst: tuple[Mesh, Layout], gpus_per_node: int) -> list[Transfer]:
+    """Every slice of the KV cache each rank of `dst` needs after a prefill under `src` (a
+    generation that decodes with another layout than it prefills with), and who sends it."""
+    out: list[Transfer] = []
+    for name in kv_names(spec):
+        out += kv_tensor_transfers(spec, name, rows=rows, positions=positions, src=src, dst=dst,
+                                   gpus_per_node=gpus_per_node)
+    return out
+
+
+def kv_tensor_transfers(spec: ModelSpec, name: str, *, rows: int, positions: int, src: tuple[Mesh, Layout],
+                        dst: tuple[Mesh, Layout], gpus_per_node: int) -> list[Transfer]:
+    """`kv_transfer_plan`'s transfers of one KV tensor."""
+    (smesh, slay), (dmesh, dlay) = src, dst
+    held = [(r, kv_box(spec, slay, i, name, rows=rows, positions=positions)) for i, r in enumerate(smesh.ranks)]
+    wanted = [(r, kv_box(spec, dlay, i, name, rows=rows, positions=positions)) for i, r in enumerate(dmesh.ranks)]
+    return [Transfer(name, s, d, box) for s, d, box, _ in _route(held, wanted, first=dmesh.first,
+                                                                 gpus_per_node=gpus_per_node)]
 
 
 @dataclass(frozen=True)

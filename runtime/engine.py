@@ -220,12 +220,27 @@ class ModelRunner:
                     totals[n] = totals.get(n, 0.0) + stats[n] / len(denoms)
         return {n: float(v) for n, v in sorted(totals.items())}
 
+    def prefill(self, prompts: Tensor, *, pad: Tensor | None = None) -> dict[str, Tensor]:
+        """The KV cache of this replica's rows of `prompts` [B, p], every position but the last,
+        for a decode under another layout (`runtime.generate.prefill_cache`), as the named boxes of
+        `plans.sharding.kv_box` (``kv.{layer}.k`` / ``.v``) that `runtime.realloc` moves."""
+        if self.shard.cp.size > 1:
+            raise PlannerError("a prefill under context parallel is not run by the runtime")
+        split = self.split(prompts.shape[0])
+        mine = None if pad is None else pad[split.start:split.stop].to(self.device)
+        with torch.no_grad(), self._autocast():
+            kv = gen.prefill_cache(self.shard, self.pipe, prompts[split.start:split.stop].to(self.device),
+                                   device=self.device, pad=mine, groups=self.layout.micro_batches)
+        return {f"kv.{i}.{n}": t.contiguous() for i, (k, v) in kv.items() for n, t in (("k", k), ("v", v))}
+
     def generate(self, prompts: Tensor, *, gen_len: int, temperature: float, seed: int,
                  stop_token: int | None = None, pad: Tensor | None = None,
-                 stopped: Callable[[Tensor, Tensor], Tensor] | None = None) -> dict[str, Tensor] | None:
+                 stopped: Callable[[Tensor, Tensor], Tensor] | None = None,
+                 prefilled: Mapping[str, Tensor] | None = None) -> dict[str, Tensor] | None:
         """Continue this replica's rows of `prompts` [B, p] (left-padded by `pad` [B] tokens,
         when given) by `gen_len` tokens (see `runtime.generate`); the result (tokens, log-probs,
-        mask) is on the last stage."""
+        mask) is on the last stage. `prefilled`: this rank's boxes of the KV cache of every
+        prompt position but the last (`prefill` under another layout, moved to this one)."""
         if self.shard.cp.size > 1:
             raise PlannerError(f"generation under context parallel (cp={self.shard.cp.size}) is not run by the runtime",
                                hint="give the generate call a layout with cp=1 (context-parallel ranks become "
@@ -234,10 +249,12 @@ class ModelRunner:
         rows = torch.arange(split.start, split.stop, device=self.device)
         mine = None if pad is None else pad[split.start:split.stop].to(self.device)
         with torch.no_grad(), self._autocast():
+            kv = None if prefilled is None else {i: (prefilled[f"kv.{i}.k"], prefilled[f"kv.{i}.v"])
+                                                 for i in self.shard.layers}
             return gen.generate(self.shard, self.pipe, prompts[split.start:split.stop].to(self.device),
                                 seq_ids=rows, gen_len=gen_len, temperature=temperature, seed=seed,
                                 stop_token=stop_token, device=self.device, pad=mine, stopped=stopped,
-                                groups=self.layout.micro_batches)
+                                groups=self.layout.micro_batches, prefilled=kv)
 
     def local_parameters(self) -> dict[str, Tensor]:
         """This rank's parameter slices (detached), by HF name."""

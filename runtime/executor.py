@@ -60,7 +60,7 @@ from runtime.faults import FaultHooks, named
 from runtime.groups import Groups, RankGroups, solo_groups
 from runtime.losses import make_loss
 from runtime.model import init_tensor
-from runtime.realloc import RankPlan, rank_plan, reallocate
+from runtime.realloc import RankPlan, Traffic, kv_rank_plan, rank_plan, reallocate
 from runtime.tasks import make_inputs
 from runtime.trusted import reward_function
 from runtime.weights import open_weights
@@ -208,11 +208,25 @@ class PlanRunner:
                         for c in plan.calls for h in c.outputs}
         groups = Groups(distributed=self.distributed, timeout_s=collective_timeout_s)
         self.groups: dict[str, RankGroups | None] = {}
+        # Generate calls that decode with another layout than they prefill with (not in the
+        # reference): the decode layout's groups, and this rank's part of moving the weights and
+        # the prefilled KV cache to it.
+        self.decode_groups: dict[str, RankGroups | None] = {}
+        self.phase_moves: dict[str, tuple[RankPlan, RankPlan]] = {}
+        self.reshard_traffic: dict[str, tuple[Traffic, Traffic]] = {}  # call -> (weights, KV cache) of the last step
         for c in plan.calls:  # plan order: every rank creates the same groups
             where = self.calls[c.name].where
             tied = plan.models[c.model].spec.tied and plan.models[c.model].head == "lm"
             self.groups[c.name] = solo_groups(where.layout) if reference else \
                 groups.build(where.mesh, where.layout, rank=rank, tied=tied)
+            if not reference and c.decode_layout is not None and c.decode_layout != c.layout:
+                decl, gpn = plan.models[c.model], plan.cluster.gpus_per_node
+                self.decode_groups[c.name] = groups.build(c.mesh, c.decode_layout, rank=rank, tied=tied)
+                src, dst = (c.mesh, c.layout), (c.mesh, c.decode_layout)
+                self.phase_moves[c.name] = (
+                    rank_plan(decl.spec, head=decl.head, src=src, dst=dst, rank=rank, gpus_per_node=gpn),
+                    kv_rank_plan(decl.spec, rows=c.seqs, positions=c.prompt_len - 1, src=src, dst=dst, rank=rank,
+                                 gpus_per_node=gpn))
         adam = AdamConfig(eps=plan.algorithm.adam_eps)
         self.homes: dict[str, ModelRunner] = {}  # model -> runner on its resident parameters
         self.views: dict[str, ModelRunner] = {}  # call -> runner sharing the home's parameters
@@ -315,13 +329,33 @@ class PlanRunner:
         prompts = given["tokens"].repeat_interleave(call.samples_per_prompt, dim=0)
         _check_shape(call, prompts, (call.seqs, call.prompt_len))
         pad = given["pad"].repeat_interleave(call.samples_per_prompt, dim=0) if padded else None
+        prefilled = None
+        if call.name in self.phase_moves:  # prefill here, then decode under the decode layout
+            runner, prefilled = self._to_decode_layout(call, runner, prompts, pad)
         out = runner.generate(prompts, gen_len=g, temperature=call.temperature, pad=pad,
                               seed=call_seed(self.seed, step, call.name), stop_token=self.glue.eos_id,
-                              stopped=self._stop_strings() if padded else None)
+                              stopped=self._stop_strings() if padded else None, prefilled=prefilled)
         if out is not None and pad is not None:
             split = runner.split(prompts.shape[0])
             out["pad"] = pad[split.start:split.stop].to(out["tokens"].device)
         return out, shapes
+
+    def _to_decode_layout(self, call: PlanCall, runner: ModelRunner, prompts: Tensor,
+                          pad: Tensor | None) -> tuple[ModelRunner, dict[str, Tensor]]:
+        """Prefill every prompt position but the last under the call's layout, then move the
+        weights and that KV cache to its decode layout, as the plan's cost charges them
+        (`plans.sharding.transfer_plan`, `plans.sharding.kv_transfer_plan`): the runner that
+        decodes, and this rank's part of the cache."""
+        weights, cache = self.phase_moves[call.name]
+        kv = runner.prefill(prompts, pad=pad)
+        params, moved_w = reallocate(weights, runner.local_parameters(), device=self.device)
+        kv_here, moved_kv = reallocate(cache, kv, device=self.device, dtype=self.dtype)
+        self.reshard_traffic[call.name] = (moved_w, moved_kv)
+        groups = self.decode_groups[call.name]
+        assert groups is not None  # the decode layout runs on the call's mesh, which holds this rank
+        decl = self.plan.models[call.model]
+        return ModelRunner(decl.spec, head=decl.head, trainable=False, groups=groups, params=params, device=self.device,
+                           dtype=self.dtype), kv_here
 
     def _stop_strings(self) -> Callable[[Tensor, Tensor], Tensor] | None:
         """Ends a row whose generated text contains one of ``algorithm.stop`` (None without any)."""
@@ -479,7 +513,8 @@ class PlanRunner:
             assert local is not None
             return dict(local)  # stays where it was computed
         where = self.calls[call.name].where
-        return mail.share(local, mesh=where.mesh, layout=where.layout, rows=call.seqs, shapes=shapes,
+        layout = call.decode_layout if call.name in self.phase_moves and call.decode_layout is not None else where.layout
+        return mail.share(local, mesh=where.mesh, layout=layout, rows=call.seqs, shapes=shapes,
                           needers=self.readers[call.outputs[0]], device=self.device)
 
 

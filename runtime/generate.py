@@ -127,10 +127,40 @@ class _Group:
         return self.hi - self.lo
 
 
+def prefill_cache(shard: Shard, pipe: Pipeline, prompts: Tensor, *, device: torch.device, pad: Tensor | None = None,
+                  groups: int = 1) -> dict[int, tuple[Tensor, Tensor]]:
+    """The KV cache of every prompt position but the last, for a generation that decodes with
+    another layout (`generate`'s `prefilled`): this stage's layers -> (keys, values), each
+    [b, kv/tp, p - 1, d] over the rows of `prompts` [b, p], computed a group of rows at a time
+    (the prefill layout's micro-batches, pipelined through the stages). The decode layout runs
+    the last prompt position as its first step, so no logits and no token are made here."""
+    b, p = prompts.shape
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
+    shard = _cast_once(_whole(shard), dtype)
+    keys: dict[int, list[Tensor]] = {i: [] for i in shard.layers}
+    values: dict[int, list[Tensor]] = {i: [] for i in shard.layers}
+    n = max(1, min(groups, b))
+    positions = torch.arange(p - 1, device=device)
+    for lo, hi in (split_range(b, n, g) for g in range(n)):
+        cache = new_cache(shard, batch=hi - lo, max_len=p - 1, dtype=dtype, device=device)
+        if p > 1:
+            x = prompts[lo:hi, :p - 1] if pipe.first else pipe.recv((hi - lo, p - 1, shard.spec.hidden_size), pipe.prev,
+                                                                    device=device)
+            h = stage_forward(shard, x, positions=positions, cache=cache, pad=None if pad is None else pad[lo:hi])
+            if not pipe.last:
+                pipe.send(h.float(), pipe.next)
+        for i, (k, v) in cache.kv.items():
+            keys[i].append(k)
+            values[i].append(v)
+    pipe.flush()
+    return {i: (torch.cat(keys[i]), torch.cat(values[i])) for i in shard.layers}
+
+
 def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, gen_len: int, temperature: float,
              seed: int, stop_token: int | None, device: torch.device, pad: Tensor | None = None,
              stopped: Callable[[Tensor, Tensor], Tensor] | None = None, groups: int = 1,
-             static: bool | None = None) -> dict[str, Tensor] | None:
+             static: bool | None = None,
+             prefilled: dict[int, tuple[Tensor, Tensor]] | None = None) -> dict[str, Tensor] | None:
     """Generate `gen_len` tokens after `prompts` [b, p] (left-padded by `pad` [b] tokens, when
     given: each row then generates what it generates alone); on the last stage returns ``tokens``
     [b, p + gen_len], ``logprobs`` [b, gen_len] (fp32) and ``mask`` [b, gen_len] (bool). The
@@ -149,7 +179,11 @@ def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, 
     and on CUDA each group's step (the stage's layers, and the head on the last stage) is
     captured once as a CUDA graph and replayed: one launch per step instead of hundreds of
     kernels issued from Python. On CPU the same static step runs eagerly (the tests compare it
-    with the growing cache)."""
+    with the growing cache).
+
+    With `prefilled` (this stage's layers -> keys and values [b, kv/tp, p - 1, d] of every prompt
+    position but the last, made under another layout by `prefill_cache` and moved here), the
+    first step runs the last prompt position on that cache instead of the whole prompt."""
     b, p = prompts.shape
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
     shard = _cast_once(_whole(shard), dtype)
@@ -157,13 +191,20 @@ def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, 
     bounds = [split_range(b, n, g) for g in range(n)]
 
     def group(lo: int, hi: int) -> _Group:
-        return _Group(lo, hi, new_cache(shard, batch=hi - lo, max_len=p + gen_len, dtype=dtype, device=device),
-                      None if pad is None else pad[lo:hi], step_in=prompts[lo:hi] if pipe.first else None,
+        cache = new_cache(shard, batch=hi - lo, max_len=p + gen_len, dtype=dtype, device=device)
+        step_in = prompts[lo:hi] if pipe.first else None
+        if prefilled is not None:
+            for i, (k, v) in cache.kv.items():
+                k[:, :, :p - 1] = prefilled[i][0][lo:hi]
+                v[:, :, :p - 1] = prefilled[i][1][lo:hi]
+            cache.length = p - 1
+            step_in = prompts[lo:hi, p - 1:] if pipe.first else None
+        return _Group(lo, hi, cache, None if pad is None else pad[lo:hi], step_in=step_in,
                       done=torch.zeros(hi - lo, dtype=torch.bool, device=device))
 
     run = partial(_decode, shard, pipe, p=p, gen_len=gen_len, temperature=temperature, seed=seed, seq_ids=seq_ids,
                   stop_token=stop_token, device=device, stopped=stopped,
-                  static=device.type == "cuda" if static is None else static)
+                  static=device.type == "cuda" if static is None else static, first=p if prefilled is None else 1)
     if pipe.stages == 1:
         done = []
         for lo, hi in bounds:  # waves: each group's cache is freed before the next is made
@@ -189,8 +230,9 @@ def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, 
 
 def _decode(shard: Shard, pipe: Pipeline, active: list[_Group], *, p: int, gen_len: int, temperature: float,
             seed: int, seq_ids: Tensor, stop_token: int | None, device: torch.device,
-            stopped: Callable[[Tensor, Tensor], Tensor] | None, static: bool) -> None:
-    """Prefill and decode the groups `active`, step by step, each step every group in turn.
+            stopped: Callable[[Tensor, Tensor], Tensor] | None, static: bool, first: int) -> None:
+    """Prefill and decode the groups `active`, step by step, each step every group in turn; the
+    first step runs the `first` positions the cache lacks (the prompt, or its last position).
 
     Each stage handles (step k, group g) in the same order, skipping groups that have finished,
     so every message between two stages is received in the order it was sent. The last stage
@@ -211,7 +253,7 @@ def _decode(shard: Shard, pipe: Pipeline, active: list[_Group], *, p: int, gen_l
                     active.remove(g)
                     continue
                 g.step_in = got[:g.rows, None]
-            s = p if k == 0 else 1
+            s = first if k == 0 else 1
             positions = torch.arange(g.cache.length, g.cache.length + s, device=device)
             x = g.step_in if pipe.first else pipe.recv((g.rows, s, h_size), pipe.prev, device=device)
             assert x is not None

@@ -20,7 +20,7 @@ minimum any reallocation must move. On top of that plan this module decides only
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +29,17 @@ from torch import Tensor
 
 from plans.layout import Layout, Mesh
 from plans.model import Head, ModelSpec
-from plans.sharding import Box, box_numel, parameters, shard_box, transfer_plan
+from plans.sharding import (
+    Box,
+    Transfer,
+    box_numel,
+    kv_box,
+    kv_names,
+    kv_transfer_plan,
+    parameters,
+    shard_box,
+    transfer_plan,
+)
 
 TAG = 13  # p2p tag of reallocation messages (gloo matches on it; NCCL relies on the common order)
 Index = tuple[slice, ...]
@@ -106,17 +116,41 @@ def rank_plan(spec: ModelSpec, *, head: Head, src: tuple[Mesh, Layout], dst: tup
     """`rank`'s part of reallocating `spec` from `src` to `dst` (`plans.sharding.transfer_plan`)."""
     held = _boxes(spec, head, *src, rank)
     wanted = _boxes(spec, head, *dst, rank)
-    plan = RankPlan(rank=rank, shapes={n: tuple(hi - lo for lo, hi in b) for n, b in wanted.items()})
     if not held and not wanted:
-        return plan
+        return RankPlan(rank=rank)
+    return plan_of(transfer_plan(spec, head=head, src=src, dst=dst, gpus_per_node=gpus_per_node), rank=rank,
+                   held=held, wanted=wanted, boxes_of=lambda r: _boxes(spec, head, *src, r))
+
+
+def kv_rank_plan(spec: ModelSpec, *, rows: int, positions: int, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout],
+                 rank: int, gpus_per_node: int) -> RankPlan:
+    """`rank`'s part of moving a prefilled KV cache (`plans.sharding.kv_transfer_plan`; tensors
+    named by `plans.sharding.kv_names`, each this rank's box of it)."""
+    def boxes(mesh: Mesh, layout: Layout, r: int) -> dict[str, Box]:
+        if r not in mesh.ranks:
+            return {}
+        local = mesh.ranks.index(r)
+        got = {n: kv_box(spec, layout, local, n, rows=rows, positions=positions) for n in kv_names(spec)}
+        return {n: b for n, b in got.items() if b is not None}
+
+    transfers = kv_transfer_plan(spec, rows=rows, positions=positions, src=src, dst=dst, gpus_per_node=gpus_per_node)
+    return plan_of(transfers, rank=rank, held=boxes(*src, rank), wanted=boxes(*dst, rank),
+                   boxes_of=lambda r: boxes(*src, r))
+
+
+def plan_of(transfers: list[Transfer], *, rank: int, held: dict[str, Box], wanted: dict[str, Box],
+            boxes_of: Callable[[int], dict[str, Box]]) -> RankPlan:
+    """`rank`'s part of `transfers`: `held` and `wanted` are its boxes before and after (by tensor
+    name), `boxes_of(r)` a sender's boxes before."""
+    plan = RankPlan(rank=rank, shapes={n: tuple(hi - lo for lo, hi in b) for n, b in wanted.items()})
     sends: dict[int, list[Piece]] = defaultdict(list)
     recvs: dict[int, list[Piece]] = defaultdict(list)
     senders: dict[int, dict[str, Box]] = {rank: held}  # boxes of the ranks that send to this one
-    for t in transfer_plan(spec, head=head, src=src, dst=dst, gpus_per_node=gpus_per_node):
+    for t in transfers:
         if rank not in (t.src, t.dst):
             continue
         if t.src not in senders:
-            senders[t.src] = _boxes(spec, head, *src, t.src)
+            senders[t.src] = boxes_of(t.src)
         sbox = senders[t.src][t.param]
         dbox = wanted[t.param] if t.dst == rank else None
         piece = Piece(t.param, _relative(t.box, sbox), _relative(t.box, dbox) if dbox else (), box_numel(t.box))

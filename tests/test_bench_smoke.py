@@ -30,6 +30,7 @@ SMOKE = {
     "runtime_vs_peers.py": (["--quick"], "ops per decode step"),
     "gpu_check.py": (["--device", "cpu", "--quick", "--repeats", "1", "--out", "report.json"],
                      "ratios runtime/transformers"),
+    "seesaw.py": (["--smoke"], "split decode wins"),
     "search.py": (["--only", "grpo-qwen7b", "--time-limit", "1"], "grpo-qwen7b"),
 }
 

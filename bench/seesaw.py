@@ -1,0 +1,64 @@
+"""Separate prefill and decode layouts (Seesaw): what the search gains by them, under the cost model.
+
+Each workload is compiled twice by the same search, once with every generate call on one layout
+(`SearchSpace(split_decode=False)`) and once as `planner compile` does by default, where a generate
+call may prefill with one layout and decode with another on the same GPUs, paying for moving the
+weights and the prefilled KV cache between them (`CostModel.realloc_cost`, `kv_reshard_cost`).
+It prints both plans' generate layouts, iteration times, the win and the compile times. The
+runtime runs such plans (`tests/test_runtime_seesaw.py`: 4 gloo ranks equal to the reference,
+exactly the elements charged moved).
+
+    python bench/seesaw.py [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from planner.algorithms import grpo  # noqa: E402
+from planner.candidates import SearchSpace  # noqa: E402
+from planner.compile import compile_graph  # noqa: E402
+from plans import parse_cluster  # noqa: E402
+
+WORKLOADS = [
+    # long prompts: the prefill is compute-bound, the decode bound by reading weights and cache
+    ("GRPO qwen2.5-7b, 8k prompts, 512 new tokens, 8 H100s, torch",
+     dict(actor="qwen2.5-7b", batch=32, samples_per_prompt=4, prompt_len=8192, gen_len=512), "h100-sxm:1x8", "torch"),
+    ("GRPO qwen2.5-7b, 8k prompts, 512 new tokens, 8 H100s, rlhf-engine",
+     dict(actor="qwen2.5-7b", batch=32, samples_per_prompt=4, prompt_len=8192, gen_len=512), "h100-sxm:1x8",
+     "rlhf-engine"),
+    ("GRPO llama-3-8b, 2k prompts, 1k new tokens, 8 H100s, torch",
+     dict(actor="llama-3-8b", batch=64, samples_per_prompt=8, prompt_len=2048, gen_len=1024), "h100-sxm:1x8", "torch"),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="the first workload only, a 2 s search budget")
+    args = ap.parse_args()
+    for name, kw, cluster, fw in WORKLOADS[:1] if args.smoke else WORKLOADS:
+        g = grpo(kw.pop("actor"), reward_fn="runtime.tasks:pattern_reward", **kw)
+        out = {}
+        for split in (False, True):
+            t0 = time.perf_counter()
+            plan = compile_graph(g, parse_cluster(cluster), framework=fw, space=SearchSpace(split_decode=split),
+                                 time_limit_s=2 if args.smoke else 10)
+            (gen,) = [c for c in plan.calls if c.kind == "generate"]
+            layouts = gen.layout.short() + (f" / decode {gen.decode_layout.short()}" if gen.decode_layout else "")
+            out[split] = (plan.estimate.iteration_s, gen.est_time_s, layouts, time.perf_counter() - t0)
+        (a, ga, la, ta), (b, gb, lb, tb) = out[False], out[True]
+        print(f"\n== {name}")
+        print(f"  one layout:      generate {la:<40} {ga:7.2f} s   iteration {a:7.2f} s   compile {ta:5.1f} s")
+        print(f"  split (default): generate {lb:<40} {gb:7.2f} s   iteration {b:7.2f} s   compile {tb:5.1f} s")
+        print(f"  split decode wins {100 * (a - b) / a:.2f}% of the iteration"
+              f" ({'chosen' if 'decode' in lb else 'not chosen: one layout is best'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Generation that prefills with one layout and decodes with another (Seesaw), on 4 gloo ranks.
+
+The prefill layout computes the KV cache of every prompt position but the last; the weights and
+that cache move to the decode layout (`plans.sharding.transfer_plan`, `kv_transfer_plan`), which
+runs the last prompt position as its first step. Each plan runs two steps, and every metric
+equals the single-process reference (which generates in one layout); every rank's messages sum
+to exactly the elements the cost model charges (`CostModel.realloc_cost`, `kv_reshard_cost`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cost_models import CostModel
+from cost_models.transfer import KV_BYTES
+from planner import algorithms
+from plans import Layout, Mesh, Plan
+from plans.runnable import runtime_problems
+from plans.sharding import transfer_volume
+from runtime.executor import PlanRunner
+from tests.test_runtime_executor import REWARD, TOL, WORLD, place
+
+
+def _plans() -> dict[str, tuple[Plan, Layout]]:
+    all4, low = Mesh.block(0, 4), Mesh.block(0, 2)
+    common = {"task": "pattern", "lr": 1e-4}
+    grpo = place(algorithms.grpo("tiny-llama", reward_fn=REWARD, batch=4, prompt_len=6, gen_len=5, samples_per_prompt=2,
+                                 ppo_minibatches=2, **common),
+                 {"actor": (all4, Layout(dp=2, tp=2)), "ref": (low, Layout(dp=2))})
+    ppo = place(algorithms.ppo("tiny-gpt", reward_fn=REWARD, batch=4, prompt_len=6, gen_len=5, ppo_minibatches=2,
+                               **common),
+                {"actor_train": (all4, Layout(dp=2, pp=2, micro_batches=2)),
+                 "actor_generate": (all4, Layout(dp=2, pp=2, micro_batches=2)),
+                 "critic": (all4, Layout(dp=2, tp=2)), "ref": (low, Layout(tp=2))})
+    # tensor x data parallel prefill -> data parallel decode; pipelined prefill -> tensor parallel decode
+    return {"grpo": (grpo, Layout(dp=4)), "ppo": (ppo, Layout(tp=4))}
+
+
+def _split(plan: Plan, decode: Layout) -> Plan:
+    calls = [c.model_copy(update={"decode_layout": decode}) if c.kind == "generate" else c for c in plan.calls]
+    return plan.model_copy(update={"calls": calls})
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    problems, compared = [], 0
+    cpu = torch.device("cpu")
+    sent: dict[str, list[int]] = {}
+    for name, (base, decode) in _plans().items():
+        plan = _split(base, decode)
+        par = PlanRunner(plan, rank=rank, world_size=WORLD, reference=False, seed=2, dtype=torch.float32, device=cpu)
+        if rank != 0:
+            par.step(1), par.step(2)
+        else:
+            ref = PlanRunner(plan, rank=0, world_size=1, reference=True, seed=2, dtype=torch.float32, device=cpu)
+            for step in (1, 2):
+                want, got = ref.step(step), par.step(step)
+                for key, value in want.items():
+                    if key.endswith("time_s") or key not in got:
+                        continue
+                    compared += 1
+                    if abs(got[key] - value) > TOL:
+                        problems.append(f"{name} step {step} {key}: {got[key]} != reference {value}")
+        (call,) = [c for c in plan.calls if c.kind == "generate"]
+        weights, cache = par.reshard_traffic[call.name]
+        sent[name] = [sum(weights.sent.values()), sum(cache.sent.values())]
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"problems": problems, "compared": compared, "sent": sent}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_split_generation_matches_the_reference_and_moves_what_it_is_charged(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert not results[0]["problems"], "\n".join(results[0]["problems"])
+    assert results[0]["compared"] > 20
+    for name, (base, decode) in _plans().items():
+        plan = _split(base, decode)
+        assert runtime_problems(plan) == []
+        (call,) = [c for c in plan.calls if c.kind == "generate"]
+        decl = plan.models[call.model]
+        src, dst = (call.mesh, call.layout), (call.mesh, decode)
+        weights = transfer_volume(decl.spec, head=decl.head, src=src, dst=dst, gpus_per_node=4).moved_numel
+        cm = CostModel(plan.cluster)
+        kv = cm.kv_reshard_cost(decl, call, call.mesh, call.layout, decode)
+        assert kv.bytes > 0 and weights > 0
+        moved = [sum(r["sent"][name][i] for r in results) for i in (0, 1)]
+        assert moved == [weights, kv.bytes // KV_BYTES], name
+        assert cm.realloc_cost(decl, src, dst).bytes == weights * cm.framework.param_bytes
+        # and the call's cost charges both moves
+        cost = cm.call_cost(call, decl, call.mesh, call.layout, decode_layout=decode)
+        assert cost.breakdown_s["reshard"] == pytest.approx(cm.realloc_cost(decl, src, dst).time_s + kv.time_s)
+
+
+@pytest.mark.parametrize("src,dst", [(Layout(dp=2, tp=2), Layout(dp=4)), (Layout(dp=2, pp=2), Layout(tp=4)),
+                                     (Layout(pp=4), Layout(dp=2, pp=2)), (Layout(tp=4), Layout(tp=2, pp=2))])
+def test_kv_volumes_are_the_kv_transfer_plans(src: Layout, dst: Layout) -> None:
+    """The cost model's per-rank KV volumes (one layer per stage pair, scaled) equal the runtime's
+    transfer plan summed, element for element; a rank keeps what both layouts give it."""
+    from cost_models.transfer import kv_volumes
+    from plans import resolve_model
+    from plans.sharding import kv_transfer_plan
+
+    spec, mesh = resolve_model("tiny-llama"), Mesh.block(0, 4)
+    plan = kv_transfer_plan(spec, rows=8, positions=5, src=(mesh, src), dst=(mesh, dst), gpus_per_node=2)
+    vol = kv_volumes(spec, rows=8, positions=5, src=(mesh, src), dst=(mesh, dst), gpus_per_node=2)
+    sent = [sum(t.numel for t in plan if t.src == r and t.dst != r) for r in range(4)]
+    assert [int(a + b) for a, b in zip(vol.send_intra, vol.send_inter)] == sent
+    assert vol.local_numel == sum(t.numel for t in plan if t.src == t.dst)
+    assert vol.moved_numel + vol.local_numel == 2 * spec.num_hidden_layers * 8 * spec.kv_heads * 5 * spec.d_head
