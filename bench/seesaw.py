@@ -2,8 +2,9 @@
 
 Each workload is compiled twice by the same search, once with every generate call on one layout
 (`SearchSpace(split_decode=False)`) and once as `planner compile` does by default, where a generate
-call may prefill with one layout and decode with another on the same GPUs, paying for moving the
-weights and the prefilled KV cache between them (`CostModel.realloc_cost`, `kv_reshard_cost`).
+call may prefill with one layout (for prompts of 16k tokens or more, context parallel among
+them) and decode with another on the same GPUs, paying for moving the weights and the prefilled
+KV cache between them (`CostModel.realloc_cost`, `kv_reshard_cost`).
 It prints both plans' generate layouts, iteration times, the win and the compile times. The
 runtime runs such plans (`tests/test_runtime_seesaw.py`: 4 gloo ranks equal to the reference,
 exactly the elements charged moved).
@@ -33,6 +34,9 @@ WORKLOADS = [
     ("GRPO qwen2.5-7b, 8k prompts, 512 new tokens, 8 H100s, rlhf-engine",
      dict(actor="qwen2.5-7b", batch=32, samples_per_prompt=4, prompt_len=8192, gen_len=512), "h100-sxm:1x8",
      "rlhf-engine"),
+    # prompts of 32k tokens: the prefill also splits each prompt over context-parallel ranks
+    ("GRPO qwen2.5-7b, 32k prompts, 256 new tokens, 8 H100s, torch",
+     dict(actor="qwen2.5-7b", batch=8, samples_per_prompt=4, prompt_len=32768, gen_len=256), "h100-sxm:1x8", "torch"),
     ("GRPO llama-3-8b, 2k prompts, 1k new tokens, 8 H100s, torch",
      dict(actor="llama-3-8b", batch=64, samples_per_prompt=8, prompt_len=2048, gen_len=1024), "h100-sxm:1x8", "torch"),
 ]

@@ -315,7 +315,7 @@ class CostModel:
         pre_layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, layout.pp, layout.interleave))
         pre = self._forward_memory(decl, layout, topo, seqs=wave_seqs, seq_len=call.prompt_len, logits="last")
         pre.update(self._compute_dtype({"kv_cache": int(kv_cache_bytes(
-            spec, seqs=wave_seqs / (layout.dp * layout.cp), ctx=call.prompt_len, layers=pre_layers, tp=layout.tp))}))
+            spec, seqs=wave_seqs / layout.dp, ctx=call.prompt_len, layers=pre_layers, tp=layout.tp))}))  # cp ranks: whole
         layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, dec.pp, dec.interleave))
         decode = self._state(decl, dec)
         decode["kv_cache"] = int(kv_cache_bytes(spec, seqs=split.resident_seqs, ctx=call.seq_len, layers=layers, tp=dec.tp))

@@ -117,7 +117,7 @@ def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout,
     pre = forward_pass(spec, fw, hw, pre_layout, topo, head="lm", seqs=seqs, seq_len=prompt_len, last_token_logits=True,
                        load_cv=load_cv)
     out.add("prefill", pre.total_s)
-    per_rank = seqs / (layout.dp * layout.cp)
+    per_rank = seqs / layout.dp  # a context-parallel prefill keeps the whole gathered cache on each cp rank
     layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, layout.pp, layout.interleave))
     cache = kv_cache_bytes(spec, seqs=per_rank, ctx=prompt_len, layers=layers, tp=layout.tp)
     out.add("prefill", cache / hw.mem_bytes_s)

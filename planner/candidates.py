@@ -9,6 +9,7 @@ and at most `keep_per_size` survive per size, fastest first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -211,15 +212,33 @@ def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpa
                 costed.append(Candidate(mesh, lay, cost))
         if call.kind == "generate" and space.split_decode and costed:
             costed += _split_decode(call, view, cm, mesh, pareto(costed)[:SPLIT_DECODE_PREFILLS], valid)
+            if call.prompt_len >= LONG_SEQ_TOKENS:  # long prompts: a context-parallel prefill, then decode
+                costed += _split_decode(call, view, cm, mesh, _cp_prefills(call, view, cm, mesh, valid), valid,
+                                        must_split=True)
         if costed:
             out[size] = diverse(pareto(costed), space.keep_per_size)
     return out
 
 
+def _cp_prefills(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, layouts: list[Layout]) -> list[Candidate]:
+    """The fastest prefills of a long prompt that split data-parallel ranks into context-parallel
+    ones (only ever followed by a decode layout of their own: the runtime does not decode under cp)."""
+    seen, out = set(), []
+    for lay in layouts:
+        for c in (2, 4, 8):
+            if lay.dp % c == 0 and lay.ep == 1:
+                pre = lay.model_copy(update={"dp": lay.dp // c, "cp": c})
+                if pre not in seen:
+                    seen.add(pre)
+                    out.append(Candidate(mesh, pre, cm.call_cost(call, view, mesh, pre)))
+    return sorted(out, key=lambda c: (c.cost.breakdown_s.get("prefill", 0.0), c.layout.short()))[:SPLIT_DECODE_PREFILLS]
+
+
 def _split_decode(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, prefills: list[Candidate],
-                  layouts: list[Layout]) -> list[Candidate]:
+                  layouts: list[Layout], *, must_split: bool = False) -> list[Candidate]:
     """Generation that prefills with one layout and decodes with another on the same mesh (the
-    cost model charges moving the weights and KV cache between them), where that is faster."""
+    cost model charges moving the weights and KV cache between them), where that is faster (with
+    `must_split`, the prefills cannot decode themselves: the fastest split of each)."""
     out = []
     # A decode layout's own decode steps bound any split decoding with it from below (the prefill
     # and the move cost more on top), so layouts whose decode alone is no faster are not costed.
@@ -228,13 +247,13 @@ def _split_decode(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, prefil
         plain = cm.call_cost(call, view, mesh, dec)
         decode_s[dec] = plain.time_s - plain.breakdown_s.get("prefill", 0.0)
     for pre in prefills:
-        best = pre
+        best, best_s = pre, math.inf if must_split else pre.time_s
         for dec in layouts:
-            if dec == pre.layout or decode_s[dec] >= best.time_s:
+            if dec == pre.layout or decode_s[dec] >= best_s:
                 continue
             cost = cm.call_cost(call, view, mesh, pre.layout, decode_layout=dec)
-            if cost.peak_mem_bytes <= cm.cluster.mem_bytes and cost.time_s < best.time_s:
-                best = Candidate(mesh, pre.layout, cost, decode_layout=dec)
+            if cost.peak_mem_bytes <= cm.cluster.usable_mem_bytes and cost.time_s < best_s:
+                best, best_s = Candidate(mesh, pre.layout, cost, decode_layout=dec), cost.time_s
         if best is not pre:
             out.append(best)
     return out

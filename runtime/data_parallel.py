@@ -403,8 +403,11 @@ class DataParallel:
         if dp.size == 1 or self.zero == 3:  # ZeRO-3 gradients were reduce-scattered in backward
             return
         experts = set(self._experts)
-        works = [w for n in sorted(self._late, key=lambda n: self.views[n][0])
-                 for w in self._reduce_range(*self.views[n], self.groups.expert_dp if n in experts else None)]
+        if cp.size > 1:  # every gradient is late (no expert parallel with cp): the whole buffer at once
+            works = self._reduce_range(0, self.grad.numel())
+        else:
+            works = [w for n in sorted(self._late, key=lambda n: self.views[n][0])
+                     for w in self._reduce_range(*self.views[n], self.groups.expert_dp if n in experts else None)]
         for work in works:  # issued together, waited once
             work.wait()
 

@@ -224,8 +224,6 @@ class ModelRunner:
         """The KV cache of this replica's rows of `prompts` [B, p], every position but the last,
         for a decode under another layout (`runtime.generate.prefill_cache`), as the named boxes of
         `plans.sharding.kv_box` (``kv.{layer}.k`` / ``.v``) that `runtime.realloc` moves."""
-        if self.shard.cp.size > 1:
-            raise PlannerError("a prefill under context parallel is not run by the runtime")
         split = self.split(prompts.shape[0])
         mine = None if pad is None else pad[split.start:split.stop].to(self.device)
         with torch.no_grad(), self._autocast():
@@ -242,9 +240,9 @@ class ModelRunner:
         mask) is on the last stage. `prefilled`: this rank's boxes of the KV cache of every
         prompt position but the last (`prefill` under another layout, moved to this one)."""
         if self.shard.cp.size > 1:
-            raise PlannerError(f"generation under context parallel (cp={self.shard.cp.size}) is not run by the runtime",
-                               hint="give the generate call a layout with cp=1 (context-parallel ranks become "
-                                    "data-parallel ones)")
+            raise PlannerError(f"decoding under context parallel (cp={self.shard.cp.size}) is not run by the runtime",
+                               hint="decode with cp=1: a context-parallel prefill (`prefill`) needs a decode layout "
+                                    "of its own")
         split = self.split(prompts.shape[0])
         rows = torch.arange(split.start, split.stop, device=self.device)
         mine = None if pad is None else pad[split.start:split.stop].to(self.device)

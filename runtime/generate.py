@@ -140,18 +140,25 @@ def prefill_cache(shard: Shard, pipe: Pipeline, prompts: Tensor, *, device: torc
     keys: dict[int, list[Tensor]] = {i: [] for i in shard.layers}
     values: dict[int, list[Tensor]] = {i: [] for i in shard.layers}
     n = max(1, min(groups, b))
-    positions = torch.arange(p - 1, device=device)
+    # Under context parallel each rank runs its share of the positions (`runtime.context_parallel`,
+    # padded after the prompt to a multiple of 2 * cp) and keeps the whole gathered cache.
+    cp, s = shard.cp, p - 1
+    padded = -(-s // cp.multiple) * cp.multiple
+    slots = cp.slots(padded, device)
+    positions = slots.clamp(max=shard.spec.max_position_embeddings - 1)
     for lo, hi in (split_range(b, n, g) for g in range(n)):
-        cache = new_cache(shard, batch=hi - lo, max_len=p - 1, dtype=dtype, device=device)
-        if p > 1:
-            x = prompts[lo:hi, :p - 1] if pipe.first else pipe.recv((hi - lo, p - 1, shard.spec.hidden_size), pipe.prev,
-                                                                    device=device)
+        cache = new_cache(shard, batch=hi - lo, max_len=padded, dtype=dtype, device=device)
+        if s > 0:
+            if pipe.first:
+                x = torch.nn.functional.pad(prompts[lo:hi, :s], (0, padded - s)).index_select(1, slots)
+            else:
+                x = pipe.recv((hi - lo, slots.numel(), shard.spec.hidden_size), pipe.prev, device=device)
             h = stage_forward(shard, x, positions=positions, cache=cache, pad=None if pad is None else pad[lo:hi])
             if not pipe.last:
                 pipe.send(h.float(), pipe.next)
         for i, (k, v) in cache.kv.items():
-            keys[i].append(k)
-            values[i].append(v)
+            keys[i].append(k[:, :, :s])
+            values[i].append(v[:, :, :s])
     pipe.flush()
     return {i: (torch.cat(keys[i]), torch.cat(values[i])) for i in shard.layers}
 

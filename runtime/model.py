@@ -352,15 +352,19 @@ def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor,
     causal, static = True, cache is not None and cache.static
     split = shard.cp.size > 1  # this rank's queries are some slots of the sequence: all keys, masked by slot
     if split:
-        if cache is not None:
-            raise ValueError("a KV cache is not split over context-parallel ranks")
         k, v = gather_kv(k, shard.cp), gather_kv(v, shard.cp)
+        if cache is not None:  # a prefill: every rank of the group keeps the whole (gathered) cache
+            if cache.length or static:
+                raise ValueError("under context parallel a KV cache is only filled by a prefill")
+            kc, vc = cache.kv[layer]
+            kc[:, :, :k.shape[2]] = k
+            vc[:, :, :v.shape[2]] = v
     if cache is not None and static:  # the slots by index, then the whole buffer under the mask
         kc, vc = cache.kv[layer]
         kc.index_copy_(2, positions, k)
         vc.index_copy_(2, positions, v)
         k, v, causal = kc, vc, False
-    elif cache is not None:
+    elif cache is not None and not split:
         start = cache.length
         kc, vc = cache.kv[layer]
         kc[:, :, start:start + s] = k

@@ -146,7 +146,7 @@ def test_validate_flags_what_the_runtime_cannot_run(cli, tmp_path: Path) -> None
     four = Mesh.block(0, 4)
     cases = {
         "cp.json": (tiny_ppo_plan({m: (four, Layout(dp=2, cp=2)) for m in ("actor", "critic", "ref")}),
-                    "generation under context parallel is not run by the runtime"),
+                    "decoding under context parallel (cp=2) is not run by the runtime"),
         "dp.json": (place(algorithms.ppo("tiny-llama", reward_fn=REWARD, batch=12, prompt_len=6, gen_len=5,
                                          ppo_minibatches=2), {m: (four, Layout(dp=4)) for m in ("actor", "critic", "ref")}),
                     "6 sequences per optimizer step do not split evenly over dp=4"),

@@ -1,6 +1,7 @@
 """Generation that prefills with one layout and decodes with another (Seesaw), on 4 gloo ranks.
 
-The prefill layout computes the KV cache of every prompt position but the last; the weights and
+The prefill layout (here tp x dp, a pipeline, and context parallel) computes the KV cache of
+every prompt position but the last; the weights and
 that cache move to the decode layout (`plans.sharding.transfer_plan`, `kv_transfer_plan`), which
 runs the last prompt position as its first step. Each plan runs two steps, and every metric
 equals the single-process reference (which generates in one layout); every rank's messages sum
@@ -40,8 +41,12 @@ def _plans() -> dict[str, tuple[Plan, Layout]]:
                 {"actor_train": (all4, Layout(dp=2, pp=2, micro_batches=2)),
                  "actor_generate": (all4, Layout(dp=2, pp=2, micro_batches=2)),
                  "critic": (all4, Layout(dp=2, tp=2)), "ref": (low, Layout(tp=2))})
+    # a context-parallel prefill (the actor trains with cp 2 x tp 2; its rollout prefills so) -> tp 4 decode
+    long = place(algorithms.grpo("tiny-gpt", reward_fn=REWARD, batch=2, prompt_len=9, gen_len=4, samples_per_prompt=2,
+                                 ppo_minibatches=2, **common),
+                 {"actor": (all4, Layout(cp=2, tp=2)), "ref": (low, Layout(cp=2))})
     # tensor x data parallel prefill -> data parallel decode; pipelined prefill -> tensor parallel decode
-    return {"grpo": (grpo, Layout(dp=4)), "ppo": (ppo, Layout(tp=4))}
+    return {"grpo": (grpo, Layout(dp=4)), "ppo": (ppo, Layout(tp=4)), "grpo_cp": (long, Layout(tp=4))}
 
 
 def _split(plan: Plan, decode: Layout) -> Plan:
