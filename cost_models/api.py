@@ -318,7 +318,8 @@ class CostModel:
             spec, seqs=wave_seqs / layout.dp, ctx=call.prompt_len, layers=pre_layers, tp=layout.tp))}))  # cp ranks: whole
         layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, dec.pp, dec.interleave))
         decode = self._state(decl, dec)
-        decode["kv_cache"] = int(kv_cache_bytes(spec, seqs=split.resident_seqs, ctx=call.seq_len, layers=layers, tp=dec.tp))
+        decode["kv_cache"] = int(kv_cache_bytes(spec, seqs=split.resident_seqs, ctx=-(-call.seq_len // dec.cp),
+                                                layers=layers, tp=dec.tp))  # KV-parallel decode: a share
         decode["logits"] = int(LOGIT_INFER_BYTES * split.seqs_per_group * spec.vocab_size / dec.tp)
         moe = self._moe(decl, dec, split.seqs_per_group)
         decode["activations"] = int(max(forward_working_bytes(spec, self.framework, b=split.seqs_per_group, s=1,

@@ -58,26 +58,28 @@ class DecodeSplit:
 
 
 def decode_split(seqs: int, layout: Layout) -> DecodeSplit:
-    replicas = layout.dp * layout.cp  # decode treats context-parallel ranks as more replicas
+    replicas = layout.dp  # context-parallel ranks decode the same rows, each a share of their caches
     m = layout.micro_batches
     waves, groups = (m, 1) if layout.pp == 1 else (1, m)
     return DecodeSplit(waves, groups, max(1, -(-seqs // (replicas * m))))
 
 
 def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, b: int, groups: int,
-                  ctx: int, load_cv: float = 0.0) -> tuple[float, float, float]:
-    """(wall time, tensor-parallel collective time, expert all-to-all time) of one decode step of
-    `groups` groups of `b` sequences.
+                  ctx: int, load_cv: float = 0.0) -> tuple[float, float, float, float]:
+    """(wall time, tensor-parallel collective time, expert all-to-all time, KV-parallel combine
+    time) of one decode step of
+    `groups` groups of `b` sequences; under context parallel (KV-parallel decode) each rank reads
+    its share of every cache and the shares' partial attention is combined (`ops.layer_work`).
 
     A sparse layer streams the weights of the experts its tokens activate (`ExpertLoad.active`:
     with few tokens, far fewer than all of them) and waits for two all-to-alls."""
     pp, tp = layout.pp, layout.tp
-    g = {"tp": topo.group(layout, "tp"), "cp": comm.Group(1, 1, 1), "ep": topo.group(layout, "ep")}
+    g = {"tp": topo.group(layout, "tp"), "cp": topo.group(layout, "cp"), "ep": topo.group(layout, "ep")}
 
     def one(sparse: bool) -> Stretch:
         moe = expert_load(spec, layout, tokens=b, load_cv=load_cv, dispatch=fw.moe_dispatch,
                           ep_nodes=g["ep"].nodes) if sparse else None
-        w = layer_work(spec, fw, b=b, s=1, tp=tp, cp=1, sp=False, kv_len=ctx, moe=moe)
+        w = layer_work(spec, fw, b=b, s=1, tp=tp, cp=layout.cp, sp=False, kv_len=ctx, moe=moe)
         out = stretch_of(w.fwd, w.fwd_comm, g, hw)
         if fw.decode_cuda_graphs and hw.sm_count is not None:  # a GPU replays the step: no per-kernel host cost
             out = dataclasses.replace(out, host_s=0.0)
@@ -97,7 +99,8 @@ def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, 
         comm.skew_wait_s(stage, 2, hw)
     turns = max(groups, pp)
     crit_s = per_stage[crit]
-    return turns * stage + (pp - 1) * hop, turns * (crit_s.comm_s - crit_s.ep_comm_s), turns * crit_s.ep_comm_s
+    return (turns * stage + (pp - 1) * hop, turns * (crit_s.comm_s - crit_s.ep_comm_s - crit_s.cp_comm_s),
+            turns * crit_s.ep_comm_s, turns * crit_s.cp_comm_s)
 
 
 def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, decode: Layout, topo: Topology, *,
@@ -126,12 +129,13 @@ def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout,
     total = 0.0
     for n, mid, running in decode_segments(lengths, cap=gen_len, rows=rows, drops_finished=fw.decode_drops_finished):
         b = -(-running // split.groups) if decode.pp > 1 else running
-        step, tp_comm, ep_comm = decode_step_s(spec, fw, hw, decode, topo, b=b, groups=split.groups,
-                                               ctx=prompt_len + int(mid), load_cv=load_cv)
+        step, tp_comm, ep_comm, cp_comm = decode_step_s(spec, fw, hw, decode, topo, b=b, groups=split.groups,
+                                                        ctx=prompt_len + int(mid), load_cv=load_cv)
         steps = split.waves * n
         total += n
-        out.add("decode", steps * (step - tp_comm - ep_comm))
+        out.add("decode", steps * (step - tp_comm - ep_comm - cp_comm))
         out.add("tp_comm", steps * tp_comm)
         out.add("ep_comm", steps * ep_comm)
+        out.add("cp_comm", steps * cp_comm)
     out.add("overhead", split.waves * (total + 1) * hw.decode_step_overhead_s)
     return out

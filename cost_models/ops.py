@@ -263,7 +263,8 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     """
     h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
     a, kv = spec.num_attention_heads, spec.kv_heads
-    s_loc = s // cp
+    kv_parallel = kv_len is not None and cp > 1  # decode: the queries whole, the cache in cp shares
+    s_loc = s if kv_parallel else s // cp
     m = b * s_loc
     mn = m // tp if sp else m  # tokens in the norm/residual region
     gpt = spec.model_type == "gpt"
@@ -283,7 +284,8 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
         act_bwd = [mem(x * m * f / tp) for x in fw.swiglu_bwd or (10.0,)]
     if moe is None:
         down = gemm(m, h, f // tp)
-    att_f, att_b = _attention(spec, fw, b=b, s_q=s_loc, s_k=kv_len or s, tp=tp, causal=kv_len is None)
+    keys = -(-kv_len // cp) if kv_len is not None else s
+    att_f, att_b = _attention(spec, fw, b=b, s_q=s_loc, s_k=keys, tp=tp, causal=kv_len is None)
     qk = m * (a + kv) * d / tp
     rope_f = [] if gpt else [mem(x * qk) for x in fw.rope_fwd]
     rope_b = [] if gpt else [mem(x * qk) for x in fw.rope_bwd]
@@ -328,7 +330,9 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     if moe is not None and moe.a2a_bytes:
         fwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving),) * 2  # dispatch, combine
         bwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving),) * 2
-    if cp > 1:
+    if kv_parallel:  # each share's max and (sum, weighted values) in fp32, all-reduced to combine them
+        fwd_comm += (Comm("all_reduce", 4.0 * b * s * a / tp, "cp"), Comm("all_reduce", 4.0 * b * s * a * (d + 1) / tp, "cp"))
+    elif cp > 1:
         kv_chunk = 2.0 * 2 * b * s_loc * kv * d / tp
         if fw.cp_comm == "all_gather":  # every chunk of K and V gathered; their gradients reduce-scattered
             fwd_comm += (Comm("all_gather", cp * kv_chunk, "cp"),)

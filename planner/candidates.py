@@ -132,7 +132,7 @@ def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) ->
     train = call.kind == "train"
     seqs = _per_rank_seqs(call)
     cps = [1]
-    if call.kind in ("train", "inference") and call.seq_len >= LONG_SEQ_TOKENS:  # generation keeps whole sequences
+    if call.seq_len >= LONG_SEQ_TOKENS:  # generation: a context-parallel prefill, then KV-parallel decode
         cps = [c for c in (1, 2, 4, 8) if call.seq_len % (2 * c) == 0]
     for tp, pp, cp in product(_divisors(cluster.gpus_per_node), _divisors(size), cps):
         if size % (tp * pp * cp):
@@ -155,7 +155,8 @@ def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) ->
                 # through the stages when pp > 1, run as waves (each with its own activations or KV
                 # cache) when pp = 1, which is how a large batch fits at all.
                 mbs = _micro_batch_counts(per_dp)
-                out += [Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batches=mb, ep=ep, etp=etp) for mb in mbs]
+                out += [Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batches=mb, ep=ep, etp=etp) for mb in mbs
+                        if cp == 1 or ep == 1]
     return out
 
 
@@ -226,7 +227,7 @@ def _cp_prefills(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, layouts
     seen, out = set(), []
     for lay in layouts:
         for c in (2, 4, 8):
-            if lay.dp % c == 0 and lay.ep == 1:
+            if lay.cp == 1 and lay.dp % c == 0 and lay.ep == 1:
                 pre = lay.model_copy(update={"dp": lay.dp // c, "cp": c})
                 if pre not in seen:
                     seen.add(pre)

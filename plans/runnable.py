@@ -75,10 +75,6 @@ def runtime_problems(plan: Plan, *, reference: bool = False) -> list[str]:
             if layout is not None:
                 problems += [f"call {c.name!r} {what} {layout.short()}: {p}" for p in
                              layout_runtime_problems(layout) + expert_layout_problems(spec, layout)]
-        decode = c.decode_layout or c.layout
-        if c.kind == "generate" and decode.cp > 1:
-            problems.append(f"call {c.name!r}: decoding under context parallel (cp={decode.cp}) is not run by the "
-                            "runtime; decode with cp=1 (a context-parallel prefill needs a decode layout of its own)")
         rows, group = batch_units(c)
         if rows // group < c.layout.dp:
             what = "each minibatch of" if c.kind == "train" else "the batch of"

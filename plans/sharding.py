@@ -335,18 +335,22 @@ def kv_names(spec: ModelSpec) -> list[str]:
     return [f"kv.{i}.{kv}" for i in range(spec.num_hidden_layers) for kv in ("k", "v")]
 
 
-def kv_box(spec: ModelSpec, layout: Layout, local: int, name: str, *, rows: int, positions: int) -> Box | None:
+def kv_box(spec: ModelSpec, layout: Layout, local: int, name: str, *, rows: int, positions: int,
+           decode: bool = False) -> Box | None:
     """The part of KV tensor `name` rank `local` holds under `layout` after a prefill of
     `positions` tokens of `rows` sequences: its data-parallel replica's rows (the contiguous split
     of the runtime's generation, one group per replica), its tensor-parallel rank's key/value heads
-    (the k/v projections' split), and the layers of its pipeline stage; None when it holds none."""
+    (the k/v projections' split), and the layers of its pipeline stage; None when it holds none.
+    Context-parallel ranks of a prefill each hold the whole (gathered) cache; with `decode` (a
+    KV-parallel decode layout) each holds its contiguous share of the positions."""
     c = layout.coord(local)
     layer = int(name.split(".")[1])
     if c.pp != _stage_of_layer(spec.num_hidden_layers, layout.pp, layout.interleave)[layer]:
         return None
     r0, r1 = split_range(rows, layout.dp, c.dp)
     h0, h1 = split_range(spec.kv_heads, layout.tp, c.tp)
-    return ((r0, r1), (h0, h1), (0, positions), (0, spec.d_head))
+    p0, p1 = split_range(positions, layout.cp, c.cp) if decode else (0, positions)
+    return ((r0, r1), (h0, h1), (p0, p1), (0, spec.d_head))
 
 
 def kv_transfer_plan(spec: ModelSpec, *, rows: int, positions: int, src: tuple[Mesh, Layout],
@@ -365,7 +369,8 @@ def kv_tensor_transfers(spec: ModelSpec, name: str, *, rows: int, positions: int
     """`kv_transfer_plan`'s transfers of one KV tensor."""
     (smesh, slay), (dmesh, dlay) = src, dst
     held = [(r, kv_box(spec, slay, i, name, rows=rows, positions=positions)) for i, r in enumerate(smesh.ranks)]
-    wanted = [(r, kv_box(spec, dlay, i, name, rows=rows, positions=positions)) for i, r in enumerate(dmesh.ranks)]
+    wanted = [(r, kv_box(spec, dlay, i, name, rows=rows, positions=positions, decode=True))
+              for i, r in enumerate(dmesh.ranks)]
     return [Transfer(name, s, d, box) for s, d, box, _ in _route(held, wanted, first=dmesh.first,
                                                                  gpus_per_node=gpus_per_node)]
 

@@ -239,10 +239,6 @@ class ModelRunner:
         when given) by `gen_len` tokens (see `runtime.generate`); the result (tokens, log-probs,
         mask) is on the last stage. `prefilled`: this rank's boxes of the KV cache of every
         prompt position but the last (`prefill` under another layout, moved to this one)."""
-        if self.shard.cp.size > 1:
-            raise PlannerError(f"decoding under context parallel (cp={self.shard.cp.size}) is not run by the runtime",
-                               hint="decode with cp=1: a context-parallel prefill (`prefill`) needs a decode layout "
-                                    "of its own")
         split = self.split(prompts.shape[0])
         rows = torch.arange(split.start, split.stop, device=self.device)
         mine = None if pad is None else pad[split.start:split.stop].to(self.device)

@@ -89,7 +89,7 @@ def _whole(shard: Shard) -> Shard:
     names = list(shard.params)
     whole = dict(zip(names, shard.gather(names)))
     return Shard(spec=shard.spec, head=shard.head, layers=shard.layers, first=shard.first, last=shard.last,
-                 params=whole, tp=shard.tp, ep=shard.ep)  # type: ignore[arg-type]
+                 params=whole, tp=shard.tp, ep=shard.ep, cp=shard.cp)  # type: ignore[arg-type]
 
 
 def _cast_once(shard: Shard, dtype: torch.dtype) -> Shard:
@@ -193,11 +193,20 @@ def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, 
     first step runs the last prompt position on that cache instead of the whole prompt."""
     b, p = prompts.shape
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
+    cp = shard.cp
+    if cp.size > 1 and prefilled is None:  # prefill under context parallel, then keep this rank's share
+        a, z = split_range(p - 1, cp.size, cp.rank)
+        prefilled = {i: (k[:, :, a:z], v[:, :, a:z])
+                     for i, (k, v) in prefill_cache(shard, pipe, prompts, device=device, pad=pad, groups=groups).items()}
     shard = _cast_once(_whole(shard), dtype)
     n = max(1, min(groups, b))
     bounds = [split_range(b, n, g) for g in range(n)]
 
     def group(lo: int, hi: int) -> _Group:
+        if cp.size > 1:
+            assert prefilled is not None  # made above when not given
+            return _kv_parallel_group(shard, lo, hi, prompts=prompts, prefilled=prefilled, gen_len=gen_len, pad=pad,
+                                      dtype=dtype, device=device, first=pipe.first)
         cache = new_cache(shard, batch=hi - lo, max_len=p + gen_len, dtype=dtype, device=device)
         step_in = prompts[lo:hi] if pipe.first else None
         if prefilled is not None:
@@ -209,9 +218,10 @@ def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, 
         return _Group(lo, hi, cache, None if pad is None else pad[lo:hi], step_in=step_in,
                       done=torch.zeros(hi - lo, dtype=torch.bool, device=device))
 
+    static = device.type == "cuda" and cp.size == 1 if static is None else static  # KV-parallel steps run eagerly
     run = partial(_decode, shard, pipe, p=p, gen_len=gen_len, temperature=temperature, seed=seed, seq_ids=seq_ids,
-                  stop_token=stop_token, device=device, stopped=stopped,
-                  static=device.type == "cuda" if static is None else static, first=p if prefilled is None else 1)
+                  stop_token=stop_token, device=device, stopped=stopped, static=static,
+                  first=p if prefilled is None else 1)
     if pipe.stages == 1:
         done = []
         for lo, hi in bounds:  # waves: each group's cache is freed before the next is made
@@ -233,6 +243,24 @@ def generate(shard: Shard, pipe: Pipeline, prompts: Tensor, *, seq_ids: Tensor, 
     return {"tokens": torch.cat([prompts, torch.cat([torch.stack(g.tokens, dim=1) for g in done])], dim=1),
             "logprobs": torch.cat([torch.stack(g.logprobs, dim=1) for g in done]).float(),
             "mask": torch.cat([torch.stack(g.mask, dim=1) for g in done])}
+
+
+def _kv_parallel_group(shard: Shard, lo: int, hi: int, *, prompts: Tensor, prefilled: dict[int, tuple[Tensor, Tensor]],
+                       gen_len: int, pad: Tensor | None, dtype: torch.dtype, device: torch.device, first: bool) -> _Group:
+    """Rows [lo, hi) decoding under KV parallel: this rank's cache holds its contiguous share of
+    the prefilled positions (`plans.sharding.kv_box` with ``decode``), then every cp-th new one."""
+    cp, p = shard.cp, prompts.shape[1]
+    a, z = split_range(p - 1, cp.size, cp.rank)
+    room = (z - a) + gen_len // cp.size + 1
+    cache = new_cache(shard, batch=hi - lo, max_len=room, dtype=dtype, device=device)
+    for i, (k, v) in cache.kv.items():
+        k[:, :, :z - a] = prefilled[i][0][lo:hi]
+        v[:, :, :z - a] = prefilled[i][1][lo:hi]
+    cache.held = torch.full((room,), -1, dtype=torch.int64, device=device)
+    cache.held[:z - a] = torch.arange(a, z, device=device)
+    cache.local, cache.length = z - a, p - 1
+    return _Group(lo, hi, cache, None if pad is None else pad[lo:hi], step_in=prompts[lo:hi, p - 1:] if first else None,
+                  done=torch.zeros(hi - lo, dtype=torch.bool, device=device))
 
 
 def _decode(shard: Shard, pipe: Pipeline, active: list[_Group], *, p: int, gen_len: int, temperature: float,
@@ -264,6 +292,8 @@ def _decode(shard: Shard, pipe: Pipeline, active: list[_Group], *, p: int, gen_l
             positions = torch.arange(g.cache.length, g.cache.length + s, device=device)
             x = g.step_in if pipe.first else pipe.recv((g.rows, s, h_size), pipe.prev, device=device)
             assert x is not None
+            if g.cache.held is not None:  # KV parallel: the step's keys and values stay on one rank
+                g.cache.begin(shard.cp.rank, shard.cp.size)
             if k == 0 or not static:
                 h = stage_forward(shard, x, positions=positions, cache=g.cache, pad=g.pad)
                 out = last_logits(shard, h) if pipe.last else h
@@ -272,6 +302,7 @@ def _decode(shard: Shard, pipe: Pipeline, active: list[_Group], *, p: int, gen_l
                     g.cache.static = True
                     g.step = _static_step(shard, g, last=pipe.last, x=x, positions=positions)
                 out = g.step(x, positions)
+            g.cache.end()
             g.cache.length += s
             if not pipe.last:
                 pipe.send(out.float(), pipe.next)

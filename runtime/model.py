@@ -58,6 +58,24 @@ class KVCache:
     # `positions` tensor and attends over the whole buffer, masked to the slots before it, so
     # no shape or Python value changes from one step to the next.
     static: bool = False
+    # KV-parallel decode (`kv_parallel_core`): this rank holds a share of each sequence's positions,
+    # `held[j]` the slot of local entry j (-1: unused), `local` entries filled; the token of the
+    # step goes to the rank `slot % cp` (`pending` on it).
+    held: Tensor | None = None
+    local: int = 0
+    pending: bool = False
+
+    def begin(self, cp_rank: int, cp_size: int) -> None:
+        """A KV-parallel step at slot `length`: whether this rank keeps its keys and values."""
+        self.pending = self.length % cp_size == cp_rank
+        if self.pending:
+            assert self.held is not None
+            self.held[self.local] = self.length
+
+    def end(self) -> None:
+        if self.pending:
+            self.local += 1
+        self.pending = False
 
 
 @dataclass(frozen=True)
@@ -318,6 +336,35 @@ def _blocked_core(q: Tensor, k: Tensor, v: Tensor, q_slots: Tensor, window: int 
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
+def kv_parallel_core(q: Tensor, k: Tensor, v: Tensor, held: Tensor, q_slots: Tensor, window: int | None,
+                     pad: Tensor | None, cp: ContextParallel) -> Tensor:
+    """One decode query [b, H, 1, d] against this rank's share of the cache (keys and values
+    [b, KV, n, d] at slots `held` [n]), combined over the context-parallel group (Mnemosyne's KV
+    parallelism): each share's softmax numerator and denominator under the group's maximum score,
+    summed. Causal by slot, within the sliding window, never a left-padding slot; fp32 throughout."""
+    import torch.distributed as dist
+
+    b, heads, _, d = q.shape
+    kv = k.shape[1]
+    qf = q.float().reshape(b, kv, heads // kv, d)  # each key/value head serves its group of query heads
+    scores = torch.einsum("bkgd,bknd->bkgn", qf, k.float()) / math.sqrt(d)
+    slot = q_slots.reshape(-1)[-1]
+    valid = held <= slot
+    if window is not None:
+        valid = valid & (held > slot - window)
+    valid = valid[None].expand(b, -1) if pad is None else valid[None] & (held[None] >= pad[:, None])
+    scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
+    top = scores.amax(-1)  # [b, KV, g]; -inf where this share has no key for a row
+    best = top.clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=cp.group)
+    weights = torch.exp(scores - best[..., None])
+    packed = torch.cat([torch.einsum("bkgn,bknd->bkgd", weights, v.float()).reshape(-1), weights.sum(-1).reshape(-1)])
+    dist.all_reduce(packed, group=cp.group)
+    n_out = b * heads * d
+    out = packed[:n_out].view(b, kv, heads // kv, d) / packed[n_out:].view(b, kv, heads // kv, 1)
+    return out.reshape(b, heads, 1, d).to(q.dtype)
+
+
 class Rope:
     """cos/sin of one forward's positions, computed once for all its layers (per dtype)."""
 
@@ -350,6 +397,17 @@ def _attention(shard: Shard, w: dict[str, Tensor], x: Tensor, positions: Tensor,
         cos, sin = (rope or Rope(spec, row_positions(positions, pad)))(q.dtype)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     causal, static = True, cache is not None and cache.static
+    if cache is not None and cache.held is not None:  # KV-parallel decode: attend to this rank's share
+        kc, vc = cache.kv[layer]
+        n = cache.local
+        if cache.pending:
+            kc[:, :, n] = k[:, :, 0]
+            vc[:, :, n] = v[:, :, 0]
+            n += 1
+        core = kv_parallel_core(q, kc[:, :, :n], vc[:, :, :n], cache.held[:n], positions, spec.sliding_window, pad,
+                                shard.cp)
+        out = tpx.exit(F.linear(core.transpose(1, 2).reshape(b, s, -1), w["o_proj.weight"]), shard.tp, sp=sp)
+        return out + w["o_proj.bias"] if "o_proj.bias" in w else out
     split = shard.cp.size > 1  # this rank's queries are some slots of the sequence: all keys, masked by slot
     if split:
         k, v = gather_kv(k, shard.cp), gather_kv(v, shard.cp)

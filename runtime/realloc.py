@@ -126,16 +126,16 @@ def kv_rank_plan(spec: ModelSpec, *, rows: int, positions: int, src: tuple[Mesh,
                  rank: int, gpus_per_node: int) -> RankPlan:
     """`rank`'s part of moving a prefilled KV cache (`plans.sharding.kv_transfer_plan`; tensors
     named by `plans.sharding.kv_names`, each this rank's box of it)."""
-    def boxes(mesh: Mesh, layout: Layout, r: int) -> dict[str, Box]:
+    def boxes(mesh: Mesh, layout: Layout, r: int, decode: bool) -> dict[str, Box]:
         if r not in mesh.ranks:
             return {}
         local = mesh.ranks.index(r)
-        got = {n: kv_box(spec, layout, local, n, rows=rows, positions=positions) for n in kv_names(spec)}
+        got = {n: kv_box(spec, layout, local, n, rows=rows, positions=positions, decode=decode) for n in kv_names(spec)}
         return {n: b for n, b in got.items() if b is not None}
 
     transfers = kv_transfer_plan(spec, rows=rows, positions=positions, src=src, dst=dst, gpus_per_node=gpus_per_node)
-    return plan_of(transfers, rank=rank, held=boxes(*src, rank), wanted=boxes(*dst, rank),
-                   boxes_of=lambda r: boxes(*src, r))
+    return plan_of(transfers, rank=rank, held=boxes(*src, rank, False), wanted=boxes(*dst, rank, True),
+                   boxes_of=lambda r: boxes(*src, r, False))
 
 
 def plan_of(transfers: list[Transfer], *, rank: int, held: dict[str, Box], wanted: dict[str, Box],

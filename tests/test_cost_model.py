@@ -343,3 +343,21 @@ def test_realloc_pieces_are_the_transfer_plans_and_cost_host_time(src, dst):
     decl = ModelDecl(spec=spec)
     host = REALLOC_PIECE_OPS * cm.hw.host_kernel_s * (vol.send_pieces.max() + (vol.recv_pieces + vol.local_pieces).max())
     assert cm.realloc_cost(decl, src, dst).time_s >= host > 0
+
+
+def test_kv_parallel_decode_reads_a_share_of_each_cache_and_combines_it():
+    """A decode layout with cp > 1 decodes the same rows on every cp rank (not more replicas),
+    each attending to 1/cp of every sequence's cache, then combining the shares (`cp_comm`)."""
+    from cost_models.generation import decode_split
+
+    cm = CostModel(parse_cluster("h100-sxm:1x8"))
+    decl = ModelDecl(spec=resolve_model("qwen2.5-7b"))
+    call = Call(name="g", model="m", kind="generate", seqs=2, seq_len=65536 + 1024, gen_len=1024, outputs=["s"])
+    assert decode_split(2, Layout(cp=8)).seqs_per_group == 2 and decode_split(2, Layout(dp=2, tp=4)).seqs_per_group == 1
+    kvp = cm.call_cost(call, decl, Mesh.block(0, 8), Layout(tp=4, cp=2))
+    whole = cm.call_cost(call, decl, Mesh.block(0, 8), Layout(tp=4, pp=2, micro_batches=2))
+    assert kvp.breakdown_s["cp_comm"] > 0 and "cp_comm" not in whole.breakdown_s
+    # its context-parallel prefill keeps the whole gathered cache on each rank, as the runtime does
+    four = cm.call_cost(call, decl, Mesh.block(0, 4), Layout(tp=4))
+    assert kvp.mem_breakdown_bytes["kv_cache"] == four.mem_breakdown_bytes["kv_cache"]
+    assert kvp.time_s < whole.time_s  # half of each cache per rank, against a pipeline's idle stages

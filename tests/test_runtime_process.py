@@ -145,8 +145,8 @@ def test_cpu_threads_follow_the_usable_cpus_unless_omp_num_threads_says(monkeypa
 def test_validate_flags_what_the_runtime_cannot_run(cli, tmp_path: Path) -> None:
     four = Mesh.block(0, 4)
     cases = {
-        "cp.json": (tiny_ppo_plan({m: (four, Layout(dp=2, cp=2)) for m in ("actor", "critic", "ref")}),
-                    "decoding under context parallel (cp=2) is not run by the runtime"),
+        "vpp.json": (tiny_ppo_plan({m: (four, Layout(dp=2, pp=2, interleave=2)) for m in ("actor", "critic", "ref")}),
+                     "interleaved pipelines (interleave=2) are not run by the runtime yet"),
         "dp.json": (place(algorithms.ppo("tiny-llama", reward_fn=REWARD, batch=12, prompt_len=6, gen_len=5,
                                          ppo_minibatches=2), {m: (four, Layout(dp=4)) for m in ("actor", "critic", "ref")}),
                     "6 sequences per optimizer step do not split evenly over dp=4"),
@@ -164,5 +164,5 @@ def test_validate_flags_what_the_runtime_cannot_run(cli, tmp_path: Path) -> None
     r = cli("validate", str(PLAN), "--target", "verl")
     assert r.code == 2 and "verl cannot take: " in r.err
     with pytest.raises(PlannerError, match="cannot run on this runtime: call "):  # the runtime refuses it up front
-        PlanRunner(cases["cp.json"][0], rank=0, world_size=4, reference=False, seed=0, dtype=torch.float32,
+        PlanRunner(cases["vpp.json"][0], rank=0, world_size=4, reference=False, seed=0, dtype=torch.float32,
                    device=torch.device("cpu"))

@@ -45,8 +45,10 @@ def _plans() -> dict[str, tuple[Plan, Layout]]:
     long = place(algorithms.grpo("tiny-gpt", reward_fn=REWARD, batch=2, prompt_len=9, gen_len=4, samples_per_prompt=2,
                                  ppo_minibatches=2, **common),
                  {"actor": (all4, Layout(cp=2, tp=2)), "ref": (low, Layout(cp=2))})
-    # tensor x data parallel prefill -> data parallel decode; pipelined prefill -> tensor parallel decode
-    return {"grpo": (grpo, Layout(dp=4)), "ppo": (ppo, Layout(tp=4)), "grpo_cp": (long, Layout(tp=4))}
+    # tensor x data parallel prefill -> data parallel decode; pipelined prefill -> tensor parallel decode;
+    # tensor x data parallel prefill -> KV-parallel decode (each rank a share of every cache)
+    return {"grpo": (grpo, Layout(dp=4)), "ppo": (ppo, Layout(tp=4)), "grpo_cp": (long, Layout(tp=4)),
+            "grpo_kvp": (grpo, Layout(cp=2, tp=2)), "ppo_kvp": (ppo, Layout(cp=4))}
 
 
 def _split(plan: Plan, decode: Layout) -> Plan:
@@ -101,7 +103,7 @@ def test_a_split_generation_matches_the_reference_and_moves_what_it_is_charged(t
         weights = transfer_volume(decl.spec, head=decl.head, src=src, dst=dst, gpus_per_node=4).moved_numel
         cm = CostModel(plan.cluster)
         kv = cm.kv_reshard_cost(decl, call, call.mesh, call.layout, decode)
-        assert kv.bytes > 0 and weights > 0
+        assert kv.bytes > 0  # (the weights need not move: cp ranks hold replicas like dp ones)
         moved = [sum(r["sent"][name][i] for r in results) for i in (0, 1)]
         assert moved == [weights, kv.bytes // KV_BYTES], name
         assert cm.realloc_cost(decl, src, dst).bytes == weights * cm.framework.param_bytes
