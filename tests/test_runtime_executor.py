@@ -1,7 +1,7 @@
 """Whole plans of every algorithm on 4 gloo ranks against the single-process reference.
 
-One launch of 4 processes runs SFT, DPO, GRPO, RLOO, ReMax and PPO plans (and GRPO and PPO of
-mixtures of experts, with expert parallel) (built with
+One launch of 4 processes runs SFT (also under context parallel), DPO, GRPO, RLOO, ReMax and PPO
+plans (and GRPO and PPO of mixtures of experts, with expert parallel) (built with
 `planner.algorithms` and placed by hand) for two steps; rank 0 compares every metric with
 `PlanRunner(reference=True)`. Some plans keep each model on one mesh and layout; others move
 parameters the way compiled plans do: a train call's placement is the model's home, and other
@@ -65,6 +65,11 @@ def _plans() -> dict[str, Plan]:
     return {
         "sft": place(algorithms.sft("tiny-gpt", batch=8, seq_len=12, minibatches=2, **common),
                      {"model": (all4, Layout(dp=2, pp=2, micro_batches=2, zero=3))}),
+        # Context parallel in whole plans: cp 4 alone, and cp 2 with a pipeline (micro-batches)
+        "sft_cp4": place(algorithms.sft("tiny-llama", batch=4, seq_len=13, minibatches=2, **common),
+                         {"model": (all4, Layout(cp=4))}),
+        "sft_cp_pp": place(algorithms.sft("tiny-gpt", batch=4, seq_len=13, minibatches=2, **common),
+                           {"model": (all4, Layout(cp=2, pp=2, micro_batches=2))}),
         "dpo": place(algorithms.dpo("tiny-llama", batch=4, seq_len=12, **common),
                      {"actor": (all4, Layout(dp=2, tp=2, zero=2)), "ref": (high, Layout(pp=2))}),
         "grpo": place(algorithms.grpo("tiny-llama", reward_fn=REWARD, batch=4, prompt_len=6, gen_len=5,
