@@ -22,34 +22,21 @@ starts to consider cp), one step.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from rlhf_learning import _metrics, _run  # noqa: E402  (one way to launch a run and read its metrics)
 
 from plans.plan import load_plan  # noqa: E402
 
 MICRO = ("model_type=llama,hidden_size=16,intermediate_size=32,num_hidden_layers=2,num_attention_heads=2,"
          "num_key_value_heads=1,vocab_size=256,max_position_embeddings=32768")
 TOL = 1e-5
-
-
-def _run(args: list[str]) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"{' '.join(args)} failed:\n{out.stderr[-3000:]}")
-    return out.stdout + out.stderr
-
-
-def _metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def bench(name: str, compile_args: list[str], *, steps: int, tmp: Path) -> float:

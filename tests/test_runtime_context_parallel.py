@@ -2,28 +2,23 @@
 
 cp 2 and 4, alone and with dp, tp (with and without sequence parallel), pp (with micro-batches),
 ZeRO 1-3 and recompute, for both model families and heads (`test_runtime_parallel`'s harness and
-checks: inference outputs, train-step loss and statistics, every updated parameter slice), plus
-left-padded rows. Attention scores are made a few at a time (`ATTN_BLOCK_ELEMENTS` shrunk) so the
-blocked attention of a context-parallel rank runs many blocks. The sequence (13 tokens) is padded
+checks: inference outputs, train-step loss and statistics, every updated parameter slice, and
+generation, whose prefill is context-parallel and whose decode KV-parallel), on left-padded rows.
+Attention scores are made a few at a time (`ATTN_BLOCK_ELEMENTS` shrunk) so the blocked attention
+of a context-parallel rank runs many blocks. The sequence (13 tokens) is padded
 to a multiple of 2 * cp (and of tp under sequence parallel).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from plans import PRESETS, Layout, Mesh
-from runtime.engine import ModelRunner
-from runtime.groups import Groups, solo_groups
-from runtime.losses import make_loss
-from tests.test_runtime_parallel import ADAM, ALGO, BATCH, WORLD, _batch, _compare, _free_port, _state, collect
+from plans import PRESETS
+from tests.test_runtime_parallel import WORLD, _free_port, _state, collect, run_layouts
 
 CASES = [
     # dp, tp, pp, extra layout fields (every one with cp > 1)
@@ -38,62 +33,12 @@ CASES = [
 ]
 
 
-def _run(runner: ModelRunner, batch: dict[str, torch.Tensor]) -> dict[str, object]:
-    """Inference (plain and left-padded), then one train call with two minibatches."""
-    lm = runner.head == "lm"
-    what = "logprobs" if lm else "values"
-    out: dict[str, object] = {"forward": runner.forward(batch["tokens"], what=what),
-                              "forward_pad": runner.forward(batch["tokens"], what=what, pad=batch["pad"])}
-    halves = [float(batch["mask"][:4].sum()), float(batch["mask"][4:].sum())]
-    shares = runner.train(batch, loss=make_loss("grpo" if lm else "ppo_value", ALGO), denoms=halves, lr=1e-4)
-    if runner.pipe.last and runner.groups.dp.size > 1:  # each replica returns its share: sum them
-        packed = torch.tensor([shares[k] for k in sorted(shares)], dtype=torch.float64)
-        dist.all_reduce(packed, group=runner.groups.dp.group)
-        shares = dict(zip(sorted(shares), packed.tolist()))
-    out["train"] = shares
-    out["params"] = runner.local_parameters()
-    return out
-
-
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    import runtime.data_parallel
     import runtime.model
 
-    runtime.data_parallel.BUCKET_BYTES = 4096
     runtime.model.ATTN_BLOCK_ELEMENTS = 300  # a block of a few queries: many blocks per attention
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    groups = Groups(distributed=True)
-    mesh = Mesh.block(0, WORLD)
-    problems: list[str] = []
-    checks = 0
-    cpu = torch.device("cpu")
-    batch = _batch(seed=5)
-    batch["pad"] = torch.tensor([0, 3, 0, 1, 2, 0, 0, 5])
-    for family in ("llama", "gpt"):
-        spec = PRESETS[f"tiny-{family}"]
-        for head in ("lm", "value"):
-            ref = _run(ModelRunner(spec, head=head, trainable=True, groups=solo_groups(Layout()), state=_state,
-                                   device=cpu, adam=ADAM), batch)
-            for dp, tp, pp, extra in CASES:
-                layout = Layout(dp=dp, tp=tp, pp=pp, **extra)
-                case = f"{family}/{head} {layout.short()}"
-                mine = groups.build(mesh, layout, rank=rank, tied=spec.tied and head == "lm")
-                assert mine is not None and mine.cp.size == layout.cp
-                runner = ModelRunner(spec, head=head, trainable=True, groups=mine, state=_state, device=cpu, adam=ADAM)
-                got = _run(runner, batch)
-                p, c = _compare(case, ref, got, runner, spec, head)
-                if runner.pipe.last:
-                    lo, hi = runner.split(BATCH).start, runner.split(BATCH).stop
-                    a, b = ref["forward_pad"][lo:hi], got["forward_pad"]
-                    c += 1
-                    if a.shape != b.shape or (a - b).abs().max().item() > 1e-5:
-                        p.append(f"{case} padded forward differs")
-                problems += p
-                checks += c
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"problems": problems, "checks": checks}))
-    dist.destroy_process_group()
+    models = [(family, PRESETS[f"tiny-{family}"], head) for family in ("llama", "gpt") for head in ("lm", "value")]
+    run_layouts(rank, port, out_dir, models, CASES, _state, pad=torch.tensor([0, 3, 0, 1, 2, 0, 0, 5]))
 
 
 @pytest.mark.slow

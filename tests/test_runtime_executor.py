@@ -110,30 +110,41 @@ def _plans() -> dict[str, Plan]:
     }
 
 
+def run_against_reference(name: str, plan: Plan, *, rank: int, steps: int = 2) -> tuple[PlanRunner, list[str], int]:
+    """Run `steps` steps of `plan` on this rank of WORLD; rank 0 also runs the single-process
+    reference and compares every metric: (this rank's runner, problems, metrics compared)."""
+    cpu = torch.device("cpu")
+    par = PlanRunner(plan, rank=rank, world_size=WORLD, reference=False, seed=2, dtype=torch.float32, device=cpu)
+    problems, compared = [], 0
+    if rank != 0:  # metrics are complete on rank 0 only
+        for step in range(1, steps + 1):
+            par.step(step)
+        return par, problems, compared
+    ref = PlanRunner(plan, rank=0, world_size=1, reference=True, seed=2, dtype=torch.float32, device=cpu)
+    for step in range(1, steps + 1):
+        want, got = ref.step(step), par.step(step)
+        if set(want) != set(got):
+            problems.append(f"{name} step {step}: keys {sorted(set(want) ^ set(got))}")
+        for key, value in want.items():
+            if key.endswith("time_s") or key not in got:
+                continue
+            compared += 1
+            if abs(got[key] - value) > TOL:
+                problems.append(f"{name} step {step} {key}: {got[key]} != reference {value}")
+        if not any(k.endswith(".loss") for k in want):
+            problems.append(f"{name}: no loss reported")
+    return par, problems, compared
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     problems, compared = [], 0
-    cpu = torch.device("cpu")
     for name, plan in _plans().items():
-        par = PlanRunner(plan, rank=rank, world_size=WORLD, reference=False, seed=2, dtype=torch.float32, device=cpu)
-        if rank != 0:  # metrics are complete on rank 0 only
-            par.step(1), par.step(2)
-            continue
-        ref = PlanRunner(plan, rank=0, world_size=1, reference=True, seed=2, dtype=torch.float32, device=cpu)
-        for step in (1, 2):
-            want, got = ref.step(step), par.step(step)
-            if set(want) != set(got):
-                problems.append(f"{name} step {step}: keys {sorted(set(want) ^ set(got))}")
-            for key, value in want.items():
-                if key.endswith("time_s") or key not in got:
-                    continue
-                compared += 1
-                if abs(got[key] - value) > TOL:
-                    problems.append(f"{name} step {step} {key}: {got[key]} != reference {value}")
-            if not any(k.endswith(".loss") for k in want):
-                problems.append(f"{name}: no loss reported")
+        _, p, c = run_against_reference(name, plan, rank=rank)
+        problems += p
+        compared += c
     if rank == 0:
         Path(out_dir, "rank0.json").write_text(json.dumps({"problems": problems, "compared": compared}))
     dist.destroy_process_group()

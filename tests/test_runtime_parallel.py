@@ -84,6 +84,8 @@ def _run_model(runner: ModelRunner, batch: dict[str, torch.Tensor]) -> dict[str,
     out: dict[str, object] = {}
     lm = runner.head == "lm"
     out["forward"] = runner.forward(batch["tokens"], what="logprobs" if lm else "values")
+    if "pad" in batch:  # left-padded rows (the train call then reads the padding too)
+        out["forward_pad"] = runner.forward(batch["tokens"], what="logprobs" if lm else "values", pad=batch["pad"])
     if lm:
         for temp in (0.0, 1.0):
             out[f"generate_t{temp:g}"] = runner.generate(batch["tokens"][:, :PROMPT], gen_len=GEN, temperature=temp,
@@ -115,6 +117,8 @@ def _compare(case: str, ref: dict, got: dict, runner: ModelRunner, spec, head: s
     if last:
         lo, hi = runner.split(BATCH).start, runner.split(BATCH).stop
         close("forward", ref["forward"][lo:hi], got["forward"])
+        if "forward_pad" in ref:
+            close("forward, left-padded", ref["forward_pad"][lo:hi], got["forward_pad"])
         for key in ("generate_t0", "generate_t1"):
             if key in ref:
                 checks += 1
@@ -137,9 +141,10 @@ def _compare(case: str, ref: dict, got: dict, runner: ModelRunner, spec, head: s
 
 
 def run_layouts(rank: int, port: int, out_dir: str, models: list[tuple[str, object, str]], cases: list,
-                state) -> None:  # noqa: ANN001
+                state, pad: torch.Tensor | None = None) -> None:  # noqa: ANN001
     """On one of WORLD ranks: every (model, head) of `models` ((name, spec, head)) under every
-    case's layout against the single-process reference; problems and checks to OUT_DIR."""
+    case's layout against the single-process reference (rows left-padded by `pad` when given);
+    problems and checks to OUT_DIR."""
     import runtime.data_parallel
 
     runtime.data_parallel.BUCKET_BYTES = 4096  # many gradient buckets, reduced as backward fills them
@@ -152,6 +157,8 @@ def run_layouts(rank: int, port: int, out_dir: str, models: list[tuple[str, obje
     checks = 0
     cpu = torch.device("cpu")
     batch = _batch(seed=5)
+    if pad is not None:
+        batch["pad"] = pad
     for name, spec, head in models:
         ref_runner = ModelRunner(spec, head=head, trainable=True, groups=solo_groups(Layout()), state=state, device=cpu,
                                  adam=ADAM)

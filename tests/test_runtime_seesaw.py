@@ -28,8 +28,7 @@ from planner import algorithms
 from plans import Layout, Mesh, Plan
 from plans.runnable import runtime_problems
 from plans.sharding import transfer_volume
-from runtime.executor import PlanRunner
-from tests.test_runtime_executor import REWARD, TOL, WORLD, place
+from tests.test_runtime_executor import REWARD, WORLD, place, run_against_reference
 
 
 def _plans() -> dict[str, tuple[Plan, Layout]]:
@@ -67,23 +66,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     problems, compared = [], 0
-    cpu = torch.device("cpu")
     sent: dict[str, list[int]] = {}
     for name, (base, decode) in _plans().items():
         plan = _split(base, decode)
-        par = PlanRunner(plan, rank=rank, world_size=WORLD, reference=False, seed=2, dtype=torch.float32, device=cpu)
-        if rank != 0:
-            par.step(1), par.step(2)
-        else:
-            ref = PlanRunner(plan, rank=0, world_size=1, reference=True, seed=2, dtype=torch.float32, device=cpu)
-            for step in (1, 2):
-                want, got = ref.step(step), par.step(step)
-                for key, value in want.items():
-                    if key.endswith("time_s") or key not in got:
-                        continue
-                    compared += 1
-                    if abs(got[key] - value) > TOL:
-                        problems.append(f"{name} step {step} {key}: {got[key]} != reference {value}")
+        par, p, c = run_against_reference(name, plan, rank=rank)
+        problems += p
+        compared += c
         (call,) = [c for c in plan.calls if c.kind == "generate"]
         if decode is not None:
             weights, cache = par.reshard_traffic[call.name]
