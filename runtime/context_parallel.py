@@ -21,6 +21,11 @@ A parameter's gradient on one rank is then its share over that rank's positions;
 `runtime.data_parallel` sums the shares over the group (cp ranks hold the same slices, exactly
 like data-parallel ones). Every function is the plain single-process operation when the group
 has one rank.
+
+Generation under cp (`runtime.generate`): the prompt's prefill runs as above and every rank keeps
+the whole gathered cache; decoding is then KV-parallel (`runtime.model.kv_parallel_core`): each
+rank keeps its contiguous share of the prefilled positions and every cp-th new one, and the
+shares' attention is combined over the group.
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ The returned log-probs are those of the chosen tokens under the model's own dist
 `stop_token`, its later positions hold `stop_token` and are masked out; once every sequence of
 the batch has stopped, decoding ends (the last stage tells the other stages with the token it
 sends back), and the remaining positions are that padding.
+
+A call that decodes with another layout than it prefills with (Seesaw) prefills every prompt
+position but the last (`prefill_cache`), the cache and weights move (`runtime.executor`), and the
+decode layout runs the last prompt position as its first step. Under context parallel the
+prefill is context-parallel and the decode KV-parallel (`runtime.context_parallel`).
 """
 
 from __future__ import annotations
