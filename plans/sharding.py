@@ -25,6 +25,10 @@ Conventions (the runtime implements exactly these):
   parallel (`Layout.etp` = tp) splits f as the dense MLP does, and ZeRO-3 splits dim 1 of the
   rank's expert block over the experts' data-parallel group (`Layout.edp`). The router
   (``mlp.gate.weight``, ``[E, h]``) and the shared expert are dense tensors.
+- A generate call's prefilled KV cache, when it moves to a decode layout of its own, is named per
+  layer (``kv.{i}.k`` / ``.v``, ``[rows, kv_heads, positions, d_head]``, `kv_box`): a rank holds
+  its replica's rows, its tensor-parallel rank's key/value heads and its stage's layers; cp ranks
+  of a prefill hold the whole positions, those of a KV-parallel decode a contiguous share.
 """
 
 from __future__ import annotations

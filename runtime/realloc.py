@@ -13,7 +13,8 @@ minimum any reallocation must move. On top of that plan this module decides only
 - messages carry the parameters' own dtype, so the result is bit-exact.
 
 `RankPlan` is what one rank does (computed once per reallocation of a plan, reused every step);
-`reallocate` does it. Under ZeRO-3 the source boxes are the data-parallel row splits
+`reallocate` does it. The same machinery moves a generate call's prefilled KV cache to its decode
+layout (`kv_rank_plan`, from `plans.sharding.kv_transfer_plan`). Under ZeRO-3 the source boxes are the data-parallel row splits
 (`shard_box`), so reallocating from a ZeRO-3 layout gathers the rows as well.
 """
 
