@@ -125,3 +125,14 @@ def test_kv_volumes_are_the_kv_transfer_plans(src: Layout, dst: Layout) -> None:
     assert [int(a + b) for a, b in zip(vol.send_intra, vol.send_inter)] == sent
     assert vol.local_numel == sum(t.numel for t in plan if t.src == t.dst)
     assert vol.moved_numel + vol.local_numel == 2 * spec.num_hidden_layers * 8 * spec.kv_heads * 5 * spec.d_head
+
+
+def test_exports_say_they_cannot_split_a_rollout_over_context_parallel_ranks() -> None:
+    """verl and OpenRLHF roll out with vLLM, which keeps each sequence on one tensor-parallel
+    group: a plan whose generate call prefills context-parallel and decodes KV-parallel says so."""
+    from planner.exports import export_plan
+
+    plan, _ = _plans()["grpo_cp_kvp"]
+    for target in ("verl", "openrlhf"):
+        exp = export_plan(plan, target)
+        assert any("KV-parallel decode (cp=2)" in x for x in exp.cannot_express), (target, exp.cannot_express)

@@ -153,6 +153,9 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
             limits.append(f"{c.name}: Megatron-style sequence parallelism over tp; DeepSpeed's AutoTP has none")
         if c.layout.pp > 1:
             limits.append(f"{c.name}: pipeline parallel pp={c.layout.pp}; OpenRLHF's DeepSpeed models have none")
+    if max(gen.layout.cp, dec.cp) > 1:
+        limits.append(f"{gen.name}: context-parallel prefill / KV-parallel decode (cp={max(gen.layout.cp, dec.cp)}); "
+                      "vLLM engines keep each sequence on one tensor-parallel group")
     if gen.layout.pp > 1 or gen.layout.micro_batches > 1 or gen.decode_layout not in (None, gen.layout):
         limits.append(f"{gen.name}: {gen.layout.short()}" + (f" / decode {dec.short()}" if gen.decode_layout else "") +
                       "; vLLM engines take a tensor-parallel size and schedule sequences themselves")

@@ -107,6 +107,9 @@ def _layout_limits(r: Roles, strategy: str) -> list[str]:
                    "a tensor-parallel size only")
     if gen.decode_layout is not None and gen.decode_layout != gen.layout:
         out.append(f"{gen.name}: a decode layout ({dec.short()}) different from prefill ({gen.layout.short()})")
+    if max(gen.layout.cp, dec.cp) > 1:
+        out.append(f"{gen.name}: context-parallel prefill / KV-parallel decode (cp={max(gen.layout.cp, dec.cp)}); "
+                   "vLLM rollout keeps each sequence on one tensor-parallel group")
     if gen.layout.micro_batches > 1:
         out.append(f"{gen.name}: generation in {gen.layout.micro_batches} waves per replica; vLLM schedules "
                    "sequences itself (max_num_seqs)")
