@@ -223,7 +223,7 @@ def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpa
 
 def _cp_prefills(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, layouts: list[Layout]) -> list[Candidate]:
     """The fastest prefills of a long prompt that split data-parallel ranks into context-parallel
-    ones (only ever followed by a decode layout of their own: the runtime does not decode under cp)."""
+    ones, ranked by their prefill alone (each is then tried with every decode layout)."""
     seen, out = set(), []
     for lay in layouts:
         for c in (2, 4, 8):
@@ -239,7 +239,8 @@ def _split_decode(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, prefil
                   layouts: list[Layout], *, must_split: bool = False) -> list[Candidate]:
     """Generation that prefills with one layout and decodes with another on the same mesh (the
     cost model charges moving the weights and KV cache between them), where that is faster (with
-    `must_split`, the prefills cannot decode themselves: the fastest split of each)."""
+    `must_split`, the fastest split of each prefill even where it decodes faster itself: its own
+    candidate competes in the front anyway)."""
     out = []
     # A decode layout's own decode steps bound any split decoding with it from below (the prefill
     # and the move cost more on top), so layouts whose decode alone is no faster are not costed.

@@ -11,7 +11,7 @@ the rank's own slots; only attention mixes positions:
   slots (plus the sliding window and left padding, as without cp). The backward reduce-scatters
   the keys' and values' gradients, so every query's contribution reaches the rank that made the
   key. This is the all-gather form of context parallelism (Llama 3's, Grattafiori et al. 2024,
-  section 3.3.2); the cost model prices the ring exchange of the same bytes.
+  section 3.3.2), and the cost model prices it as such for this runtime (`Framework.cp_comm`).
 - the head's per-position outputs (log-probs, values) are all-gathered in slot order
   (`gather_positions`), so every rank of the group holds its replica's whole rows and computes
   the same loss; the backward keeps each rank's own positions' gradients (the loss is the same
