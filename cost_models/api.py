@@ -171,10 +171,10 @@ class CostModel:
         head: Head = decl.head
         cv = decl.expert_load_cv
         if call.kind == "train":
-            step = train_step(spec, fw, hw, layout, topo, head=head, seqs=call.seqs // call.minibatches,
+            step = train_step(spec, fw, hw, layout, topo, head=head, seqs=call.step_seqs,
                               seq_len=call.seq_len, load_cv=cv)
             times = {k: v * call.minibatches for k, v in step.parts.items()}
-            mem = self._train_memory(decl, layout, topo, seqs=call.seqs // call.minibatches, seq_len=call.seq_len)
+            mem = self._train_memory(decl, layout, topo, seqs=call.step_seqs, seq_len=call.seq_len)
         elif call.kind == "inference":
             times = forward_pass(spec, fw, hw, layout, topo, head=head, seqs=call.seqs, seq_len=call.seq_len,
                                  load_cv=cv).parts

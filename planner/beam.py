@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from planner.problem import Problem
-from planner.simulate import op_memory, simulate
+from planner.simulate import simulate
 
 Allowed = Callable[[Problem, int, int, Sequence[int | None]], bool]
 
@@ -64,7 +64,7 @@ def beam_search(problem: Problem, *, width: int = 16, allowed: Allowed | None = 
                     continue
                 ext = list(choice)
                 ext[i] = k
-                _, peak = op_memory(problem, ext)
+                _, peak = problem.memory(ext)
                 if max(peak) > cap:
                     continue
                 sched = simulate(problem, ext, exact=exact)

@@ -120,17 +120,13 @@ def mesh_positions(cluster: ClusterSpec, size: int) -> list[Mesh]:
     return [Mesh.block(first, size) for first in range(0, cluster.world_size - size + 1, step)]
 
 
-def _per_rank_seqs(call: Call) -> int:
-    return call.seqs // call.minibatches if call.kind == "train" else call.seqs
-
-
 def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) -> list[Layout]:
     """Every valid layout of `size` ranks for `call`: degrees that shard the model, tp inside a
     node, the batch splitting evenly over data-parallel ranks and micro-batches."""
     spec = decl.spec
     out: list[Layout] = []
     train = call.kind == "train"
-    seqs = _per_rank_seqs(call)
+    seqs = call.step_seqs
     cps = [1]
     if call.seq_len >= LONG_SEQ_TOKENS:  # generation: a context-parallel prefill, then KV-parallel decode
         cps = [c for c in (1, 2, 4, 8) if call.seq_len % (2 * c) == 0]
@@ -358,7 +354,7 @@ def graph_candidates(graph: Graph, cm: CostModel, space: SearchSpace,
             have = {x.layout for x in out[c.name].get(size, [])}
             for hc in hcands:
                 lay = twin_layout(c, hc.layout)
-                if lay in have or (c.seqs // c.minibatches) % (lay.dp * lay.micro_batches):
+                if lay in have or c.step_seqs % (lay.dp * lay.micro_batches):
                     continue
                 cost = cm.call_cost(c, view, hc.mesh, lay)
                 if cost.peak_mem_bytes <= cap:

@@ -129,9 +129,12 @@ def _no_fit_error(graph: Graph, cm: CostModel, call_name: str, space: SearchSpac
 def _no_joint_fit_error(problem: Problem, baseline: str | None) -> PlannerError:
     """Every call fits alone, but not beside the states that stay resident between calls."""
     cl = problem.cluster
-    resident = sum(min(c.state_bytes for c in s.cands if c.mesh.size == max(x.mesh.size for x in s.cands))
-                   for s in problem.slots if s.home is None)
-    work = max(min(c.work_bytes + (c.state_bytes if s.home is not None else 0) for c in s.cands) for s in problem.slots)
+    resident = 0
+    for s in problem.slots:  # each home's leanest state on its largest meshes
+        if s.home is None:
+            top = max(c.mesh.size for c in s.cands)
+            resident += min(op.resident_bytes for c, op in zip(s.cands, problem.ops[s.index]) if c.mesh.size == top)
+    work = max(min(op.work_bytes + op.copy_bytes for op in problem.ops[s.index]) for s in problem.slots)
     rule = f" under baseline {baseline}" if baseline else ""
     return PlannerError(
         f"graph {problem.graph.name!r} does not fit on {cl.short()}{rule}: each call fits alone, but the models' "
@@ -401,25 +404,19 @@ def build_plan(problem: Problem, choice: list[int], sched: Schedule, search: Sea
     """Turn an assignment and its simulated schedule into a `Plan` (iteration 0's times)."""
     graph, cluster = problem.graph, problem.cluster
     order = sorted(range(len(problem.slots)), key=lambda i: (sched.start[(0, i)], i))
-    resident = [0] * problem.n_atoms
-    for s in problem.slots:
-        if s.home is None:
-            for a in problem.atoms(s.cands[choice[s.index]]):
-                resident[a] += s.cands[choice[s.index]].state_bytes
+    resident, _ = problem.memory(choice)
     calls, reallocs = [], []
     flops = 0.0
     for i in order:
         s = problem.slots[i]
         cand = s.cands[choice[i]]
-        need = cand.work_bytes
-        if s.home is not None and not problem.shares_params(i, choice[i], choice[s.home]):
-            need += cand.state_bytes
-        peak = max(resident[a] for a in problem.atoms(cand)) + need
         flops += cand.cost.model_flops
         calls.append(PlanCall(**s.call.model_dump(), mesh=cand.mesh, layout=cand.layout,
                               decode_layout=cand.decode_layout, est_start_s=sched.run_start[(0, i)],
-                              est_time_s=sched.run_s[(0, i)], est_peak_mem_bytes=peak))
-        if s.home is not None and not problem.shares_params(i, choice[i], choice[s.home]):
+                              est_time_s=sched.run_s[(0, i)],
+                              est_peak_mem_bytes=problem.call_peak_bytes(resident, i, choice)))
+        if problem.ops[i][choice[i]].copies(problem.home_choice(i, choice)):
+            assert s.home is not None  # only a call with a home elsewhere copies
             nbytes, t = sched.realloc[i]
             reallocs.append(Reallocation(model=s.call.model, from_call=problem.slots[s.home].call.name,
                                          to_call=s.call.name, bytes=nbytes, est_start_s=sched.start[(0, i)],

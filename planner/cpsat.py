@@ -125,8 +125,8 @@ class _Model:
         self.cov: list[dict[int, cp_model.IntVar]] = []
         for s in p.slots:
             cover: dict[int, list] = {}
-            for k, cand in enumerate(s.cands):
-                for a in p.atoms(cand):
+            for k, op in enumerate(p.ops[s.index]):
+                for a in op.atoms:
                     cover.setdefault(a, []).append(self.x[s.index][k])
             lits = {}
             for a, xs in cover.items():
@@ -180,31 +180,30 @@ class _Model:
             m.add(self.S[b] >= self.E[a] + lag)
 
     def _memory(self) -> None:
-        """Per atom: resident state of the models homed on it plus the chosen op's transient need
-        (with a parameter copy unless the call is its home's twin) fits in the GPU."""
+        """Per atom: resident state of the models homed on it plus the chosen op's need (with a
+        parameter copy unless its home runs a twin) fits in the GPU: `Problem.memory`'s rule,
+        read from the same op-semantics table."""
         p, m = self.p, self.m
         cap = p.cluster.usable_mem_bytes
         resident: list[list] = [[] for _ in range(p.n_atoms)]
         for s in p.slots:
-            if s.home is None:
-                for k, c in enumerate(s.cands):
-                    for a in p.atoms(c):
-                        resident[a].append(c.state_bytes * self.x[s.index][k])
+            for k, op in enumerate(p.ops[s.index]):
+                if op.resident_bytes:
+                    for a in op.atoms:
+                        resident[a].append(op.resident_bytes * self.x[s.index][k])
         self.y: dict[tuple[int, int], cp_model.IntVar] = {}
         for s in p.slots:
             need: dict[int, list] = {}
-            for k, c in enumerate(s.cands):
-                term = c.work_bytes * self.x[s.index][k]
-                if s.home is not None:
-                    term = term + c.state_bytes * self.x[s.index][k]
-                    twins = p.twins(s.index, k)
-                    if twins:  # no copy when the home holds the very same slices
-                        y = m.new_bool_var(f"twin_{s.index}_{k}")
-                        m.add_implication(y, self.x[s.index][k])
-                        m.add(y <= sum(self.x[s.home][h] for h in twins))
-                        self.y[s.index, k] = y
-                        term = term - c.state_bytes * y
-                for a in p.atoms(c):
+            for k, op in enumerate(p.ops[s.index]):
+                term = (op.work_bytes + op.copy_bytes) * self.x[s.index][k]
+                if op.copy_bytes and op.twins:  # no copy when the home holds the very same slices
+                    assert s.home is not None  # only a call with a home elsewhere copies
+                    y = m.new_bool_var(f"twin_{s.index}_{k}")
+                    m.add_implication(y, self.x[s.index][k])
+                    m.add(y <= sum(self.x[s.home][h] for h in sorted(op.twins)))
+                    self.y[s.index, k] = y
+                    term = term - op.copy_bytes * y
+                for a in op.atoms:
                     need.setdefault(a, []).append(term)
             for a, terms in need.items():
                 m.add(sum(resident[a]) + sum(terms) <= cap)
@@ -217,7 +216,7 @@ class _Model:
         # no-overlap constraints, but linear, so they tighten the bound CP-SAT can prove.
         for a in range(p.n_atoms):
             work = [self.ticks(p.fastest_s(s.index, k)) * self.x[s.index][k] for s in p.slots
-                    for k, c in enumerate(s.cands) if a in p.atoms(c)]
+                    for k, op in enumerate(p.ops[s.index]) if a in op.atoms]
             if work:
                 m.add(p.unroll * sum(work) <= self.makespan)
         m.minimize(self.makespan)
@@ -230,13 +229,11 @@ class _Model:
             for k, var in enumerate(ks):
                 m.add_hint(var, int(choice[i] == k))
         for (i, k), y in self.y.items():
-            home = p.slots[i].home
-            assert home is not None  # y exists for slots with a home elsewhere
-            m.add_hint(y, int(choice[i] == k and p.shares_params(i, k, choice[home])))
+            m.add_hint(y, int(choice[i] == k and p.shares_params(i, k, p.home_choice(i, choice))))
         for op, t in sched.start.items():
             m.add_hint(self.S[op], min(self.horizon, self.ticks(t)))
         for i, lits in enumerate(self.cov):
-            chosen = set(p.atoms(p.slots[i].cands[choice[i]]))
+            chosen = set(p.ops[i][choice[i]].atoms)
             for a, lit in lits.items():
                 m.add_hint(lit, int(a in chosen))
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from itertools import product
 
 from planner.problem import Problem
-from planner.simulate import Op, default_order, op_memory, precedences, simulate
+from planner.simulate import Op, default_order, precedences, simulate
 
 
 def topological_orders(problem: Problem) -> Iterator[list[Op]]:
@@ -53,7 +53,7 @@ def exhaustive(problem: Problem, *, allowed=None, max_assignments: int = 100_000
         ch = list(choice)
         if allowed is not None and not all(allowed(problem, i, k, ch) for i, k in enumerate(ch)):
             continue
-        if max(op_memory(problem, ch)[1]) > cap:
+        if max(problem.memory(ch)[1]) > cap:
             continue
         for order in orders:
             t = simulate(problem, ch, order).iteration_s

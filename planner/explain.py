@@ -176,12 +176,8 @@ def _find(cands: list[Candidate], mesh: Mesh, layout: Layout, decode: Layout | N
 
 def _add(problem: Problem, slot: int, mesh: Mesh, layout: Layout, decode: Layout | None, cost: CallCost) -> int:
     """Index of (mesh, layout) among the slot's candidates, appending it when missing."""
-    cands = problem.slots[slot].cands
-    k = _find(cands, mesh, layout, decode)
-    if k is None:
-        cands.append(Candidate(mesh, layout, cost, decode))
-        k = len(cands) - 1
-    return k
+    k = _find(problem.slots[slot].cands, mesh, layout, decode)
+    return problem.add_candidate(slot, Candidate(mesh, layout, cost, decode)) if k is None else k
 
 
 def replay(plan: Plan, cm: CostModel, space: SearchSpace) -> tuple[Problem, list[int]]:
@@ -290,18 +286,19 @@ def memory_over_time(plan: Plan, problem: Problem, choice: list[int]) -> list[Gr
         r0 = g.first
         resident: dict[str, int] = {}
         for s in problem.slots:
-            cand = s.cands[choice[s.index]]
-            if s.home is None and r0 in cand.mesh.ranks:
-                resident[s.call.model] = resident.get(s.call.model, 0) + cand.state_bytes
+            op = problem.ops[s.index][choice[s.index]]
+            if op.resident_bytes and r0 in s.cands[choice[s.index]].mesh.ranks:
+                resident[s.call.model] = resident.get(s.call.model, 0) + op.resident_bytes
         base = sum(resident.values())
         windows = []
         for c in plan.calls:
             s = problem.slots[slot_of[c.name]]
             cand = s.cands[choice[s.index]]
-            copy = s.home is not None and not problem.shares_params(s.index, choice[s.index], choice[s.home])
+            op = problem.ops[s.index][choice[s.index]]
+            copy = op.copies(problem.home_choice(s.index, choice))
             if c.name in realloc and r0 in cand.mesh.ranks:
                 r = realloc[c.name]
-                arriving = {"params (arriving copy)": cand.state_bytes,
+                arriving = {"params (arriving copy)": op.copy_bytes,
                             "reserve": cand.cost.mem_breakdown_bytes.get("reserve", 0)}
                 windows.append(MemWindow(r.est_start_s, r.est_start_s + r.est_time_s, f"reallocation for {c.name}",
                                          arriving, base + sum(arriving.values())))
@@ -309,7 +306,7 @@ def memory_over_time(plan: Plan, problem: Problem, choice: list[int]) -> list[Gr
                 continue
             parts = {k: v for k, v in cand.cost.mem_breakdown_bytes.items() if k not in STATE_PARTS and v}
             if copy:
-                parts = {"params (transient copy)": cand.state_bytes, **parts}
+                parts = {"params (transient copy)": op.copy_bytes, **parts}
             windows.append(MemWindow(c.est_start_s, c.est_start_s + c.est_time_s, c.name, parts,
                                      base + sum(parts.values())))
         windows.sort(key=lambda w: (w.start_s, w.running))

@@ -1,9 +1,9 @@
 """Lowering: the augmented graph of the unrolled iteration (networkx).
 
-Nodes:
-- ``("call", u, name)``: call `name` in iteration `u`;
-- ``("realloc", u, name)``: moving the model's parameters from its home call's placement to
-  call `name`'s, just before it (only for calls that are not their model's home).
+Nodes: ``("call", u, name)``, call `name` in iteration `u`. A call that is not its model's home
+first moves the parameters from the home call's placement; that reallocation belongs to the
+call's op (its time depends on both choices: `planner.problem.Problem.realloc`), so it is no node
+of its own.
 
 Edges carry ``kind``:
 - ``"data"``: a handle written by one call and read by another in the same iteration (attribute
@@ -11,8 +11,7 @@ Edges carry ``kind``:
 - ``"version"``: parameter versions. A model's calls in an iteration read the parameters its
   train call then updates, so they precede it; its calls in the next iteration read the update,
   so they follow it (and a call declared after the train call reads the new version and precedes
-  the next train);
-- ``"realloc"``: a reallocation node precedes its call.
+  the next train).
 
 The iteration is unrolled `unroll` times so that calls of iteration i+1 may overlap iteration i
 where these dependencies allow.
@@ -35,10 +34,6 @@ def augmented_graph(graph: Graph, *, unroll: int = 2) -> nx.DiGraph:
         for name in order:
             call = graph.call(name)
             g.add_node(("call", u, name), call=name, model=call.model, kind=call.kind, iteration=u)
-            if homes[call.model] != name:
-                g.add_node(("realloc", u, name), call=name, model=call.model, kind="realloc", iteration=u,
-                           source=homes[call.model])
-                g.add_edge(("realloc", u, name), ("call", u, name), kind="realloc")
         for src, dst, handle in graph.edges():
             g.add_edge(("call", u, src), ("call", u, dst), kind="data", handle=handle)
     for name in order:

@@ -1,4 +1,5 @@
-"""The search problem as arrays: what beam search, CP-SAT and the simulator all read.
+"""The search problem as arrays: what beam search, CP-SAT, the simulator, `build_plan`,
+`explain` and the error messages all read.
 
 Built from a graph, a cost model and the candidate space:
 
@@ -8,7 +9,11 @@ Built from a graph, a cost model and the candidate space:
   else its first call); every other call on the model works on a transient copy reallocated from
   the home placement just before it runs, unless the placements hold identical slices ("twins");
 - data edges with the bytes of the handle they carry;
-- `atoms`: the cluster cut into blocks of the smallest mesh size, so every mesh is a set of atoms.
+- `atoms`: the cluster cut into blocks of the smallest mesh size, so every mesh is a set of atoms;
+- `ops`: the op-semantics table, one `OpSemantics` per slot and candidate (atoms, duration, the
+  bytes it keeps resident, needs while it runs and copies unless a twin holds its slices, and
+  which home candidates are its twins). Every rule of what a choice occupies and needs is read
+  from it, so the simulator and the CP-SAT model cannot disagree about memory or occupancy.
 
 Times that depend on two choices (reallocation, data transfer) are computed on demand and cached,
 keyed by relative position so symmetric pairs share one cost evaluation.
@@ -17,14 +22,15 @@ keyed by relative position so symmetric pairs share one cost evaluation.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cost_models import CostModel
 from planner.candidates import Candidate, SearchSpace, costed_view, graph_candidates, mesh_positions, placed
 from plans.errors import PlannerError
 from plans.graph import Call, Graph
-from plans.layout import Layout, Mesh
+from plans.layout import Mesh
+from plans.sharding import distinct_slices
 
 TOKEN_BYTES = 4  # int32 token ids
 FLOAT_BYTES = 4  # fp32 per-token values, log-probs, scores
@@ -38,11 +44,6 @@ REALLOC_WORK_LIMIT = 300_000_000
 REALLOC_ONE_LIMIT = 100_000_000
 
 
-def _source_shards(layout: Layout) -> int:
-    """Distinct slices a layout cuts a parameter into (what each destination rank is compared with)."""
-    return layout.tp * layout.pp * layout.interleave * (layout.dp if layout.zero == 3 else 1)
-
-
 def handle_bytes(call: Call) -> int:
     """Bytes of the data handle a call writes."""
     if call.kind == "generate":
@@ -51,6 +52,26 @@ def handle_bytes(call: Call) -> int:
         per_seq = 1 if call.returns == "scores" else call.seq_len
         return call.seqs * per_seq * FLOAT_BYTES
     return 0
+
+
+@dataclass(frozen=True)
+class OpSemantics:
+    """What choosing one candidate of one slot means, as every reader of the search counts it."""
+
+    atoms: range  # the atoms its mesh covers
+    time_s: float  # its priced duration (`Candidate.time_s`)
+    resident_bytes: int  # state kept on each of its atoms between calls (a home slot's candidate)
+    work_bytes: int  # transient bytes per GPU while it runs, on top of what is resident
+    copy_bytes: int  # a transient copy of the parameters, unless its home runs one of `twins`
+    twins: frozenset[int]  # home candidates holding exactly its slices (no copy, no reallocation)
+
+    def need_bytes(self, home: int | None) -> int:
+        """Bytes per GPU it needs while it runs beside the resident states, its home running `home`."""
+        return self.work_bytes + (0 if home in self.twins else self.copy_bytes)
+
+    def copies(self, home: int | None) -> bool:
+        """Whether it runs on a transient copy of the parameters (reallocated from the home)."""
+        return self.copy_bytes > 0 and home not in self.twins
 
 
 @dataclass
@@ -143,23 +164,74 @@ class Problem:
     def homes(self) -> dict[str, int]:
         return {s.call.model: s.index for s in self.slots if s.home is None}
 
+    @property
+    def ops(self) -> list[list[OpSemantics]]:
+        """The op-semantics table: `ops[slot][k]` for candidate k of `slot` (built once)."""
+        return self.cached("ops", self._op_table)
+
+    def _op_table(self) -> list[list[OpSemantics]]:
+        out = []
+        for s in self.slots:
+            twins_of: dict[tuple[int, ...], list[int]] = {}
+            if s.home is not None:
+                for h, c in enumerate(self.slots[s.home].cands):
+                    twins_of.setdefault(c.param_key(), []).append(h)
+            out.append([OpSemantics(self.atoms(c), c.time_s, c.state_bytes if s.home is None else 0, c.work_bytes,
+                                    0 if s.home is None else c.state_bytes,
+                                    frozenset(twins_of.get(c.param_key(), ()) if s.home is not None else ()))
+                        for c in s.cands])
+        return out
+
+    def add_candidate(self, slot: int, cand: Candidate) -> int:
+        """Append a candidate to `slot` (e.g. a plan's own placement outside the space) and return
+        its index; the op-semantics table is rebuilt on next use."""
+        self.slots[slot].cands.append(cand)
+        self._cache.pop("ops", None)
+        return len(self.slots[slot].cands) - 1
+
+    def home_choice(self, slot: int, choice: Sequence[int | None]) -> int | None:
+        """The candidate `choice` gives the home of `slot` (None for a home slot or an unassigned home)."""
+        home = self.slots[slot].home
+        return None if home is None else choice[home]
+
+    def memory(self, choice: Sequence[int | None]) -> tuple[list[int], list[int]]:
+        """(resident bytes per atom, peak bytes per atom) for a (possibly partial) assignment: the
+        states homed on each atom, plus the largest need of any op that runs there."""
+        ops = self.ops
+        resident = [0] * self.n_atoms
+        for s in self.slots:
+            k = choice[s.index]
+            if k is not None and ops[s.index][k].resident_bytes:
+                op = ops[s.index][k]
+                for a in op.atoms:
+                    resident[a] += op.resident_bytes
+        peak = list(resident)
+        for s in self.slots:
+            k = choice[s.index]
+            if k is None:
+                continue
+            op = ops[s.index][k]
+            need = op.need_bytes(self.home_choice(s.index, choice))
+            for a in op.atoms:
+                peak[a] = max(peak[a], resident[a] + need)
+        return resident, peak
+
+    def call_peak_bytes(self, resident: Sequence[int], slot: int, choice: Sequence[int | None]) -> int:
+        """The peak per GPU of the call in `slot` while it runs (`memory`'s rule, for that call alone)."""
+        k = choice[slot]
+        assert k is not None
+        op = self.ops[slot][k]
+        return max(resident[a] for a in op.atoms) + op.need_bytes(self.home_choice(slot, choice))
+
     def twins(self, slot: int, k: int) -> list[int]:
         """Home candidates holding exactly the slices candidate k of `slot` needs (no copy, no
         reallocation when one of them is chosen); empty for a home slot."""
-        s = self.slots[slot]
-        if s.home is None:
-            return []
-        home = s.home
-        keys = self.cached(f"keys{home}", lambda: _group_by_key(self.slots[home].cands))
-        return keys.get(s.cands[k].param_key(), [])
+        return sorted(self.ops[slot][k].twins)
 
     def shares_params(self, slot: int, k: int, h: int | None) -> bool:
         """Whether candidate k of `slot` uses its home's parameters in place when the home runs
         candidate h."""
-        s = self.slots[slot]
-        if s.home is None or h is None:
-            return False
-        return s.cands[k].param_key() == self.slots[s.home].cands[h].param_key()
+        return h is not None and h in self.ops[slot][k].twins
 
     def realloc(self, slot: int, h: int, k: int) -> tuple[int, float]:
         """(bytes, seconds) to reallocate slot's model from home candidate h to candidate k."""
@@ -169,14 +241,14 @@ class Problem:
         return hit
 
     def _realloc_of(self, slot: int, h: int, k: int) -> tuple[int, float]:
+        if self.shares_params(slot, k, h):
+            return 0, 0.0
         s = self.slots[slot]
         assert s.home is not None
         src, dst = self.slots[s.home].cands[h], s.cands[k]
-        if src.param_key() == dst.param_key():
-            return 0, 0.0
-        key = (s.call.model, src.layout, dst.layout, *self._relation(src.mesh, dst.mesh))
+        key = self._realloc_key(slot, h, k)
         if key not in self._realloc:
-            self._charge_realloc(dst.mesh.size * _source_shards(src.layout))
+            self._charge_realloc(dst.mesh.size * distinct_slices(src.layout))
             decl = self.graph.models[s.call.model]
             cost = self.cm.realloc_cost(decl, (src.mesh, src.layout), (dst.mesh, dst.layout))
             self._realloc[key] = (cost.bytes, cost.time_s)
@@ -200,14 +272,14 @@ class Problem:
         destination rank receives all its parameter bytes at no more than the fastest link into it
         (the node's NVLink when both meshes share the node, the node's whole network otherwise).
         Search results are re-simulated with exact times, and bounds stay valid."""
+        if self.shares_params(slot, k, h):
+            return 0.0
+        key = self._realloc_key(slot, h, k)
+        if key in self._realloc:
+            return self._realloc[key][1]
         s = self.slots[slot]
         assert s.home is not None
         src, dst = self.slots[s.home].cands[h], s.cands[k]
-        if src.param_key() == dst.param_key():
-            return 0.0
-        key = (s.call.model, src.layout, dst.layout, *self._relation(src.mesh, dst.mesh))
-        if key in self._realloc:
-            return self._realloc[key][1]
         rel = self._relation(src.mesh, dst.mesh)
         if rel[2] == 0:
             return 0.0
@@ -217,11 +289,15 @@ class Problem:
         return dst.state_bytes * 8 / (link_gbps * 1e9)
 
     def is_exact(self, slot: int, h: int, k: int) -> bool:
+        return self.shares_params(slot, k, h) or self._realloc_key(slot, h, k) in self._realloc
+
+    def _realloc_key(self, slot: int, h: int, k: int) -> tuple:
+        """What the reallocation from home candidate h to candidate k of `slot` depends on: the
+        model, both layouts, and how the two meshes sit (`_relation`); equal keys cost the same."""
         s = self.slots[slot]
         assert s.home is not None
         src, dst = self.slots[s.home].cands[h], s.cands[k]
-        key = (s.call.model, src.layout, dst.layout, *self._relation(src.mesh, dst.mesh))
-        return src.param_key() == dst.param_key() or key in self._realloc
+        return (s.call.model, src.layout, dst.layout, *self._relation(src.mesh, dst.mesh))
 
     def _relation(self, a: Mesh, b: Mesh) -> tuple[int, ...]:
         """What a reallocation's cost depends on in the placement of two aligned blocks: their
@@ -251,13 +327,6 @@ class Problem:
         if key not in self._transfer:
             self._transfer[key] = self.cm.data_transfer_s(nbytes, mi, mj, after_s=after)
         return self._transfer[key]
-
-
-def _group_by_key(cands: list[Candidate]) -> dict[tuple[int, ...], list[int]]:
-    out: dict[tuple[int, ...], list[int]] = {}
-    for h, c in enumerate(cands):
-        out.setdefault(c.param_key(), []).append(h)
-    return out
 
 
 def graph_slots(graph: Graph, candidates_of: Callable[[Call], list[Candidate]]) -> tuple[list[Slot], dict[str, int]]:

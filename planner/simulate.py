@@ -5,7 +5,7 @@ that is not its model's home first reallocates the parameters from the home plac
 the home mesh and its own), then runs on its own mesh. Ops start, in priority order, as soon as
 their predecessors are done (plus data-transfer time) and all GPUs they occupy are free. A GPU runs
 one op at a time, so its peak memory is the resident state of the models homed on it plus the
-largest transient need of any op it runs.
+largest transient need of any op it runs (`Problem.memory`, from the op-semantics table).
 
 `iteration_s` is the makespan of the unrolled iterations divided by their number: calls of
 iteration i+1 may overlap iteration i where dependencies allow.
@@ -25,16 +25,14 @@ Op = tuple[int, int]  # (iteration, slot)
 
 def precedences(problem: Problem) -> list[tuple[Op, Op, int | None]]:
     """(before, after, data edge index or None) between calls of the unrolled graph
-    (`planner.lowering.augmented_graph`; a reallocation node belongs to the op of its call)."""
+    (`planner.lowering.augmented_graph`); a call's reallocation belongs to its op."""
 
     def make() -> list[tuple[Op, Op, int | None]]:
         index = {s.call.name: s.index for s in problem.slots}
         edge_of = {(i, j): e for e, (i, j, _) in enumerate(problem.edges)}
         aug = augmented_graph(problem.graph, unroll=problem.unroll)
         out = []
-        for (a_kind, ua, a), (b_kind, ub, b), data in aug.edges(data=True):
-            if a_kind != "call" or b_kind != "call":
-                continue
+        for (_, ua, a), (_, ub, b), data in aug.edges(data=True):
             i, j = index[a], index[b]
             out.append(((ua, i), (ub, j), edge_of[i, j] if data["kind"] == "data" else None))
         return sorted(out, key=lambda t: (t[1], t[0], -1 if t[2] is None else t[2]))
@@ -55,30 +53,6 @@ class Schedule:
     iteration_s: float
     mem_ok: bool
     run_s: dict[Op, float] = field(default_factory=dict)  # how long each op runs: its priced time, unless cores are shared
-
-
-def op_memory(problem: Problem, choice: Sequence[int | None]) -> tuple[list[int], list[int]]:
-    """(resident bytes per atom, peak bytes per atom) for a (possibly partial) assignment."""
-    resident = [0] * problem.n_atoms
-    for s in problem.slots:
-        k = choice[s.index]
-        if s.home is None and k is not None:
-            for a in problem.atoms(s.cands[k]):
-                resident[a] += s.cands[k].state_bytes
-    peak = list(resident)
-    for s in problem.slots:
-        k = choice[s.index]
-        if k is None:
-            continue
-        c = s.cands[k]
-        need = c.work_bytes
-        if s.home is not None:
-            h = choice[s.home]
-            if not problem.shares_params(s.index, k, h):
-                need += c.state_bytes  # a transient copy of the parameters
-        for a in problem.atoms(c):
-            peak[a] = max(peak[a], resident[a] + need)
-    return resident, peak
 
 
 def _pred_map(problem: Problem) -> dict[Op, list[tuple[Op, int | None]]]:
@@ -121,7 +95,7 @@ def simulate(problem: Problem, choice: Sequence[int | None], order: list[Op] | N
             start, run, end = start2, run2, end2
             if moved <= 1e-12:
                 break
-    _, peak = op_memory(problem, choice)
+    _, peak = problem.memory(choice)
     makespan = max(end.values(), default=0.0)
     cap = problem.cluster.usable_mem_bytes
     return Schedule(start, run, end, realloc, peak, makespan, makespan / problem.unroll,
@@ -155,7 +129,6 @@ def _resolve(problem: Problem, choice: Sequence[int | None], order: list[Op],
         if k is None:
             continue
         slot = problem.slots[i]
-        cand = slot.cands[k]
         inputs = []
         for p, e in preds.get(op, ()):
             if choice[p[1]] is None:
@@ -163,7 +136,7 @@ def _resolve(problem: Problem, choice: Sequence[int | None], order: list[Op],
             if p not in seen:
                 raise ValueError(f"simulation order is not topological: {op} before its predecessor {p}")
             inputs.append((p, problem.transfer(e, choice[p[1]], k) if e is not None else 0.0))
-        atoms = frozenset(problem.atoms(cand))
+        atoms = frozenset(problem.ops[i][k].atoms)
         r_bytes, r_time, src_atoms = 0, 0.0, frozenset[int]()
         h = choice[slot.home] if slot.home is not None else None
         if slot.home is not None and h is not None:
@@ -172,9 +145,9 @@ def _resolve(problem: Problem, choice: Sequence[int | None], order: list[Op],
             else:
                 r_bytes, r_time = -1, problem.realloc_s(i, h, k)
             if r_time > 0:
-                src_atoms = frozenset(problem.atoms(problem.slots[slot.home].cands[h])) - atoms
+                src_atoms = frozenset(problem.ops[slot.home][h].atoms) - atoms
         realloc[i] = (r_bytes, r_time)
-        steps.append(_Step(op, tuple(inputs), atoms, src_atoms, r_time, cand.time_s))
+        steps.append(_Step(op, tuple(inputs), atoms, src_atoms, r_time, problem.ops[i][k].time_s))
         seen.add(op)
     return steps, realloc
 

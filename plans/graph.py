@@ -160,6 +160,13 @@ class Call(Strict):
         return self.seq_len - self.gen_len
 
     @property
+    def step_seqs(self) -> int:
+        """Sequences processed together: one optimizer step's share of a train call (`seqs` over
+        `minibatches`), all of a generate or inference call. Data-parallel ranks and micro-batches
+        split this number, so every layout's degrees must divide it."""
+        return self.seqs // self.minibatches if self.kind == "train" else self.seqs
+
+    @property
     def tokens(self) -> int:
         """Tokens per iteration (prompt and generated)."""
         return self.seqs * self.seq_len

@@ -45,7 +45,7 @@ def expert_layout_problems(spec: ModelSpec, layout: Layout) -> list[str]:
 def batch_units(call: PlanCall) -> tuple[int, int]:
     """(rows one optimizer step or one call processes, rows that must stay together: 2 for a
     DPO pair, else 1)."""
-    rows = call.seqs // call.minibatches if call.kind == "train" else call.seqs
+    rows = call.step_seqs
     return rows, 2 if call.loss == "dpo" else 1
 
 

@@ -224,6 +224,13 @@ def slices_key(mesh: Mesh, layout: Layout) -> tuple[int, ...]:
             layout.ep, layout.etp)
 
 
+def distinct_slices(layout: Layout) -> int:
+    """Distinct slices `layout` cuts a dense parameter into (the ranks of a mesh holding different
+    boxes: tensor and pipeline ranks, and data-parallel ones under ZeRO-3); what the exact transfer
+    plan compares each destination rank with."""
+    return layout.tp * layout.pp * layout.interleave * (layout.dp if layout.zero == 3 else 1)
+
+
 def shard_box(param: Param, spec: ModelSpec, layout: Layout, local: int) -> Box | None:
     """The slice of `param` the `local`-th rank of a mesh holds under `layout`, or None."""
     c = layout.coord(local)

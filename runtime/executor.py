@@ -76,10 +76,6 @@ class Placement:
     mesh: Mesh
     layout: Layout
 
-    def slices_key(self) -> tuple[int, ...]:
-        """Equal keys hold every parameter slice on the same ranks (`plans.sharding.slices_key`)."""
-        return slices_key(self.mesh, self.layout)
-
 
 @dataclass(frozen=True)
 class CallPlan:
@@ -104,7 +100,8 @@ def call_plans(plan: Plan) -> dict[str, CallPlan]:
         elif (c.model, c.name) in listed:
             source = "realloc"
         else:
-            assert where.slices_key() == home_where.slices_key(), f"{c.name}: rejected by runtime_problems"
+            # The same rule the search's twins use (`plans.sharding.slices_key`).
+            assert slices_key(c.mesh, c.layout) == slices_key(home.mesh, home.layout), f"{c.name}: rejected by runtime_problems"
             source = "shared"
         out[c.name] = CallPlan(where, home.name, source)
     return out

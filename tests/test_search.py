@@ -178,3 +178,36 @@ def test_plan_is_never_slower_than_a_baseline():
         except PlannerError:
             continue  # the baseline's rule admits no plan that fits
         assert plan.estimate.iteration_s <= base.estimate.iteration_s * (1 + 1e-9), name
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cpsat_and_simulator_agree_on_memory_through_the_table(seed):
+    # Both read `Problem.ops`: for every assignment of a random instance, CP-SAT with the choice
+    # fixed is feasible exactly when the simulator says it fits (a loose horizon, so only memory
+    # can make it infeasible), and every plan peak is the table's resident plus need.
+    from itertools import product
+
+    from ortools.sat.python import cp_model
+
+    from planner.cpsat import _Model
+
+    p = random_problem(random.Random(100 + seed))
+    cap = p.cluster.usable_mem_bytes
+    horizon = 10 * sum(max(c.time_s for c in s.cands) + 5 for s in p.slots) * p.unroll
+    fits_seen = set()
+    for choice in product(*(range(len(s.cands)) for s in p.slots)):
+        resident, peak = p.memory(choice)
+        fits = max(peak) <= cap
+        fits_seen.add(fits)
+        for s in p.slots:
+            assert p.call_peak_bytes(resident, s.index, choice) <= max(peak)
+        model = _Model(p, horizon_s=horizon)
+        for i, k in enumerate(choice):
+            model.m.add(model.x[i][k] == 1)
+        solver = cp_model.CpSolver()
+        solver.parameters.num_workers = 1
+        solver.parameters.max_time_in_seconds = 20
+        status = solver.solve(model.m)
+        assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.INFEASIBLE)
+        assert (status != cp_model.INFEASIBLE) == fits, (choice, peak, cap)
+    assert fits_seen  # at least one assignment was checked

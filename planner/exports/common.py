@@ -76,13 +76,14 @@ def json_text(data: Any) -> str:
 
 def optimizer_batch(call: PlanCall) -> int:
     """Sequences per optimizer step of a train call."""
-    return call.seqs // call.minibatches
+    assert call.kind == "train"
+    return call.step_seqs
 
 
 def micro_batch_per_gpu(call: PlanCall, layout: Layout | None = None) -> int:
     """Sequences one data-parallel rank processes at once (context-parallel ranks share them)."""
     lay = layout or call.layout
-    rows = optimizer_batch(call) if call.kind == "train" else call.seqs
+    rows = call.step_seqs
     return max(1, rows // lay.dp // lay.micro_batches)
 
 
