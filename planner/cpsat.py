@@ -165,8 +165,7 @@ class _Model:
         p, m = self.p, self.m
         self.T: dict[int, cp_model.IntVar] = {}
         for e, (i, j, _) in enumerate(p.edges):
-            table = [[self.ticks(p.transfer(e, ki, kj)) for kj in range(len(p.slots[j].cands))]
-                     for ki in range(len(p.slots[i].cands))]
+            table = [[self.ticks(t) for t in row] for row in p.transfer_table(e)]  # producer x consumer
             top = max((max(row) for row in table), default=0)
             if top == 0:
                 continue

@@ -186,7 +186,8 @@ class Problem:
         """Append a candidate to `slot` (e.g. a plan's own placement outside the space) and return
         its index; the op-semantics table is rebuilt on next use."""
         self.slots[slot].cands.append(cand)
-        self._cache.pop("ops", None)
+        for key in [k for k in self._cache if k == "ops" or k.startswith("transfer")]:
+            del self._cache[key]
         return len(self.slots[slot].cands) - 1
 
     def home_choice(self, slot: int, choice: Sequence[int | None]) -> int | None:
@@ -316,6 +317,15 @@ class Problem:
         if hit is None:
             hit = self._transfer_at[edge, ki, kj] = self._transfer_of(edge, ki, kj)
         return hit
+
+    def transfer_table(self, edge: int) -> list[list[float]]:
+        """`transfer(edge, ki, kj)` for every producer candidate ki and consumer candidate kj
+        (built once: every CP-SAT model of a search reads the same table)."""
+        def make() -> list[list[float]]:
+            i, j, _ = self.edges[edge]
+            return [[self.transfer(edge, ki, kj) for kj in range(len(self.slots[j].cands))]
+                    for ki in range(len(self.slots[i].cands))]
+        return self.cached(f"transfer{edge}", make)
 
     def _transfer_of(self, edge: int, ki: int, kj: int) -> float:
         i, j, nbytes = self.edges[edge]
