@@ -3,6 +3,7 @@
     python bench/search.py                  # the whole suite (about two minutes on 2 cores)
     python bench/search.py --only ppo-7b    # one instance
     python bench/search.py --exhaustive     # also check enumerable instances against brute force
+    python bench/search.py --node-ranges    # also search ReaLHF's wider mesh space, side by side
 
 Suite (batch 512, prompt 1024, generation 1024 unless stated), as in issue 4. Each baseline is
 the best plan its rule allows (`planner.baselines`). Speedup = baseline iteration / plan iteration.
@@ -70,6 +71,24 @@ def run(inst: Instance, *, time_limit_s: float) -> dict:
     return row
 
 
+def node_ranges_row(inst: Instance, *, time_limit_s: float, aligned: dict) -> str:
+    """The instance searched again with runs of consecutive nodes and half nodes
+    (`SearchSpace.node_ranges`), beside the aligned space's plan of the same run."""
+    from planner.candidates import SearchSpace
+
+    cluster = parse_cluster(inst.cluster)
+    t0 = time.perf_counter()
+    plan = compile_graph(inst.graph, cluster, time_limit_s=time_limit_s, space=SearchSpace(node_ranges=True))
+    wall = time.perf_counter() - t0
+    gain = aligned["iteration_s"] / plan.estimate.iteration_s
+    ranges = sorted({c.mesh.short() for c in plan.calls if c.mesh.alignment_error(cluster.gpus_per_node) is None
+                     and (c.mesh.size & (c.mesh.size - 1) or c.mesh.first % c.mesh.size)})
+    return (f"{inst.name:<12} aligned {aligned['iteration_s']:>8.2f}s ({aligned['wall_s']:>5.1f}s, gap "
+            f"{aligned['gap'] * 100:>4.1f}%)  node ranges {plan.estimate.iteration_s:>8.2f}s ({wall:>5.1f}s, gap "
+            f"{plan.search.gap * 100:>4.1f}%, {plan.search.candidates} candidates, {plan.search.status})  "
+            f"{gain:.3f}x  meshes off the aligned blocks: {', '.join(ranges) or 'none'}")
+
+
 def exhaustive_check(inst: Instance) -> str:
     """Beam + CP-SAT against brute force on the instance restricted to an enumerable space."""
     from cost_models import CostModel
@@ -103,6 +122,8 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated instance names")
     ap.add_argument("--time-limit", type=float, default=None, help="override each instance's limit (seconds)")
     ap.add_argument("--exhaustive", action="store_true", help="also compare against brute force on restricted spaces")
+    ap.add_argument("--node-ranges", action="store_true",
+                    help="also search each instance with runs of consecutive nodes and half nodes (ReaLHF's space)")
     args = ap.parse_args()
     chosen = [i for i in SUITE if not args.only or i.name in args.only.split(",")]
     rows = []
@@ -126,6 +147,11 @@ def main() -> None:
         for b in BASELINES:
             if r.get(f"{b}_why"):
                 print(f"note: {r['instance']}: baseline {b} not applicable: {r[f'{b}_why']}")
+    if args.node_ranges:
+        print("\nthe wider mesh space (runs of consecutive nodes, half nodes) beside the aligned blocks:")
+        for inst, r in zip(chosen, rows):
+            limit = args.time_limit if args.time_limit is not None else inst.limit_s
+            print(node_ranges_row(inst, time_limit_s=limit, aligned=r), flush=True)
     if args.exhaustive:
         print("\nexhaustive enumeration (candidate space restricted to 1 layout per mesh size, meshes >= half the cluster):")
         for inst in chosen:

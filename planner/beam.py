@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from planner.problem import Problem
 from planner.simulate import simulate
+from plans.layout import Mesh
 
 Allowed = Callable[[Problem, int, int, Sequence[int | None]], bool]
 
@@ -22,12 +23,25 @@ def assignment_order(problem: Problem) -> list[int]:
     return homes + [s.index for s in problem.slots if s.home is not None]
 
 
-def symmetric_cluster(problem: Problem) -> bool:
+def symmetric_cluster(problem: Problem, *, aligned: bool = False) -> bool:
     """Aligned blocks form a binary tree (node size and node count powers of two), so any
-    placement can be mirrored to put the first home call at rank 0."""
+    placement can be mirrored to put the first home call at rank 0 (with `aligned`, whether that
+    holds of the problem's aligned candidates, even if it has others)."""
     cl = problem.cluster
     pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
-    return problem.symmetric and pow2(cl.gpus_per_node) and pow2(cl.nodes)
+    return (problem.symmetric or aligned) and pow2(cl.gpus_per_node) and pow2(cl.nodes)
+
+
+def is_aligned(mesh: Mesh) -> bool:
+    """Whether `mesh` is a block of a power-of-two size at a multiple of its size."""
+    return mesh.size & (mesh.size - 1) == 0 and mesh.first % mesh.size == 0
+
+
+def aligned_only(problem: Problem, slot: int, k: int, choice: Sequence[int | None]) -> bool:
+    """A beam restriction to aligned blocks, the first home call at rank 0 (`symmetric_cluster`)."""
+    mesh = problem.slots[slot].cands[k].mesh
+    first_home = all(c is None for c in choice)
+    return is_aligned(mesh) and (not first_home or mesh.first == 0)
 
 
 # Op placements simulated over a whole beam search (each candidate of each step simulates the

@@ -77,6 +77,9 @@ class SearchSpace:
     mesh_sizes: tuple[int, ...] | None = None  # only these mesh sizes
     layout_ok: LayoutFilter | None = None  # applied before pruning
     split_decode: bool = True  # generation may decode with a different layout than it prefills with
+    # ReaLHF's mesh space: besides aligned power-of-two blocks, any run of consecutive whole nodes
+    # (3 of 4, 12 of 16) at any node offset, and half nodes on every cluster size.
+    node_ranges: bool = False
     # Costing one layout takes about a millisecond; past this many (distinct calls x mesh sizes x
     # layouts) a request is refused with an error rather than left to run for many minutes.
     max_layout_evals: int = 200_000
@@ -97,7 +100,8 @@ def _micro_batch_counts(per_dp: int) -> list[int]:
 
 
 def mesh_sizes(cluster: ClusterSpec, space: SearchSpace) -> list[int]:
-    """Aligned mesh sizes: divisors of a node up to one node, then whole-node powers of two."""
+    """Mesh sizes: divisors of a node up to one node, then whole-node powers of two (with
+    `space.node_ranges`, every whole-node count, and half a node however large the cluster)."""
     gpn, n = cluster.gpus_per_node, cluster.world_size
     sizes = [d for d in _divisors(gpn) if d & (d - 1) == 0 or d == gpn]
     k = 2
@@ -109,14 +113,19 @@ def mesh_sizes(cluster: ClusterSpec, space: SearchSpace) -> list[int]:
         sizes.append(n)
     lo = max(1, n // space.max_blocks)
     sizes = sorted({s for s in sizes if s >= lo or s == n})
+    if space.node_ranges:
+        extra = {k * gpn for k in range(1, cluster.nodes + 1)} | ({gpn // 2} if gpn % 2 == 0 else set())
+        sizes = sorted(set(sizes) | extra)
     if space.mesh_sizes is not None:
         sizes = [s for s in sizes if s in space.mesh_sizes]
     return sizes
 
 
-def mesh_positions(cluster: ClusterSpec, size: int) -> list[Mesh]:
-    """Every aligned block of `size` GPUs."""
-    step = size if size <= cluster.gpus_per_node else size
+def mesh_positions(cluster: ClusterSpec, size: int, space: SearchSpace | None = None) -> list[Mesh]:
+    """Every aligned block of `size` GPUs; with `space.node_ranges`, a mesh of whole nodes starts
+    at any node."""
+    gpn = cluster.gpus_per_node
+    step = gpn if space is not None and space.node_ranges and size % gpn == 0 else size
     return [Mesh.block(first, size) for first in range(0, cluster.world_size - size + 1, step)]
 
 

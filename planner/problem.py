@@ -367,7 +367,10 @@ def build_problem(graph: Graph, cm: CostModel, space: SearchSpace, *, unroll: in
     per_size = candidates if candidates is not None else graph_candidates(graph, cm, space)
     slots, index = graph_slots(graph, lambda call: [placed(c, m) for size in sorted(per_size[call.name])
                                                     for c in per_size[call.name][size]
-                                                    for m in mesh_positions(cm.cluster, size)])
+                                                    for m in mesh_positions(cm.cluster, size, space)])
     edges = slot_edges(graph, index)
     sizes = {c.mesh.size for s in slots for c in s.cands} | {cm.cluster.world_size}
-    return Problem(graph, cm, slots, edges, atom_size=math.gcd(*sizes), unroll=unroll, symmetric=True)
+    # Runs of consecutive nodes are not closed under swapping halves of the cluster (a 3-node mesh
+    # straddles them), so the mirror symmetry that pins the first home call to rank 0 is off.
+    return Problem(graph, cm, slots, edges, atom_size=math.gcd(*sizes), unroll=unroll,
+                   symmetric=not space.node_ranges)

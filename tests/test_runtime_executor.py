@@ -7,7 +7,7 @@ plans (and GRPO and PPO of mixtures of experts, with expert parallel) (built wit
 parameters the way compiled plans do: a train call's placement is the model's home, and other
 calls run on reallocated copies (across disjoint or nested meshes, from a ZeRO-3 home, to a
 pipeline) or share the home's slices under another layout. One GRPO plan takes its rewards from
-a reward model on a third mesh.
+a reward model on a third mesh; another trains on three consecutive ranks that are no aligned block.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def _slices(mesh: Mesh, lay: Layout) -> tuple:
     return slices_key(mesh, lay)
 
 
-def place(graph, layouts: dict[str, tuple[Mesh, Layout]], *, reallocations: bool = True) -> Plan:
+def place(graph, layouts: dict[str, tuple[Mesh, Layout]], *, reallocations: bool = True,
+          cluster: str = "cpu:1x4") -> Plan:
     """A plan from a graph with each model, or call, on a given (mesh, layout) (call names take
     precedence), listing the reallocations a compiled plan would list."""
     where = {c.name: layouts.get(c.name, layouts.get(c.model)) for c in graph.calls}
@@ -47,14 +48,16 @@ def place(graph, layouts: dict[str, tuple[Mesh, Layout]], *, reallocations: bool
                       est_time_s=0, est_peak_mem_bytes=0) for c in graph.calls]
     moves = []
     homes = graph.home_calls()
+    cl = parse_cluster(cluster)
     for c in graph.calls:
         home = homes[c.model]
         if reallocations and _slices(*where[c.name]) != _slices(*where[home]):
             decl = graph.models[c.model]
-            vol = transfer_volume(decl.spec, head=decl.head, src=where[home], dst=where[c.name], gpus_per_node=4)
+            vol = transfer_volume(decl.spec, head=decl.head, src=where[home], dst=where[c.name],
+                                  gpus_per_node=cl.gpus_per_node)
             moves.append(Reallocation(model=c.model, from_call=home, to_call=c.name, bytes=vol.moved_numel * 2,
                                       est_time_s=0))
-    return Plan(name=graph.name, cluster=parse_cluster("cpu:1x4"), models=graph.models, inputs=graph.inputs,
+    return Plan(name=graph.name, cluster=cl, models=graph.models, inputs=graph.inputs,
                 algorithm=graph.algorithm, calls=calls, reallocations=moves, search=SearchInfo(method="test"),
                 estimate=Estimate(iteration_s=0, tokens_per_s=0, mfu=0, peak_mem_bytes=0))
 
@@ -94,6 +97,14 @@ def _plans() -> dict[str, Plan]:
                          "actor_generate": (high, Layout(tp=2)),
                          "critic": (all4, Layout(dp=2, tp=2, zero=1, micro_batches=2, sequence_parallel=True)),
                          "critic_inference": (all4, Layout(dp=2, tp=2)), "ref": (low, Layout(tp=2))}),
+        # A run of three consecutive ranks that is no aligned block (the search's node ranges on a
+        # cluster of four one-GPU nodes): the actor trains data-parallel over ranks 1-3 and
+        # generates on all four, the reference sits on rank 0 alone.
+        "grpo_range": place(algorithms.grpo("tiny-llama", reward_fn=REWARD, batch=6, prompt_len=6, gen_len=5,
+                                            samples_per_prompt=2, ppo_minibatches=2, **common),
+                            {"actor_train": (Mesh.block(1, 3), Layout(dp=3, zero=1)),
+                             "actor_generate": (all4, Layout(dp=4)), "ref": (Mesh.block(0, 1), Layout())},
+                            cluster="cpu:4x1"),
         # Mixtures of experts: GRPO trained with expert parallel over all four ranks, generating with
         # experts split over tp and ep (a reallocation moves them), the reference on two ranks at ep 2;
         # PPO of a Qwen-MoE-style actor (shared expert, a dense layer) trained with ep x tp, its

@@ -211,3 +211,30 @@ def test_cpsat_and_simulator_agree_on_memory_through_the_table(seed):
         assert status in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.INFEASIBLE)
         assert (status != cp_model.INFEASIBLE) == fits, (choice, peak, cap)
     assert fits_seen  # at least one assignment was checked
+
+
+def test_node_ranges_add_runs_of_consecutive_nodes_and_half_nodes():
+    from planner.candidates import SearchSpace, mesh_positions, mesh_sizes
+
+    cl = parse_cluster("a100-80gb:4x8")
+    assert mesh_sizes(cl, SearchSpace()) == [4, 8, 16, 32]
+    wide = SearchSpace(node_ranges=True)
+    assert mesh_sizes(cl, wide) == [4, 8, 16, 24, 32]
+    assert [m.first for m in mesh_positions(cl, 24, wide)] == [0, 8]  # 3 of 4 nodes, from either end
+    assert [m.first for m in mesh_positions(cl, 16, wide)] == [0, 8, 16]  # 2 nodes at any node
+    assert [m.first for m in mesh_positions(cl, 16, SearchSpace())] == [0, 16]
+    big = parse_cluster("a100-80gb:16x8")
+    assert 4 not in mesh_sizes(big, SearchSpace()) and 4 in mesh_sizes(big, SearchSpace(node_ranges=True))
+
+
+def test_node_ranges_never_give_a_slower_plan_than_aligned_blocks():
+    # The wider space holds the aligned one, and its search starts from the better beam of both.
+    from planner.algorithms import ppo
+    from planner.candidates import SearchSpace
+
+    graph = ppo("tiny-llama", batch=16, prompt_len=16, gen_len=16)
+    cl = parse_cluster("a100-80gb:4x2")
+    aligned = compile_graph(graph, cl, time_limit_s=2)
+    wide = compile_graph(graph, cl, time_limit_s=2, space=SearchSpace(node_ranges=True))
+    assert wide.estimate.iteration_s <= aligned.estimate.iteration_s * (1 + 1e-9)
+    assert wide.search.candidates > aligned.search.candidates
