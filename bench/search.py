@@ -74,15 +74,15 @@ def run(inst: Instance, *, time_limit_s: float) -> dict:
 def node_ranges_row(inst: Instance, *, time_limit_s: float, aligned: dict) -> str:
     """The instance searched again with runs of consecutive nodes and half nodes
     (`SearchSpace.node_ranges`), beside the aligned space's plan of the same run."""
+    from planner.beam import is_aligned
     from planner.candidates import SearchSpace
 
-    cluster = parse_cluster(inst.cluster)
     t0 = time.perf_counter()
-    plan = compile_graph(inst.graph, cluster, time_limit_s=time_limit_s, space=SearchSpace(node_ranges=True))
+    plan = compile_graph(inst.graph, parse_cluster(inst.cluster), time_limit_s=time_limit_s,
+                         space=SearchSpace(node_ranges=True))
     wall = time.perf_counter() - t0
     gain = aligned["iteration_s"] / plan.estimate.iteration_s
-    ranges = sorted({c.mesh.short() for c in plan.calls if c.mesh.alignment_error(cluster.gpus_per_node) is None
-                     and (c.mesh.size & (c.mesh.size - 1) or c.mesh.first % c.mesh.size)})
+    ranges = sorted({c.mesh.short() for c in plan.calls if not is_aligned(c.mesh)})
     return (f"{inst.name:<12} aligned {aligned['iteration_s']:>8.2f}s ({aligned['wall_s']:>5.1f}s, gap "
             f"{aligned['gap'] * 100:>4.1f}%)  node ranges {plan.estimate.iteration_s:>8.2f}s ({wall:>5.1f}s, gap "
             f"{plan.search.gap * 100:>4.1f}%, {plan.search.candidates} candidates, {plan.search.status})  "

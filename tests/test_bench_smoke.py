@@ -31,7 +31,7 @@ SMOKE = {
     "gpu_check.py": (["--device", "cpu", "--quick", "--repeats", "1", "--out", "report.json"],
                      "ratios runtime/transformers"),
     "seesaw.py": (["--smoke"], "split decode wins"),
-    "search.py": (["--only", "grpo-qwen7b", "--time-limit", "1"], "grpo-qwen7b"),
+    "search.py": (["--only", "grpo-qwen7b", "--time-limit", "1", "--node-ranges"], "node ranges"),
 }
 
 
