@@ -58,6 +58,15 @@ from plans.sharding import stage_layers
 REALLOC_PIECE_OPS = 4
 LOGIT_TRAIN_BYTES = 8  # per logit: fp16 logits, fp32 softmax, fp16 gradient
 LOGIT_INFER_BYTES = 6  # fp16 logits and fp32 log-softmax
+# Of a host link's raw rate (`GpuSpec.host_gbps`, after line encoding), what a pinned copy moves:
+# PCIe's transaction-layer packets carry 256 bytes of payload behind about 24 bytes of header,
+# sequence number and framing (0.91), and acknowledgement and flow-control packets take a few
+# percent more of the link.
+HOST_COPY_EFFICIENCY = 0.85
+# What `Layout.offload` keeps in host memory between calls, and how many times a call copies it
+# across the host link: optimizer states go in before the step and come back after it; a frozen
+# model's weights only go in (the host copy stays valid).
+OFFLOADED = {"optimizer": ("optimizer", 2), "weights": ("params", 1)}
 
 
 @dataclass(frozen=True)
@@ -65,11 +74,14 @@ class CallCost:
     """Estimated time and per-rank memory of one call under one placement."""
 
     time_s: float
-    state_mem_bytes: int  # parameters (+ gradients and optimizer states when trainable) per rank
-    peak_mem_bytes: int  # state plus the call's transient peak (activations, KV cache, buffers)
+    # What stays on each rank between calls: parameters (+ gradients and optimizer states when
+    # trainable), less what `Layout.offload` keeps in host memory instead (`host_mem_bytes`).
+    state_mem_bytes: int
+    peak_mem_bytes: int  # state plus the call's transient peak (offloaded states, activations, KV cache, buffers)
     model_flops: float  # useful FLOPs of the call (see the module docstring)
     breakdown_s: dict[str, float] = field(default_factory=dict)
     mem_breakdown_bytes: dict[str, int] = field(default_factory=dict)
+    host_mem_bytes: int = 0  # host memory per rank holding offloaded states between calls
 
 
 @dataclass(frozen=True)
@@ -158,7 +170,11 @@ class CostModel:
                mesh.first % gpn if mesh.size < gpn else 0, mesh.size, layout, decode_layout)
         hit = self._calls.get(key)
         if hit is None:
-            hit = self._call_cost(call, decl, mesh, layout, decode_layout)
+            if layout.offload != "none":  # the same call, plus the host copies
+                base = self.call_cost(call, decl, mesh, layout.on_device, decode_layout=decode_layout)
+                hit = self._offloaded(base, layout.offload)
+            else:
+                hit = self._call_cost(call, decl, mesh, layout, decode_layout)
             self._calls[key] = hit
         return hit
 
@@ -199,6 +215,21 @@ class CostModel:
             breakdown_s={k: v for k, v in sorted(times.items()) if v > 0},
             mem_breakdown_bytes=dict(sorted(mem.items())),
         )
+
+    def _offloaded(self, cost: CallCost, offload: str) -> CallCost:
+        """`cost` of a call whose home keeps `offload` (`Layout.offload`) in host memory between
+        calls: that much less resident, the same peak, the host copies added to its time."""
+        kept, trips = OFFLOADED[offload]
+        host = cost.mem_breakdown_bytes.get(kept, 0)
+        copy_s = trips * self.host_copy_s(host)
+        breakdown = dict(sorted({**cost.breakdown_s, "offload": copy_s}.items())) if copy_s > 0 else cost.breakdown_s
+        return dataclasses.replace(cost, time_s=cost.time_s + copy_s, state_mem_bytes=cost.state_mem_bytes - host,
+                                   breakdown_s=breakdown, host_mem_bytes=host)
+
+    def host_copy_s(self, nbytes: float) -> float:
+        """Seconds to copy `nbytes` per rank between host and device memory, every GPU of the node
+        copying at once (`GpuSpec.host_gbps`, at `HOST_COPY_EFFICIENCY`)."""
+        return nbytes * 8 / (self.cluster.sheet.host_gbps * 1e9 * HOST_COPY_EFFICIENCY)
 
     # ---- memory --------------------------------------------------------------------------
 
@@ -337,6 +368,7 @@ class CostModel:
 
     def realloc_cost(self, decl: ModelDecl, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout]) -> ReallocCost:
         """Bytes and time to move `decl`'s parameters from placement `src` to `dst` (cached)."""
+        src, dst = (src[0], src[1].on_device), (dst[0], dst[1].on_device)  # offload moves no parameter
         key = (decl.spec, decl.head, src, dst)
         hit = self._reallocs.get(key)
         if hit is None:

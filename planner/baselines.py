@@ -9,6 +9,9 @@
   heuristic plan): tensor parallel over the node, the fewest pipeline stages that fit, ZeRO-1
   over data parallel; micro-batches and recompute the best for it.
 
+Baselines keep every state on the GPU (`SearchSpace.offload` off): they stand for those systems'
+default configurations, and `bench/search.py` reports what offload adds separately.
+
 A restriction filters candidates (`static`, and the `SearchSpace` it builds) and, for one layout
 per model, ties every call to its home call's mesh and degrees (`add_joint`); beam search and
 CP-SAT apply the same rule, so a baseline is searched exactly like a plan.
@@ -86,7 +89,7 @@ class Restriction:
 
 
 def _full_mesh_only(graph: Graph, cm: CostModel) -> SearchSpace:
-    return SearchSpace(mesh_sizes=(cm.cluster.world_size,), keep_per_size=6, split_decode=False)
+    return SearchSpace(mesh_sizes=(cm.cluster.world_size,), keep_per_size=6, split_decode=False, offload=False)
 
 
 def _megatron_tp(decl: ModelDecl, gpus_per_node: int) -> int:
@@ -122,7 +125,7 @@ def _heuristic_space(graph: Graph, cm: CostModel) -> SearchSpace:
     def ok(call: Call, decl: ModelDecl, lay: Layout) -> bool:
         return megatron(tp_of[call.model], pp_of[call.model])(call, decl, lay)
 
-    return SearchSpace(mesh_sizes=(world,), keep_per_size=6, layout_ok=ok, split_decode=False)
+    return SearchSpace(mesh_sizes=(world,), keep_per_size=6, layout_ok=ok, split_decode=False, offload=False)
 
 
 def baseline_spaces(graph: Graph, cm: CostModel) -> list[SearchSpace]:
@@ -156,5 +159,5 @@ def restriction(name: str, graph: Graph, cm: CostModel) -> Restriction:
         # Meshes down to 1/8 of a half, as the main search goes down to 1/8 of the cluster: smaller
         # ones multiply the aligned positions (one per GPU at size 1) without better plans.
         blocks = 2 * SearchSpace().max_blocks
-        return Restriction(name, SearchSpace(mesh_sizes=sizes, max_blocks=blocks), half_of=half_of)
+        return Restriction(name, SearchSpace(mesh_sizes=sizes, max_blocks=blocks, offload=False), half_of=half_of)
     raise PlannerError(f"unknown baseline {name!r}", hint=f"baselines: {', '.join(BASELINES)}")

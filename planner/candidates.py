@@ -25,6 +25,7 @@ from plans.sharding import layout_problems, slices_key
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 SPLIT_DECODE_PREFILLS = 3  # prefill layouts per mesh size tried with every other decode layout
+OFFLOAD_VARIANTS = 1  # kept layouts per mesh size of a home call (fastest first) also tried with offload
 LONG_SEQ_TOKENS = 16384  # context parallel is considered from this sequence length on
 
 
@@ -80,6 +81,9 @@ class SearchSpace:
     # ReaLHF's mesh space: besides aligned power-of-two blocks, any run of consecutive whole nodes
     # (3 of 4, 12 of 16) at any node offset, and half nodes on every cluster size.
     node_ranges: bool = False
+    # Home calls may also keep states in host memory between calls (`Layout.offload`): a train
+    # call's optimizer states, a frozen model's weights when it has no other call.
+    offload: bool = True
     # Costing one layout takes about a millisecond; past this many (distinct calls x mesh sizes x
     # layouts) a request is refused with an error rather than left to run for many minutes.
     max_layout_evals: int = 200_000
@@ -330,6 +334,37 @@ def layout_evaluations(graph: Graph, cm: CostModel, space: SearchSpace) -> dict[
     return out
 
 
+def offload_kind(call: Call, graph: Graph) -> str | None:
+    """What the home call `call` may keep in host memory between calls (`Layout.offload`): a
+    trainable model's optimizer states, the weights of a frozen model no other call reads."""
+    decl = graph.models[call.model]
+    if decl.trainable:
+        return "optimizer" if call.kind == "train" else None
+    return "weights" if sum(c.model == call.model for c in graph.calls) == 1 else None
+
+
+def _add_offload(call: Call, graph: Graph, cm: CostModel, sizes: dict[int, list[Candidate]]) -> None:
+    """Add to a home call's kept candidates their variants with states in host memory: less
+    resident on the GPU between calls, for the time of the host copies. None on a CPU cluster,
+    where the host memory is the memory the ranks use."""
+    kind = offload_kind(call, graph)
+    cluster = cm.cluster
+    if kind is None or cluster.gpu == "cpu":
+        return
+    host_cap = int(cluster.sheet.host_mem_gib * 1024**3)
+    view = costed_view(call, graph.models[call.model])
+    for cands in sizes.values():
+        have = {(c.layout, c.decode_layout) for c in cands}
+        for c in cands[:OFFLOAD_VARIANTS]:
+            lay = c.layout.model_copy(update={"offload": kind})
+            if (lay, c.decode_layout) in have:
+                continue
+            cost = cm.call_cost(call, view, c.mesh, lay, decode_layout=c.decode_layout)
+            if cost.host_mem_bytes and cost.host_mem_bytes <= host_cap and cost.peak_mem_bytes <= cluster.usable_mem_bytes:
+                cands.append(Candidate(c.mesh, lay, cost, c.decode_layout))
+        cands.sort(key=lambda c: (c.time_s, c.state_bytes, c.work_bytes, c.layout.short()))
+
+
 def merge_candidates(into: dict[str, dict[int, list[Candidate]]], more: dict[str, dict[int, list[Candidate]]]) -> None:
     """Add to `into` the candidates of `more` it lacks (same call, mesh size and layouts)."""
     for name, sizes in more.items():
@@ -354,6 +389,10 @@ def graph_candidates(graph: Graph, cm: CostModel, space: SearchSpace,
         out[c.name] = call_candidates(c, graph.models[c.model], cm, space)
     homes = graph.home_calls()
     cap = cm.cluster.usable_mem_bytes
+    if space.offload:
+        for c in graph.calls:
+            if homes[c.model] == c.name:
+                _add_offload(c, graph, cm, out[c.name])
     for c in graph.calls:
         home = homes[c.model]
         if home == c.name:

@@ -298,7 +298,7 @@ class Problem:
         s = self.slots[slot]
         assert s.home is not None
         src, dst = self.slots[s.home].cands[h], s.cands[k]
-        return (s.call.model, src.layout, dst.layout, *self._relation(src.mesh, dst.mesh))
+        return (s.call.model, src.layout.on_device, dst.layout.on_device, *self._relation(src.mesh, dst.mesh))
 
     def _relation(self, a: Mesh, b: Mesh) -> tuple[int, ...]:
         """What a reallocation's cost depends on in the placement of two aligned blocks: their

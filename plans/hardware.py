@@ -31,6 +31,9 @@ class GpuSpec(Strict):
     gpus_per_node: int = Field(ge=1, description="GPUs in the vendor's standard node.")
     nvlink_latency_us: float = Field(ge=0, description="Latency of one intra-node collective step, us.")
     net_latency_us: float = Field(ge=0, description="Latency of one inter-node collective step, us.")
+    host_gbps: float = Field(gt=0, description="Host link (PCIe) bandwidth per GPU, one direction, Gbit/s, while "
+                             "every GPU of the node copies at once (a switch's uplink shared by the GPUs behind it).")
+    host_mem_gib: float = Field(gt=0, description="Host (CPU) memory per GPU, GiB: the node's memory over its GPUs.")
     sm_count: int | None = Field(
         None, ge=1, description="Streaming multiprocessors (GEMM tiles run in waves of this many); None: no wave model."
     )

@@ -17,6 +17,8 @@ from pydantic import Field, model_validator
 from plans.base import Strict
 
 Recompute = Literal["none", "selective", "full"]
+# Where a home call's states wait between calls (`Layout.offload`).
+Offload = Literal["none", "optimizer", "weights"]
 
 
 class Coord(NamedTuple):
@@ -44,6 +46,12 @@ class Layout(Strict):
                     "experts split over ep ranks; tokens reach their experts by all-to-all.")
     etp: int = Field(1, ge=1, description="Expert tensor-parallel degree: 1 (each expert whole on its rank) or tp "
                      "(every expert split like the dense MLP).")
+    # Left out of a plan's JSON when "none", so plans without offload keep their bytes.
+    offload: Offload = Field("none", exclude_if=lambda v: v == "none", description=(
+        "What the model's home call keeps in host memory between calls: none; optimizer (a train call's "
+        "optimizer states, copied to the GPU for the call and back after it, as DeepSpeed's offload_optimizer "
+        "and verl's optimizer_offload keep them); weights (a frozen model's only call: its weights are "
+        "copied in before the call and dropped after it, as OpenRLHF's --ref.offload)."))
 
     @model_validator(mode="after")
     def check_sequence_parallel_needs_tp(self) -> Layout:
@@ -85,6 +93,12 @@ class Layout(Strict):
         return (i // self.etp) % self.ep, i % self.etp, i // (self.etp * self.ep)
 
     @property
+    def on_device(self) -> Layout:
+        """This layout with every state kept on the GPU: how it splits parameters and work,
+        which offload does not change (a reallocation or a twin sees this)."""
+        return self if self.offload == "none" else self.model_copy(update={"offload": "none"})
+
+    @property
     def size(self) -> int:
         """Ranks the layout occupies: dp * tp * pp * cp."""
         return self.dp * self.tp * self.pp * self.cp
@@ -119,6 +133,8 @@ class Layout(Strict):
             parts.append("rc:" + {"selective": "sel", "full": "full"}[self.recompute])
         if self.sequence_parallel:
             parts.append("sp")
+        if self.offload != "none":
+            parts.append("off:" + {"optimizer": "opt", "weights": "w"}[self.offload])
         return " ".join(parts)
 
 

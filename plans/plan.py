@@ -173,12 +173,42 @@ def placement_problems(plan: Plan) -> list[str]:
             if c.model in plan.models:
                 for p in layout_problems(plan.models[c.model].spec, lay):
                     problems.append(f"call {c.name!r}: {p}")
+    problems += offload_problems(plan)
     for r in plan.reallocations:
         for end in (r.from_call, r.to_call):
             if end not in calls:
                 problems.append(f"reallocation of {r.model!r} names unknown call {end!r}")
             elif calls[end].model != r.model:
                 problems.append(f"reallocation of {r.model!r} names call {end!r}, which runs on {calls[end].model!r}")
+    return problems
+
+
+def offload_problems(plan: Plan) -> list[str]:
+    """Where a plan offloads what is not there to offload: states wait in host memory between
+    calls only for the call that keeps them (the model's home call); a train call's optimizer
+    states, or the weights of a frozen model that no other call reads."""
+    problems = []
+    homes = plan.graph().home_calls()
+    for c in plan.calls:
+        if c.decode_layout is not None and c.decode_layout.offload != "none":
+            problems.append(f"call {c.name!r}: its decode layout says offload={c.decode_layout.offload!r}; offload "
+                            "belongs to the layout the call starts with")
+        off = c.layout.offload
+        if off == "none" or c.model not in plan.models:
+            continue
+        decl, home = plan.models[c.model], homes.get(c.model)
+        if off == "optimizer" and (c.kind != "train" or not decl.trainable):
+            problems.append(f"call {c.name!r} ({c.kind}) offloads optimizer states, which only a train call of a "
+                            "trainable model has; use offload='none' (or 'weights' for a frozen model's only call)")
+        elif home is not None and c.name != home and c.kind != "train":
+            problems.append(f"call {c.name!r} offloads {off}, but {c.model!r} keeps its states with its home call "
+                            f"{home!r}; only that call's layout may say offload")
+        elif off == "weights":
+            others = [o.name for o in plan.calls if o.model == c.model and o.name != c.name]
+            if decl.trainable or others:
+                why = "it is trainable" if decl.trainable else f"calls {', '.join(map(repr, others))} read them too"
+                problems.append(f"call {c.name!r} offloads the weights of {c.model!r}, but {why}; weights offload "
+                                "is for a frozen model's only call (offload a trainable model's optimizer instead)")
     return problems
 
 

@@ -345,7 +345,7 @@ def save_checkpoint(runner: PlanRunner, root: str | Path, *, step: int, keep: in
 def _save(runner: PlanRunner, tmp: Path, final: Path, *, step: int, keep: int | None, hooks: FaultHooks | None,
           what: str) -> Path:
     file = f"rank-{runner.rank:05d}.safetensors"
-    with named(what, rank=runner.rank, timeout_s=runner.timeout_s):
+    with named(what, rank=runner.rank, timeout_s=runner.timeout_s), runner.states_on_device():
         tensors, pieces, steps = _my_pieces(runner, file)
     rng, meta = _rng_state(runner.device)
     try:
@@ -640,6 +640,12 @@ def resume(runner: PlanRunner, options: CheckpointOptions) -> Resumed | None:
         return None
     candidates, skipped = _rank0(runner, lambda: _candidates(options, runner),
                                  what="choosing the checkpoint to resume")
+    with runner.states_on_device():  # the slices and moments it fills are the device's
+        return _resume_from(runner, options, candidates, skipped)
+
+
+def _resume_from(runner: PlanRunner, options: CheckpointOptions, candidates: list[tuple[str, str]],
+                 skipped: list[str]) -> Resumed | None:
     for path, text in candidates:
         manifest = CheckpointManifest.model_validate_json(text)
         reader = _Reader(Path(path), manifest)

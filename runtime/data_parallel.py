@@ -49,6 +49,7 @@ from plans.layout import Layout
 from plans.sharding import parameters, shard_box, split_range
 from runtime.groups import Axis, RankGroups, all_gather_into, reduce_scatter_into
 from runtime.model import Shard
+from runtime.offload import to_device, to_host
 
 BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's default bucket_cap_mb)
 ALIGN_ELEMENTS = 16  # parameters start at 64-byte boundaries of the flat buffer
@@ -268,6 +269,8 @@ class DataParallel:
         size = self.owned[1] - self.owned[0]
         self.m = torch.zeros(size, dtype=torch.float32, device=ref.device)
         self.v = torch.zeros_like(self.m)
+        self.device = ref.device
+        self.on_host = False  # Adam's moments wait in host memory (`optimizer_to_host`)
         self.steps = 0
         self.replicated = [n for n in names if _replicated_under_tp(shard, n)]
         expert_names = {p.name for p in parameters(shard.spec, head=shard.head) if p.expert_dim is not None}
@@ -428,10 +431,24 @@ class DataParallel:
         if isinstance(self.shard.gather, Zero3Gather):
             self.shard.gather.drop()
         lo, hi = self.owned
+        if self.on_host:
+            raise RuntimeError("the optimizer step ran while Adam's moments were in host memory (optimizer_to_device first)")
         with torch.no_grad():
             adam_update(self.flat[lo:hi], self.grad[lo:hi], self.m, self.v, step=self.steps, lr=lr, cfg=self.adam)
             if self.zero in (1, 2) and self.groups.dp.size > 1:
                 all_gather_into(self.flat, self.flat[lo:hi].clone(), group=self.groups.dp.group)
+
+    def optimizer_to_host(self) -> None:
+        """Move Adam's moments to host memory (`Layout.offload` ``optimizer``), releasing the
+        device's copies; `optimizer_to_device` brings them back before the next step."""
+        if not self.on_host:
+            self.m, self.v = to_host(self.m), to_host(self.v)
+            self.on_host = True
+
+    def optimizer_to_device(self) -> None:
+        if self.on_host:
+            self.m, self.v = to_device(self.m, self.device), to_device(self.v, self.device)
+            self.on_host = False
 
     def moments(self) -> dict[str, tuple[Tensor, Tensor]]:
         """Adam's (exp_avg, exp_avg_sq) of every parameter of the shard, shaped like it (views).
@@ -439,6 +456,8 @@ class DataParallel:
         every rank of the group must call it; Adam is elementwise, so the gathered moments are
         the parameters' own."""
         m, v = self.m, self.v
+        if self.on_host:  # gathered on the device (NCCL sends device tensors), as a step would use them
+            m, v = to_device(m, self.device), to_device(v, self.device)
         if self.zero in (1, 2) and self.groups.dp.size > 1:
             both = torch.empty(self.groups.dp.size * 2, self.m.numel(), dtype=self.m.dtype, device=self.m.device)
             all_gather_into(both, torch.stack([self.m, self.v]), group=self.groups.dp.group)
@@ -455,7 +474,7 @@ class DataParallel:
             whole_m[lo:hi] = m.reshape(-1)
             whole_v[lo:hi] = v.reshape(-1)
         lo, hi = self.owned
-        self.m.copy_(whole_m[lo:hi])
+        self.m.copy_(whole_m[lo:hi])  # on the host or the device, wherever the moments are
         self.v.copy_(whole_v[lo:hi])
         self.steps = steps
 

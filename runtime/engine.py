@@ -37,6 +37,7 @@ from runtime.context_parallel import ContextParallel
 from runtime.data_parallel import AdamConfig, DataParallel, apply_data_parallel
 from runtime.groups import RankGroups
 from runtime.model import ExpertParallel, Shard, build_shard, stage_forward, token_logprobs, token_values
+from runtime.offload import released, to_device, to_host
 from runtime.pipeline_parallel import Pipeline, apply_pipeline_parallel, forward_only, train_1f1b
 from runtime.recompute import apply_recompute
 from runtime.tensor_parallel import apply_tensor_parallel
@@ -107,6 +108,7 @@ class ModelRunner:
         self.shard, self.pipe, self.dp = parallelize(spec, head=head, trainable=trainable, groups=groups,
                                                      state=state, params=params, piece=piece, device=device,
                                                      adam=adam)
+        self._host_weights: dict[str, Tensor] | None = None  # a frozen model's weights while offloaded
 
     # Helpers --------------------------------------------------------------------------------
 
@@ -251,5 +253,39 @@ class ModelRunner:
                                 groups=self.layout.micro_batches, prefilled=kv)
 
     def local_parameters(self) -> dict[str, Tensor]:
-        """This rank's parameter slices (detached), by HF name."""
+        """This rank's parameter slices (detached), by HF name (copied back to the device while
+        `offload_states` keeps the weights on the host)."""
+        if self._host_weights is not None:
+            return {n: to_device(t, self.device) for n, t in self._host_weights.items()}
         return {n: p.detach() for n, p in self.shard.params.items()}
+
+    # Offload (`Layout.offload`) -------------------------------------------------------------
+
+    def offload_states(self) -> None:
+        """After its call, move what `Layout.offload` keeps in host memory there: the optimizer's
+        moments, or a frozen model's weights (dropped from the device: the host copy is theirs)."""
+        if self.layout.offload == "optimizer":
+            assert self.dp is not None, "optimizer offload on a model that is not trainable"
+            self.dp.optimizer_to_host()
+        elif self.layout.offload == "weights" and self._host_weights is None:
+            assert self.dp is None, "weights offload on a trainable model"
+            self._host_weights = {n: to_host(p.detach()) for n, p in self.shard.params.items()}
+            for p in {id(p): p for p in self.shard.params.values()}.values():  # a tied weight once
+                p.data = released(p.data)
+
+    def reload_states(self) -> None:
+        """Before its call, bring back what `offload_states` moved to host memory."""
+        if self.dp is not None:
+            self.dp.optimizer_to_device()
+        if self._host_weights is not None:
+            done: set[int] = set()
+            for n, p in self.shard.params.items():
+                if id(p) not in done:
+                    p.data = to_device(self._host_weights[n], self.device)
+                    done.add(id(p))
+            self._host_weights = None
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether states of this runner are in host memory now."""
+        return self._host_weights is not None or (self.dp is not None and self.dp.on_host)

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,6 +235,7 @@ class PlanRunner:
                 self.homes[c.model] = ModelRunner(decl.spec, head=decl.head, trainable=decl.trainable, groups=mine,
                                                   piece=initial_weights(decl, seed=seed), device=device, dtype=dtype,
                                                   adam=adam)
+                self.homes[c.model].offload_states()  # between calls from the start (`Layout.offload`)
         for c in plan.calls:
             cp, decl = self.calls[c.name], plan.models[c.model]
             mine = self.groups[c.name]
@@ -285,6 +286,19 @@ class PlanRunner:
         steps, with this rank's runner on it (None outside its mesh), in the plan's model order."""
         homes = {c.model: self.calls[c.name].home for c in self.plan.calls}
         return [(m, self.calls[homes[m]].where, self.homes.get(m)) for m in self.plan.models if m in homes]
+
+    @contextmanager
+    def states_on_device(self) -> Iterator[None]:
+        """States offloaded between calls (`Layout.offload`) back on the device for the block (a
+        checkpoint reads and fills them there), and offloaded again after it."""
+        held = [r for r in self.homes.values() if r.offloaded]
+        for r in held:
+            r.reload_states()
+        try:
+            yield
+        finally:
+            for r in held:
+                r.offload_states()
 
     def readable(self, handle: str, value: Any, state: StepState) -> Any:
         """`value` of `handle` as a host step gets it: for a dataset's prompts and what is generated
@@ -452,9 +466,13 @@ class PlanRunner:
         span = nullcontext() if runner is None else \
             self.recorder.call(call.name, step=state.step, kind=call.kind, model=call.model)
         # Named for `runtime.observe.MemoryMeter` (nothing happens unless a profiler runs).
+        # States a home call keeps in host memory between calls come back for it (`Layout.offload`).
+        offloads = runner if runner is not None and cp.source == "home" and cp.where.layout.offload != "none" else None
         with span, torch.profiler.record_function(CALL_MARK + call.name):
             if runner is not None:
                 self.hooks.before_call(state.step, kind=call.kind)
+            if offloads is not None:
+                offloads.reload_states()
             if call.kind == "generate":
                 local, shapes = self._generate(call, runner, store, state.step)
             elif call.kind == "inference":
@@ -465,6 +483,8 @@ class PlanRunner:
                 stats = {(k if k in ("reward_mean", "response_len", "kl_mean") else f"{call.name}.{k}"): v
                          for k, v in batch_stats.items()}  # the same on every rank: the leader's go to rank 0
                 shares = {f"{call.name}.{k}": v for k, v in shares.items()}
+            if offloads is not None:
+                offloads.offload_states()
         if runner is not None:
             stats[f"{call.name}.time_s"] = self._last_span_s()
         if call.kind != "train":  # a train call's output handle orders calls; it carries no tensors

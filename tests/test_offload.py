@@ -1,0 +1,96 @@
+"""States in host memory between calls (`Layout.offload`): what the cost model charges, which
+plans may say it, and that the search takes it where memory binds. The runtime's side (a plan
+with offloaded optimizers and weights equal to the single-process reference on 4 gloo ranks) is
+`tests/test_runtime_executor.py`'s ``ppo_offload``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cost_models import CostModel
+from cost_models.api import HOST_COPY_EFFICIENCY
+from planner.algorithms import ppo
+from planner.candidates import SearchSpace, offload_kind
+from planner.compile import compile_graph
+from plans.cluster import parse_cluster
+from plans.layout import Layout, Mesh
+from plans.plan import Plan, parse_plan, plan_to_json
+
+TINY_PPO = Path(__file__).resolve().parents[1] / "plans" / "tiny_ppo.json"
+
+
+def _ppo_8b():
+    return ppo("llama-3-8b", batch=512, prompt_len=1024, gen_len=1024)
+
+
+def test_offload_keeps_states_on_the_host_for_the_time_of_the_copies() -> None:
+    cluster = parse_cluster("h100-sxm:1x8")
+    cm, graph, mesh = CostModel(cluster), _ppo_8b(), Mesh.block(0, 8)
+    rate = cluster.sheet.host_gbps * 1e9 / 8 * HOST_COPY_EFFICIENCY  # bytes per second per GPU
+    for name, base, kind, trips, kept in (
+            ("actor_train", Layout(dp=8, zero=1, micro_batches=4), "optimizer", 2, "optimizer"),
+            ("ref_inference", Layout(dp=8, micro_batches=4), "weights", 1, "params")):
+        call = graph.call(name)
+        decl = graph.models[call.model]
+        plain = cm.call_cost(call, decl, mesh, base)
+        off = cm.call_cost(call, decl, mesh, base.model_copy(update={"offload": kind}))
+        assert off.host_mem_bytes == plain.mem_breakdown_bytes[kept] > 0
+        assert off.state_mem_bytes == plain.state_mem_bytes - off.host_mem_bytes  # off the GPU between calls
+        assert off.peak_mem_bytes == plain.peak_mem_bytes  # on it while the call runs
+        assert off.breakdown_s["offload"] == pytest.approx(trips * off.host_mem_bytes / rate)
+        assert off.time_s == pytest.approx(plain.time_s + off.breakdown_s["offload"])
+
+
+def test_what_a_home_call_may_offload() -> None:
+    graph = _ppo_8b()
+    assert offload_kind(graph.call("actor_train"), graph) == "optimizer"
+    assert offload_kind(graph.call("ref_inference"), graph) == "weights"  # a frozen model's only call
+    assert offload_kind(graph.call("critic_inference"), graph) is None  # the critic's home is its train call
+    assert offload_kind(graph.call("actor_generate"), graph) is None
+
+
+def _tiny(**layouts: dict) -> dict:
+    data = json.loads(TINY_PPO.read_text())
+    for c in data["calls"]:
+        for key, value in layouts.get(c["name"], {}).items():
+            c[key] = value
+    return data
+
+
+@pytest.mark.parametrize(("call", "change", "says"), [
+    ("actor_generate", {"layout": {"offload": "optimizer"}}, "only a train call"),
+    ("critic_inference", {"layout": {"offload": "weights"}}, "keeps its states with its home call 'critic_train'"),
+    ("actor_train", {"layout": {"offload": "weights"}}, "but it is trainable"),
+    ("actor_generate", {"decode_layout": {"offload": "optimizer"}}, "belongs to the layout the call starts with"),
+])
+def test_a_plan_offloading_what_is_not_there_is_refused(call: str, change: dict, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        Plan.model_validate(_tiny(**{call: change}))
+
+
+def test_plan_json_states_offload_only_where_a_call_uses_it() -> None:
+    text = TINY_PPO.read_text()
+    assert "offload" not in plan_to_json(parse_plan(text))  # plans without offload keep their bytes
+    plan = Plan.model_validate(_tiny(critic_train={"layout": {"offload": "optimizer"}},
+                                     ref_inference={"layout": {"offload": "weights"}}))
+    again = parse_plan(plan_to_json(plan))
+    assert again.call("critic_train").layout.offload == "optimizer"
+    assert again.call("ref_inference").layout.offload == "weights"
+    assert plan_to_json(again).count('"offload"') == 2
+
+
+@pytest.mark.slow
+def test_the_search_offloads_where_memory_binds() -> None:
+    """PPO of an 8B model on one node of 80 GiB GPUs: every model's states resident beside the
+    generation's KV cache leave it short of memory; the reference and reward weights and the
+    trainable models' optimizer states on the host make the iteration faster."""
+    graph, cluster = _ppo_8b(), parse_cluster("h100-sxm:1x8")
+    plain = compile_graph(graph, cluster, space=SearchSpace(offload=False))
+    plan = compile_graph(graph, cluster)
+    assert all(c.layout.offload == "none" for c in plain.calls)
+    offloaded = {c.name: c.layout.offload for c in plan.calls if c.layout.offload != "none"}
+    assert offloaded, "the search offloaded nothing"
+    assert plan.estimate.iteration_s < 0.9 * plain.estimate.iteration_s
