@@ -4,6 +4,11 @@
     python bench/search.py --only ppo-7b    # one instance
     python bench/search.py --exhaustive     # also check enumerable instances against brute force
     python bench/search.py --node-ranges    # also search ReaLHF's wider mesh space, side by side
+    python bench/search.py --no-old-space   # skip the search in the space before offload
+
+Besides the main table (the default space), every instance is searched again in the space before
+offload (`SearchSpace(offload=False)`: every state on the GPU) and the two plans are printed side
+by side, with the calls whose states the new plan keeps in host memory.
 
 Suite (batch 512, prompt 1024, generation 1024 unless stated), as in issue 4. Each baseline is
 the best plan its rule allows (`planner.baselines`). Speedup = baseline iteration / plan iteration.
@@ -60,7 +65,8 @@ def run(inst: Instance, *, time_limit_s: float) -> dict:
     wall = time.perf_counter() - t0
     row = {"instance": inst.name, "gpus": cluster.world_size, "wall_s": wall, "iteration_s": plan.estimate.iteration_s,
            "lower_bound_s": plan.search.lower_bound_s, "gap": plan.search.gap, "status": plan.search.status,
-           "limit_s": inst.limit_s}
+           "limit_s": inst.limit_s,
+           "offloaded": [(c.name, c.layout.offload) for c in plan.calls if c.layout.offload != "none"]}
     for b in BASELINES if inst.rlhf else ():
         try:
             base = compile_graph(inst.graph, cluster, time_limit_s=time_limit_s, baseline=b)
@@ -87,6 +93,21 @@ def node_ranges_row(inst: Instance, *, time_limit_s: float, aligned: dict) -> st
             f"{aligned['gap'] * 100:>4.1f}%)  node ranges {plan.estimate.iteration_s:>8.2f}s ({wall:>5.1f}s, gap "
             f"{plan.search.gap * 100:>4.1f}%, {plan.search.candidates} candidates, {plan.search.status})  "
             f"{gain:.3f}x  meshes off the aligned blocks: {', '.join(ranges) or 'none'}")
+
+
+def old_space_row(inst: Instance, *, time_limit_s: float, new: dict) -> str:
+    """The instance searched in the space before offload, beside the default space's plan."""
+    from planner.candidates import SearchSpace
+
+    t0 = time.perf_counter()
+    plan = compile_graph(inst.graph, parse_cluster(inst.cluster), time_limit_s=time_limit_s,
+                         space=SearchSpace(offload=False))
+    wall = time.perf_counter() - t0
+    gain = plan.estimate.iteration_s / new["iteration_s"]
+    off = ", ".join(f"{name} ({kind})" for name, kind in new["offloaded"]) or "none"
+    return (f"{inst.name:<12} old space {plan.estimate.iteration_s:>8.2f}s ({wall:>5.1f}s, gap "
+            f"{(plan.search.gap or 0) * 100:>4.1f}%)  new space {new['iteration_s']:>8.2f}s ({new['wall_s']:>5.1f}s, "
+            f"gap {(new['gap'] or 0) * 100:>4.1f}%)  {gain:.3f}x  offloaded: {off}")
 
 
 def exhaustive_check(inst: Instance) -> str:
@@ -122,6 +143,8 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated instance names")
     ap.add_argument("--time-limit", type=float, default=None, help="override each instance's limit (seconds)")
     ap.add_argument("--exhaustive", action="store_true", help="also compare against brute force on restricted spaces")
+    ap.add_argument("--no-old-space", action="store_true",
+                    help="skip searching each instance again in the space before offload")
     ap.add_argument("--node-ranges", action="store_true",
                     help="also search each instance with runs of consecutive nodes and half nodes (ReaLHF's space)")
     args = ap.parse_args()
@@ -147,6 +170,11 @@ def main() -> None:
         for b in BASELINES:
             if r.get(f"{b}_why"):
                 print(f"note: {r['instance']}: baseline {b} not applicable: {r[f'{b}_why']}")
+    if not args.no_old_space:
+        print("\nthe space before offload (every state on the GPU) beside the default space:")
+        for inst, r in zip(chosen, rows):
+            limit = args.time_limit if args.time_limit is not None else inst.limit_s
+            print(old_space_row(inst, time_limit_s=limit, new=r), flush=True)
     if args.node_ranges:
         print("\nthe wider mesh space (runs of consecutive nodes, half nodes) beside the aligned blocks:")
         for inst, r in zip(chosen, rows):

@@ -50,6 +50,14 @@ def config(plan: Plan, call: PlanCall, limits: list[str], notes: list[str]) -> d
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": lay.zero},
     }
+    if lay.offload == "optimizer":
+        if lay.zero:
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+            notes.append(f"{call.name}: optimizer states in host memory; ZeRO-Offload keeps them there and steps Adam "
+                         "on the CPU (DeepSpeedCPUAdam), slower than the plan costs (it copies them to the GPU)")
+        else:
+            limits.append(f"{call.name}: optimizer states in host memory without ZeRO; DeepSpeed offloads them only "
+                          "under ZeRO stage 1-3")
     if lay.tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": lay.tp}
         notes.append(f"{call.name}: AutoTP training; train_batch_size counts every process (tp={lay.tp} ranks of a "

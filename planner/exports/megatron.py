@@ -179,6 +179,14 @@ def parallel_flags(plan: Plan, call: PlanCall, limits: list[str], notes: list[st
         # Megatron FSDP checkpoints only in its own format (validate_args).
         flags += [("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads_params"),
                   ("--ckpt-format", "fsdp_dtensor")]
+    if lay.offload == "optimizer":
+        if lay.zero in (1, 2):  # Megatron-core's HybridDeviceOptimizer sits on the distributed optimizer
+            flags.append(("--optimizer-cpu-offload", None))
+            notes.append(f"{call.name}: optimizer states in host memory; --optimizer-cpu-offload keeps them there and "
+                         "steps them on the CPU, slower than the plan costs (it copies them to the GPU for the step)")
+        else:
+            limits.append(f"{call.name}: optimizer states in host memory between calls with ZeRO-{lay.zero}; "
+                          "Megatron-LM offloads only the distributed optimizer's states (ZeRO-1/2)")
     if lay.recompute == "full":
         flags += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
     elif lay.recompute == "selective":

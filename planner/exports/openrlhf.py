@@ -22,6 +22,7 @@ from typing import Any
 
 from planner.exports.common import (
     Export,
+    Roles,
     comment_block,
     common_limits,
     decode_layout,
@@ -92,6 +93,27 @@ def _train_micro(plan_micro: int, rows: int, dps: list[int]) -> int:
     return 1
 
 
+def _offload_flags(r: Roles, colocate_all: bool, notes: list[str]) -> list[tuple[str, Any]]:
+    """OpenRLHF's offload switches for what the plan keeps in host memory between calls
+    (`Layout.offload`): a frozen model's weights (``--ref.offload``, ``--reward.offload``); the
+    trained models' optimizer states are offloaded between phases by ``--ds.enable_sleep`` when
+    everything is colocated, else by ``--ds.adam_offload``, which also runs Adam on the CPU."""
+    flags: list[tuple[str, Any]] = []
+    for role, c in (("ref", r.ref_inference), ("reward", r.reward_inference)):
+        if c is not None and c.layout.offload == "weights":
+            flags.append((f"--{role}.offload", None))
+    trained = [c for c in (r.actor_train, r.critic_train) if c is not None and c.layout.offload == "optimizer"]
+    if trained and colocate_all:
+        notes.append(", ".join(c.name for c in trained) + ": optimizer states in host memory between calls; "
+                     "--ds.enable_sleep offloads them (and the weights) while the other phases run")
+    elif trained:
+        flags.append(("--ds.adam_offload", None))
+        notes.append(", ".join(c.name for c in trained) + ": optimizer states in host memory between calls; "
+                     "--ds.adam_offload keeps them there and steps Adam on the CPU (DeepSpeedCPUAdam), slower than "
+                     "the plan costs (it copies them to the GPU for the step)")
+    return flags
+
+
 def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - one command covers all calls
     """One train_ppo_ray command for the plan."""
     r = roles(plan, target="openrlhf")
@@ -132,6 +154,7 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
             flags.append(("--train.colocate_actor_ref", None))
         if "reward" in groups and "critic" in groups and groups["reward"] == groups["critic"]:
             flags.append(("--train.colocate_critic_reward", None))
+    flags += _offload_flags(r, colocate_all, notes)
     deepspeed = [c for c in (r.actor_train, r.critic_train, r.ref_inference, r.critic_inference, r.reward_inference)
                  if c is not None]
     trained = [c for c in (r.actor_train, r.critic_train) if c is not None]

@@ -54,10 +54,10 @@ def _megatron(lay: Layout, *, trained: bool) -> dict[str, Any]:
                              "expert_model_parallel_size": lay.ep, "expert_tensor_parallel_size": lay.etp,
                              # verl's default is True; the plan says whether activations shard over tp.
                              "sequence_parallel": lay.sequence_parallel and lay.tp > 1,
-                             "param_offload": False}
+                             "param_offload": lay.offload == "weights"}
     if trained:
         block.update(use_distributed_optimizer=lay.zero in (1, 2), use_megatron_fsdp=lay.zero == 3,
-                     optimizer_offload=False)
+                     optimizer_offload=lay.offload == "optimizer")
     return block
 
 
@@ -197,7 +197,8 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
                       f"prompts with {n} samples each; verl counts ppo_mini_batch_size in prompts")
     if strategy == "fsdp":
         actor["ulysses_sequence_parallel_size"] = at.layout.cp
-        actor["fsdp_config"] = {"fsdp_size": -1, "param_offload": False, "optimizer_offload": False}
+        actor["fsdp_config"] = {"fsdp_size": -1, "param_offload": False,
+                                "optimizer_offload": at.layout.offload == "optimizer"}
     else:
         actor["megatron"] = _megatron(at.layout, trained=True)
     actor.update(use_kl_loss=algo.name in ("grpo", "rloo", "remax"))
@@ -230,7 +231,7 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
         if strategy == "megatron":
             ref["megatron"] = _megatron(ri.layout, trained=False)
         else:
-            ref["fsdp_config"] = {"param_offload": False}
+            ref["fsdp_config"] = {"param_offload": ri.layout.offload == "weights"}
         aro["ref"] = ref
         if r.ref is not None and plan.models[r.ref].spec != plan.models[r.actor].spec:
             limits.append(f"reference model {r.ref!r} differs from the actor; verl's reference is the actor's "
@@ -262,6 +263,8 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
             if r.critic_inference is not None:  # exists for the FSDP critic only (dp_critic.yaml)
                 critic["forward_micro_batch_size_per_gpu"] = _micro(r.critic_inference, pool_gpus, strategy, notes)
             critic["ulysses_sequence_parallel_size"] = ct.layout.cp
+            if ct.layout.offload == "optimizer":
+                critic["fsdp"] = {"optimizer_offload": True}
         else:
             critic["megatron"] = _megatron(ct.layout, trained=True)
         settings["critic"] = critic
@@ -276,6 +279,9 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
         if ri.layout.pp > 1:
             limits.append(f"{ri.name}: pipeline parallel pp={ri.layout.pp}; verl serves the reward model with a "
                           "tensor-parallel size only")
+        if ri.layout.offload == "weights":
+            limits.append(f"{ri.name}: its weights wait in host memory between calls; verl's served reward model "
+                          "keeps them on the GPU")
         if ri.layout.zero or ri.layout.micro_batches > 1:
             limits.append(f"{ri.name}: {ri.layout.short()}; verl serves the reward model with vLLM, a full copy per "
                           "tensor-parallel group that schedules sequences itself")

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from planner.algorithms import dpo, grpo, ppo, sft
+from planner.candidates import offload_kind
 from planner.compile import compile_graph
 from planner.exports import EXPORTERS, export_plan
 from plans.cluster import parse_cluster
@@ -97,6 +98,8 @@ def plans() -> dict[str, Plan]:
                                                                   sequence_parallel=True))),
         "grpo_7b_tp2_z1": (grpo7, _colocated(grpo7, Layout(dp=4, tp=2, zero=1, micro_batches=16,
                                                            sequence_parallel=True))),
+        # States in host memory between calls: the trained models' optimizers, the frozen ones' weights.
+        "ppo_7b_colocated_offload": (ppo7, _offloaded(ppo7, _colocated(ppo7, Layout(dp=16, zero=1, micro_batches=4)))),
     }
     for name, (base, layouts) in variants.items():
         out[name] = _relayout(base, layouts, name)
@@ -112,6 +115,17 @@ def _colocated(plan: Plan, train: Layout) -> dict[str, Layout]:
         zero = 3 if train.zero == 3 and c.kind == "inference" else 0
         out[c.name] = train if c.kind == "train" else Layout(dp=train.dp, tp=train.tp, pp=train.pp, zero=zero,
                                                               micro_batches=1, ep=train.ep, etp=train.etp)
+    return out
+
+
+def _offloaded(plan: Plan, layouts: dict[str, Layout]) -> dict[str, Layout]:
+    """`layouts` with every home call keeping in host memory what it may (`Layout.offload`)."""
+    graph = plan.graph()
+    out = dict(layouts)
+    for c in plan.calls:
+        kind = offload_kind(c, graph)
+        if kind is not None and graph.home_calls()[c.model] == c.name and c.name in out:
+            out[c.name] = out[c.name].model_copy(update={"offload": kind})
     return out
 
 

@@ -63,6 +63,16 @@ def test_verl_composes_and_validates_each_export(path) -> None:  # noqa: ANN001
     assert need_reference_policy(cfg) == has_ref
     assert need_critic(cfg) == has_critic
     assert need_reward_model(cfg) == has_rm
+    # What the plan keeps in host memory between calls reaches verl's workers.
+    offload = {c["name"]: c["layout"].get("offload", "none") for c in plan["calls"]}
+    aro = cfg.actor_rollout_ref
+    engine = "fsdp_config" if aro.actor.strategy == "fsdp" else "megatron"
+    assert aro.actor[engine].optimizer_offload == (offload.get("actor_train") == "optimizer")
+    if need_reference_policy(cfg) and "ref_inference" in offload:
+        assert aro.ref[engine].param_offload == (offload["ref_inference"] == "weights")
+    if has_critic:
+        critic_engine = "fsdp" if cfg.critic.strategy == "fsdp" else "megatron"
+        assert cfg.critic[critic_engine].optimizer_offload == (offload.get("critic_train") == "optimizer")
     gpus = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if cfg.reward.reward_model.enable and cfg.reward.reward_model.enable_resource_pool:
         gpus += cfg.reward.reward_model.nnodes * cfg.reward.reward_model.n_gpus_per_node
