@@ -12,6 +12,7 @@ from functools import cache
 from cost_models import CostModel
 from cost_models.calibration import Calibration
 from planner.algorithms import ppo, sft
+from planner.candidates import SearchSpace
 from planner.compile import compile_graph
 from plans.cluster import ClusterSpec, parse_cluster
 from plans.layout import Layout, Mesh
@@ -73,11 +74,12 @@ def tiny_ppo_rm() -> Plan:
 
 
 @cache
-def ppo_7b() -> Plan:
-    """PPO with four Llama-2-7B on a100-80gb:2x8 (memory-bound choices, 7B shapes)."""
+def ppo_7b(offload: bool = True) -> Plan:
+    """PPO with four Llama-2-7B on a100-80gb:2x8 (memory-bound choices, 7B shapes); without
+    `offload`, in the space where every state stays on the GPU."""
     g = ppo("llama-2-7b", critic="llama-2-7b", ref="llama-2-7b", reward="llama-2-7b", batch=512, prompt_len=1024,
             gen_len=1024, ppo_minibatches=4, name="ppo_llama7b")
-    return compile_graph(g, parse_cluster("a100-80gb:2x8"), time_limit_s=0)
+    return compile_graph(g, parse_cluster("a100-80gb:2x8"), time_limit_s=0, space=SearchSpace(offload=offload))
 
 
 @cache

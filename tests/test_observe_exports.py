@@ -94,8 +94,9 @@ def test_openrlhf_never_asks_for_more_gpus_than_the_cluster(plan) -> None:  # no
 
 def test_openrlhf_rollout_micro_batch_keeps_every_actor_rank_busy() -> None:
     """The defect: --micro_rollout_batch_size from a tp8 inference layout broke OpenRLHF's
-    assertion samples // micro >= actor GPUs // ring // tp."""
-    plan = ppo_7b()
+    assertion samples // micro >= actor GPUs // ring // tp (a plan of the space without offload,
+    whose inference calls run tp8)."""
+    plan = ppo_7b(offload=False)
     assert any(c.layout.tp == 8 for c in plan.calls if c.kind == "inference")
     flags = _flags(export_plan(plan, "openrlhf").text)
     samples = int(flags["--rollout.batch_size"]) * int(flags["--rollout.n_samples_per_prompt"])
