@@ -138,7 +138,8 @@ VERL_DEFAULTS: dict[str, Any] = {
 # The megatron engine block (engine/megatron.yaml), per role.
 VERL_MEGATRON = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
                  "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1, "sequence_parallel": True,
-                 "use_distributed_optimizer": True, "use_megatron_fsdp": False}
+                 "use_distributed_optimizer": True, "use_megatron_fsdp": False, "param_offload": False,
+                 "optimizer_offload": False}
 VERL_ALGOS = {"gae": "ppo", "grpo": "grpo", "rloo": "rloo", "remax": "remax"}
 
 
@@ -276,7 +277,18 @@ def from_verl(tree: dict[str, Any], cluster: ClusterSpec, models: dict[str, str]
     mesh = Mesh.block(0, pool)
     rows = prompts * n
 
+    def offloads(role: str, what: str) -> bool:
+        """Whether a worker keeps `what` (``optimizer`` or ``param``) in host memory between calls."""
+        if strategy == "megatron":
+            return bool(block(role)[f"{what}_offload"])
+        engine = "fsdp" if role == "critic" else "fsdp_config"  # verl 0.9's keys of the FSDP workers
+        return bool(_get(tree, f"{role}.{engine}.{what}_offload") is True)
+
     def train_layout(role: str, micro_key: str, gc_key: str) -> Layout:
+        return _train_layout(role, micro_key, gc_key).model_copy(
+            update={"offload": "optimizer" if offloads(role, "optimizer") else "none"})
+
+    def _train_layout(role: str, micro_key: str, gc_key: str) -> Layout:
         micro = _int(get(micro_key, required=True), micro_key)
         rc = "full" if get(gc_key) else "none"
         if strategy == "megatron":
@@ -320,8 +332,10 @@ def from_verl(tree: dict[str, Any], cluster: ClusterSpec, models: dict[str, str]
     ref_micro = get("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu") if ref_on else None
     if ref_micro is None:
         ref_micro = get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", required=True)
-    placements["ref_inference"] = (mesh, forward_layout("actor_rollout_ref.ref", _int(ref_micro, "ref micro"), mesh),
-                                   None)
+    ref_layout = forward_layout("actor_rollout_ref.ref", _int(ref_micro, "ref micro"), mesh)
+    if offloads("actor_rollout_ref.ref", "param"):
+        ref_layout = ref_layout.model_copy(update={"offload": "weights"})
+    placements["ref_inference"] = (mesh, ref_layout, None)
     if algo == "ppo":
         placements["critic_train"] = (mesh, train_layout("critic", "critic.ppo_micro_batch_size_per_gpu",
                                                          "critic.model.enable_gradient_checkpointing"), None)
@@ -351,12 +365,13 @@ OPENRLHF_DEFAULTS: dict[str, Any] = {
     "reward.model_name_or_path": None, "reward.remote_url": None, "actor.adam.lr": 1e-6, "critic.adam.lr": 9e-6,
     "actor.eps_clip": 0.2, "critic.value_clip": 0.5, "algo.advantage.gamma": 1.0, "algo.advantage.lambd": 1.0,
     "algo.kl.init_coef": 0.01, "algo.advantage.estimator": "gae", "ds.enable_sleep": False,
-    "vllm.enable_sleep": False, "vllm.gpu_memory_utilization": 0.95,
+    "vllm.enable_sleep": False, "vllm.gpu_memory_utilization": 0.95, "ds.adam_offload": False, "ref.offload": False,
+    "reward.offload": False,
 }
 OPENRLHF_ALGOS = {"gae": "ppo", "group_norm": "grpo", "rloo": "rloo"}
 # Flags that change time or memory in ways the import does not model.
-OPENRLHF_UNCOSTED = ("train.dynamic_batch_enable", "ds.packing_samples", "ds.adam_offload", "ref.offload",
-                     "reward.offload", "train.async_enable", "ds.lora.rank", "ds.enable_sleep")
+OPENRLHF_UNCOSTED = ("train.dynamic_batch_enable", "ds.packing_samples", "train.async_enable", "ds.lora.rank",
+                     "ds.enable_sleep")
 
 
 def command_words(source: str) -> list[str]:
@@ -418,7 +433,8 @@ def from_openrlhf(words: list[str], cluster: ClusterSpec, models: dict[str, str]
 
     uncosted = [f"--{k}" for k in OPENRLHF_UNCOSTED if given.get(k)]
     if uncosted:
-        notes.append(f"not costed: {', '.join(uncosted)} (the plan costs fixed micro-batches, no offload)")
+        notes.append(f"not costed: {', '.join(uncosted)} (the plan costs fixed micro-batches, no packing, LoRA or "
+                     "sleep between phases)")
     est = get("algo.advantage.estimator")
     if est not in OPENRLHF_ALGOS:
         raise PlannerError(f"--algo.advantage.estimator {est}: the planner costs {', '.join(OPENRLHF_ALGOS)}")
@@ -518,18 +534,27 @@ def from_openrlhf(words: list[str], cluster: ClusterSpec, models: dict[str, str]
     rc = "full" if get("actor.gradient_checkpointing_enable") else "none"
     zero = _int(get("ds.zero_stage"), "--ds.zero_stage")
 
+    # Optimizer states in host memory between calls (DeepSpeed also steps Adam on the CPU, which
+    # the plan does not cost).
+    opt_offload = bool(get("ds.adam_offload"))
+    if opt_offload:
+        notes.append("--ds.adam_offload: costed as optimizer states in host memory copied to the GPU for each "
+                     "call; DeepSpeed steps Adam on the CPU instead (slower than costed)")
+
     def train(role: str) -> Layout:
         m = groups[role]
         dp = _div(m.size, tp * ring, f"{role}: {m.size} GPUs over ds tp x ring")
         return Layout(dp=dp, tp=tp, cp=ring, zero=_zero(zero, dp), recompute=rc,
-                      micro_batches=_div(train_batch, dp * micro, f"{role}: --train.batch_size over dp x micro"))
+                      micro_batches=_div(train_batch, dp * micro, f"{role}: --train.batch_size over dp x micro"),
+                      offload="optimizer" if opt_offload else "none")
 
-    def forward(role: str) -> Layout:
+    def forward(role: str, *, offload: bool = False) -> Layout:
         m = groups[role]
         dp = _div(m.size, tp, f"{role}: {m.size} GPUs over ds tp")
         # OpenRLHF's forward-only models take ZeRO-3 when training does, else none (get_ds_eval_config).
         return Layout(dp=dp, tp=tp, zero=_zero(3 if zero == 3 else 0, dp),
-                      micro_batches=_div(rows, dp * roll, f"{role}: samples over dp x --rollout.micro_batch_size"))
+                      micro_batches=_div(rows, dp * roll, f"{role}: samples over dp x --rollout.micro_batch_size"),
+                      offload="weights" if offload else "none")
 
     gen, why = vllm_waves(graph, cluster, "actor_generate", groups["vllm"], Layout(dp=n_eng, tp=vtp),
                           memory_share=float(get("vllm.gpu_memory_utilization")), max_num_seqs=None)
@@ -537,13 +562,13 @@ def from_openrlhf(words: list[str], cluster: ClusterSpec, models: dict[str, str]
     placements: dict[str, Placement] = {
         "actor_generate": (groups["vllm"], gen, None),
         "actor_train": (groups["actor"], train("actor"), None),
-        "ref_inference": (groups["ref"], forward("ref"), None),
+        "ref_inference": (groups["ref"], forward("ref", offload=bool(get("ref.offload"))), None),
     }
     if algo == "ppo":
         placements["critic_train"] = (groups["critic"], train("critic"), None)
         placements["critic_inference"] = (groups["critic"], forward("critic"), None)
     if "reward" in kw:
-        placements["reward_inference"] = (groups["reward"], forward("reward"), None)
+        placements["reward_inference"] = (groups["reward"], forward("reward", offload=bool(get("reward.offload"))), None)
     return Imported(graph, placements, notes)
 
 

@@ -49,7 +49,7 @@ def imported(plan: Plan, target: str, call: str | None, models: dict[str, str]) 
 
 # Plans each target expresses whole (an empty cannot_express), from the engine-test matrix.
 EXPRESSED = [("grpo_7b_z3", "openrlhf", None), ("ppo_7b_colocated_z3", "openrlhf", None),
-             ("grpo_7b_z3", "verl", None), ("grpo_7b_tp2_z1", "verl", None),
+             ("grpo_7b_z3", "verl", None), ("grpo_7b_tp2_z1", "verl", None), ("grpo_7b_z3_offload", "verl", None),
              ("sft_70b_pp_interleave", "megatron", "model_train"), ("sft_7b_tp2_sp_z1", "megatron", "model_train"),
              ("sft_7b_z3_full", "megatron", "model_train"), ("sft_7b_dp_z1", "deepspeed", "model_train")]
 
@@ -139,6 +139,20 @@ def test_importers_read_engine_defaults_not_guesses() -> None:
         imports.from_openrlhf(imports.command_words(
             "--vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all --actor.num_nodes 2 "
             "--actor.model_name_or_path llama-3-8b --reward.model_name_or_path llama-3-8b"), parse_cluster("h100-sxm:2x8"), {})
+
+
+def test_openrlhf_offload_flags_import_as_states_in_host_memory() -> None:
+    flags = ("--vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all --actor.model_name_or_path "
+             "llama-3-8b --reward.model_name_or_path llama-3-8b --rollout.max_new_tokens 1024")
+    plain = imports.from_openrlhf(imports.command_words(flags), parse_cluster("h100-sxm:1x8"), {})
+    assert {p[1].offload for p in plain.placements.values()} == {"none"}
+    got = imports.from_openrlhf(imports.command_words(flags + " --ref.offload --reward.offload --ds.adam_offload"),
+                                parse_cluster("h100-sxm:1x8"), {})
+    offload = {name: p[1].offload for name, p in got.placements.items()}
+    assert offload["ref_inference"] == offload["reward_inference"] == "weights"
+    assert offload["actor_train"] == offload["critic_train"] == "optimizer"
+    assert offload["actor_generate"] == offload["critic_inference"] == "none"
+    assert any("--ds.adam_offload" in n and "CPU" in n for n in got.notes)
 
 
 def test_import_cli_takes_engine_flags_unquoted_and_says_when_a_config_does_not_fit(cli, tmp_path) -> None:  # noqa: ANN001

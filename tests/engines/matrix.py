@@ -100,6 +100,7 @@ def plans() -> dict[str, Plan]:
                                                            sequence_parallel=True))),
         # States in host memory between calls: the trained models' optimizers, the frozen ones' weights.
         "ppo_7b_colocated_offload": (ppo7, _offloaded(ppo7, _colocated(ppo7, Layout(dp=16, zero=1, micro_batches=4)))),
+        "grpo_7b_z3_offload": (grpo7, _offloaded(grpo7, _colocated(grpo7, Layout(dp=8, zero=3, micro_batches=16)))),
     }
     for name, (base, layouts) in variants.items():
         out[name] = _relayout(base, layouts, name)
