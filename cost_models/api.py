@@ -231,6 +231,22 @@ class CostModel:
         copying at once (`GpuSpec.host_gbps`, at `HOST_COPY_EFFICIENCY`)."""
         return nbytes * 8 / (self.cluster.sheet.host_gbps * 1e9 * HOST_COPY_EFFICIENCY)
 
+    def split_floor_s(self, call: Call, decl: ModelDecl, mesh: Mesh, layout: Layout, decode_layout: Layout) -> float:
+        """A lower bound on `call_cost(call, decl, mesh, layout, decode_layout=...)`'s time for a
+        generate call: its prefill and decode without moving the weights and the KV cache between
+        the two layouts (the costly part to price, skipped where this bound already loses)."""
+        topo = Topology(mesh.first, mesh.size, self.cluster.gpus_per_node)
+        parts = generate_times(decl.spec, self.framework, self.hw, layout, decode_layout, topo, seqs=call.seqs,
+                               prompt_len=call.prompt_len, gen_len=call.gen_len, load_cv=decl.expert_load_cv,
+                               lengths=length_dist(call.response_len, call.gen_len))
+        return sum(parts.parts.values())
+
+    def state_floor_bytes(self, decl: ModelDecl, layout: Layout) -> int:
+        """A lower bound on `call_cost(...).peak_mem_bytes` of any call of `decl` under `layout`:
+        the model states of its fullest stage, which every call holds while it runs (a layout
+        whose states alone exceed the memory need not be costed)."""
+        return sum(self._state(decl, layout.on_device).values())
+
     # ---- memory --------------------------------------------------------------------------
 
     def _stage_params(self, spec: ModelSpec, head: Head, layout: Layout) -> tuple[tuple[float, float], ...]:

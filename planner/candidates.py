@@ -213,9 +213,11 @@ def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpa
         costed = []
         # A plan for the planner's runtime (framework torch) splits experts only as it runs them.
         runtime = cm.framework.name == "torch"
+        # Layouts whose model states alone exceed the memory are not costed (they cannot fit).
         valid = [lay for lay in layouts_for(call, decl, size, cluster)
                  if (space.layout_ok is None or space.layout_ok(call, decl, lay))
-                 and not (runtime and expert_layout_problems(decl.spec, lay))]
+                 and not (runtime and expert_layout_problems(decl.spec, lay))
+                 and cm.state_floor_bytes(view, lay) <= cap]
         for lay in valid:
             cost = cm.call_cost(call, view, mesh, lay)
             if cost.peak_mem_bytes <= cap:
@@ -261,6 +263,8 @@ def _split_decode(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, prefil
         best, best_s = pre, math.inf if must_split else pre.time_s
         for dec in layouts:
             if dec == pre.layout or decode_s[dec] >= best_s:
+                continue
+            if cm.split_floor_s(call, view, mesh, pre.layout, dec) >= best_s:  # loses before the move is priced
                 continue
             cost = cm.call_cost(call, view, mesh, pre.layout, decode_layout=dec)
             if cost.peak_mem_bytes <= cm.cluster.usable_mem_bytes and cost.time_s < best_s:

@@ -361,3 +361,29 @@ def test_kv_parallel_decode_reads_a_share_of_each_cache_and_combines_it():
     four = cm.call_cost(call, decl, Mesh.block(0, 4), Layout(tp=4))
     assert kvp.mem_breakdown_bytes["kv_cache"] == four.mem_breakdown_bytes["kv_cache"]
     assert kvp.time_s < whole.time_s  # half of each cache per rank, against a pipeline's idle stages
+
+
+def test_the_floors_that_skip_costing_never_exceed_the_cost() -> None:
+    """`call_candidates` skips layouts whose states alone exceed the memory, and `_split_decode`
+    split layouts whose prefill and decode alone lose: both floors must bound the full cost."""
+    from planner.algorithms import ppo as ppo_graph
+    from planner.candidates import costed_view, layouts_for
+
+    cluster = parse_cluster("a100-80gb:2x8")
+    cm = CostModel(cluster)
+    graph = ppo_graph("llama-2-13b", batch=64, prompt_len=512, gen_len=256)
+    mesh = Mesh.block(0, 8)
+    checked = 0
+    for call in graph.calls:
+        view = costed_view(call, graph.models[call.model])
+        lays = layouts_for(call, graph.models[call.model], 8, cluster)[::7]
+        for lay in lays:
+            cost = cm.call_cost(call, view, mesh, lay)
+            assert cm.state_floor_bytes(view, lay) <= cost.peak_mem_bytes
+            checked += 1
+        if call.kind == "generate":
+            for pre, dec in zip(lays, lays[1:]):
+                split = cm.call_cost(call, view, mesh, pre, decode_layout=dec)
+                assert cm.split_floor_s(call, view, mesh, pre, dec) <= split.time_s
+                assert split.breakdown_s.get("reshard", 0) > 0
+    assert checked > 20
