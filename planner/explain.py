@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cost_models import CallCost, CostModel
+from cost_models.api import OFFLOADED
 from cost_models.memory import state_bytes
 from cost_models.training import stage_param_counts
 from planner.candidates import (
@@ -39,7 +40,7 @@ from plans.graph import ModelDecl
 from plans.layout import Layout, Mesh
 from plans.plan import Plan, PlanCall
 
-STATE_PARTS = ("params", "grads", "optimizer")
+STATE_PARTS = ("params", "grads", "optimizer")  # resident between calls, unless offloaded (`OFFLOADED`)
 PER_SIZE = 2  # alternatives kept per mesh size (its fastest, and its fastest that fits) before the cut
 TIE = 1e-4  # relative iteration-time difference below which two options tie
 
@@ -305,6 +306,9 @@ def memory_over_time(plan: Plan, problem: Problem, choice: list[int]) -> list[Gr
             if r0 not in c.mesh.ranks:
                 continue
             parts = {k: v for k, v in cand.cost.mem_breakdown_bytes.items() if k not in STATE_PARTS and v}
+            if cand.cost.host_mem_bytes:  # states that wait in host memory, back on the GPU for the call
+                kept = OFFLOADED[cand.layout.offload][0]
+                parts = {f"{kept} (from host memory)": cand.cost.host_mem_bytes, **parts}
             if copy:
                 parts = {"params (transient copy)": op.copy_bytes, **parts}
             windows.append(MemWindow(c.est_start_s, c.est_start_s + c.est_time_s, c.name, parts,

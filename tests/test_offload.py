@@ -94,3 +94,22 @@ def test_the_search_offloads_where_memory_binds() -> None:
     offloaded = {c.name: c.layout.offload for c in plan.calls if c.layout.offload != "none"}
     assert offloaded, "the search offloaded nothing"
     assert plan.estimate.iteration_s < 0.9 * plain.estimate.iteration_s
+
+
+def test_explain_counts_offloaded_states_while_their_call_runs() -> None:
+    """A call whose states wait in host memory needs them back while it runs: explain's memory
+    windows list them and add up to the plan's peaks."""
+    from planner.explain import explain_plan
+    from tests.observe_fixtures import ppo_7b
+
+    plan = ppo_7b()
+    offloaded = {c.name for c in plan.calls if c.layout.offload != "none"}
+    assert offloaded, "the plan offloads nothing"
+    ex = explain_plan(plan)
+    for c in plan.calls:
+        totals = [w.total_bytes for g in ex.memory for w in g.windows if w.running == c.name]
+        assert max(totals) == c.est_peak_mem_bytes, c.name
+        if c.name in offloaded:
+            assert any("(from host memory)" in k for g in ex.memory for w in g.windows if w.running == c.name
+                       for k in w.transient)
+    assert max(g.peak_bytes for g in ex.memory) == plan.estimate.peak_mem_bytes
