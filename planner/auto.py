@@ -63,13 +63,15 @@ def model(spec: str | ModelSpec | dict[str, Any], *, trainable: bool = False, he
 
 
 def plan_hash(graph: GraphSpec, *, cluster: ClusterSpec, baseline: str | None = None,
-              calibration_sha256: str | None = None) -> str:
+              calibration_sha256: str | None = None, offload: bool = True) -> str:
     """SHA-256 of canonical JSON of what a plan is compiled from: the graph (models, calls, data
     edges, host steps with their source hashes, algorithm), the cluster and the options that
     change the plan."""
     payload = {"plan_version": PLAN_VERSION, "graph": graph.model_dump(mode="json"),
                "cluster": cluster.model_dump(mode="json"), "baseline": baseline,
                "calibration_sha256": calibration_sha256}
+    if not offload:  # a plan searched with every state on the GPU (`planner compile --no-offload`)
+        payload["offload"] = False
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

@@ -113,3 +113,14 @@ def test_explain_counts_offloaded_states_while_their_call_runs() -> None:
             assert any("(from host memory)" in k for g in ex.memory for w in g.windows if w.running == c.name
                        for k in w.transient)
     assert max(g.peak_bytes for g in ex.memory) == plan.estimate.peak_mem_bytes
+
+
+def test_compile_no_offload_keeps_every_state_on_the_gpu(cli) -> None:  # noqa: ANN001
+    args = ("compile", "dpo", "--actor", "llama-2-7b", "--cluster", "a100-80gb:1x8", "--batch", "128", "--seq-len",
+            "2048", "--time-limit", "0", "--json")
+    with_offload = cli(*args)
+    assert with_offload.code == 0, with_offload.err
+    assert '"offload": "weights"' in with_offload.out  # the reference's weights wait in host memory
+    without = cli(*args, "--no-offload")
+    assert without.code == 0, without.err
+    assert '"offload"' not in without.out

@@ -106,6 +106,7 @@ def compile_cmd(
     calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Cost-model calibration file (from `planner calibrate` or `planner profile`).")] = None,
     framework: Annotated[str, typer.Option("--framework", help="The stack the plan is costed for: torch (the planner's runtime, which runs the plan), megatron-core (Megatron-Core with Transformer Engine), megatron (Megatron-LM GPT as vTrain measured it), vllm (vLLM generation) or rlhf-engine (verl and OpenRLHF: Megatron-Core training, vLLM rollouts); cost the stack you will run, e.g. megatron-core before `planner export --to megatron`.")] = "torch",
     mem_headroom: Annotated[Optional[float], typer.Option("--mem-headroom", min=0, help="GiB per GPU every call leaves free, beyond what the cost model counts (context, NCCL buffers, fragmentation) [default: 1 GiB + 2.5% of the memory, 3 GiB of an 80 GiB GPU; 0 packs to the edge].")] = None,
+    offload: Annotated[bool, typer.Option("--offload/--no-offload", help="Let home calls keep states in host memory between calls (a trained model's optimizer states, a frozen model's weights), copied over PCIe for each call, where that makes the iteration faster; --no-offload keeps every state on the GPU.")] = True,
     actor: Annotated[Optional[str], typer.Option(help="Actor / policy model SPEC (algorithms).")] = None,
     critic: Annotated[Optional[str], typer.Option(help="Critic SPEC (ppo; default: the actor's).")] = None,
     ref: Annotated[Optional[str], typer.Option(help="Reference model SPEC (default: the actor's).")] = None,
@@ -130,6 +131,7 @@ def compile_cmd(
     response_len_mean: Annotated[Optional[float], typer.Option("--response-len-mean", min=1, help="Generate calls: the mean tokens a response really has (gen_len is the cap); lengths are costed as geometric (a constant chance of stopping at each token), and a batch takes as many steps as its longest response [default: every response runs to gen_len].")] = None,
     response_len_from: Annotated[Optional[Path], typer.Option("--response-len-from", help="Generate calls: take that mean from a previous run's --metrics-out file (its last 10 steps' response_len).")] = None,
 ) -> None:
+    from planner.candidates import SearchSpace
     from planner.compile import SearchProgress, compile_graph
     from planner.render import print_plan
     from plans.cluster import resolve_cluster, with_headroom
@@ -183,12 +185,13 @@ def compile_cmd(
             status.update(f"{time.perf_counter() - t0:5.1f} s  {escape(str(p))}")
 
         plan = compile_graph(graph, cl, time_limit_s=time_limit, baseline=baseline.value if baseline else None,
-                             calibration=calib, progress=show, framework=framework)
+                             calibration=calib, progress=show, framework=framework,
+                             space=None if offload else SearchSpace(offload=False))
     if loaded.auto is not None:  # the loop reuses this plan while it, the cluster and the options are unchanged
         from planner.auto import file_sha256, plan_hash
 
         digest = plan_hash(graph, cluster=cl, baseline=baseline.value if baseline else None,
-                           calibration_sha256=file_sha256(calibration))
+                           calibration_sha256=file_sha256(calibration), offload=offload)
         plan = plan.model_copy(update={"source_hash": digest})
     if as_json:
         typer.echo(plan_to_json(plan), nl=False)
