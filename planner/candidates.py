@@ -25,7 +25,10 @@ from plans.sharding import layout_problems, slices_key
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 SPLIT_DECODE_PREFILLS = 3  # prefill layouts per mesh size tried with every other decode layout
-OFFLOAD_VARIANTS = 1  # kept layouts per mesh size of a home call (fastest first) also tried with offload
+# Kept layouts per mesh size of a home call (fastest first) also tried with offload: a train call's
+# fastest, a frozen model's two fastest. More variants make CP-SAT's deterministic budget go
+# further for less: on bench/search.py's PPO instances both at 2 (or all at 4) found slower plans.
+OFFLOAD_VARIANTS = {"optimizer": 1, "weights": 2}
 LONG_SEQ_TOKENS = 16384  # context parallel is considered from this sequence length on
 
 
@@ -359,7 +362,7 @@ def _add_offload(call: Call, graph: Graph, cm: CostModel, sizes: dict[int, list[
     view = costed_view(call, graph.models[call.model])
     for cands in sizes.values():
         have = {(c.layout, c.decode_layout) for c in cands}
-        for c in cands[:OFFLOAD_VARIANTS]:
+        for c in cands[:OFFLOAD_VARIANTS[kind]]:
             lay = c.layout.model_copy(update={"offload": kind})
             if (lay, c.decode_layout) in have:
                 continue
