@@ -65,7 +65,6 @@ def beam_search(problem: Problem, *, width: int = 16, allowed: Allowed | None = 
 
     With ``exact=False`` partial plans are scored with reallocation lower bounds (cheap) and only
     the final survivors are simulated exactly."""
-    cap = problem.cluster.usable_mem_bytes
     order = assignment_order(problem)
     beam: list[list[int | None]] = [[None] * len(problem.slots)]
     for step, i in enumerate(order):
@@ -78,8 +77,7 @@ def beam_search(problem: Problem, *, width: int = 16, allowed: Allowed | None = 
                     continue
                 ext = list(choice)
                 ext[i] = k
-                _, peak = problem.memory(ext)
-                if max(peak) > cap:
+                if not problem.fits(ext):
                     continue
                 sched = simulate(problem, ext, exact=exact)
                 scored.append((sched.makespan_s, tuple(-1 if c is None else c for c in ext), ext))

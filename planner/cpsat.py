@@ -213,6 +213,15 @@ class _Model:
                     need.setdefault(a, []).append(term)
             for a, terms in need.items():
                 m.add(sum(resident[a]) + sum(terms) <= cap)
+        host: list[list] = [[] for _ in range(p.n_atoms)]  # offloaded states within the host memory
+        for s in p.slots:
+            for k, op in enumerate(p.ops[s.index]):
+                if op.host_bytes:
+                    for a in op.atoms:
+                        host[a].append(op.host_bytes * self.x[s.index][k])
+        for terms in host:
+            if terms:
+                m.add(sum(terms) <= p.host_cap_bytes)
 
     def _objective(self) -> None:
         p, m = self.p, self.m

@@ -47,13 +47,12 @@ def exhaustive(problem: Problem, *, allowed=None, max_assignments: int = 100_000
     if total > max_assignments:
         raise ValueError(f"{total} assignments exceed the limit of {max_assignments}")
     orders = list(topological_orders(problem))
-    cap = problem.cluster.usable_mem_bytes
     best: tuple[float, list[int], list[Op]] | None = None
     for choice in product(*(range(n) for n in sizes)):
         ch = list(choice)
         if allowed is not None and not all(allowed(problem, i, k, ch) for i, k in enumerate(ch)):
             continue
-        if max(problem.memory(ch)[1]) > cap:
+        if not problem.fits(ch):
             continue
         for order in orders:
             t = simulate(problem, ch, order).iteration_s

@@ -64,6 +64,7 @@ class OpSemantics:
     work_bytes: int  # transient bytes per GPU while it runs, on top of what is resident
     copy_bytes: int  # a transient copy of the parameters, unless its home runs one of `twins`
     twins: frozenset[int]  # home candidates holding exactly its slices (no copy, no reallocation)
+    host_bytes: int = 0  # host memory per GPU it keeps offloaded between calls (`Layout.offload`)
 
     def need_bytes(self, home: int | None) -> int:
         """Bytes per GPU it needs while it runs beside the resident states, its home running `home`."""
@@ -178,7 +179,8 @@ class Problem:
                     twins_of.setdefault(c.param_key(), []).append(h)
             out.append([OpSemantics(self.atoms(c), c.time_s, c.state_bytes if s.home is None else 0, c.work_bytes,
                                     0 if s.home is None else c.state_bytes,
-                                    frozenset(twins_of.get(c.param_key(), ()) if s.home is not None else ()))
+                                    frozenset(twins_of.get(c.param_key(), ()) if s.home is not None else ()),
+                                    c.cost.host_mem_bytes if s.home is None else 0)
                         for c in s.cands])
         return out
 
@@ -216,6 +218,28 @@ class Problem:
             for a in op.atoms:
                 peak[a] = max(peak[a], resident[a] + need)
         return resident, peak
+
+    @property
+    def host_cap_bytes(self) -> int:
+        """Host memory per GPU that offloaded states may take (the node's memory over its GPUs)."""
+        return int(self.cluster.sheet.host_mem_gib * 1024**3)
+
+    def host_bytes(self, choice: Sequence[int | None]) -> list[int]:
+        """Host memory per GPU of each atom holding offloaded states between calls."""
+        out = [0] * self.n_atoms
+        for s in self.slots:
+            k = choice[s.index]
+            if k is not None and self.ops[s.index][k].host_bytes:
+                op = self.ops[s.index][k]
+                for a in op.atoms:
+                    out[a] += op.host_bytes
+        return out
+
+    def fits(self, choice: Sequence[int | None]) -> bool:
+        """Whether a (possibly partial) assignment fits: every atom's peak within the usable GPU
+        memory (`memory`) and its offloaded states within the host memory per GPU."""
+        _, peak = self.memory(choice)
+        return max(peak) <= self.cluster.usable_mem_bytes and max(self.host_bytes(choice)) <= self.host_cap_bytes
 
     def call_peak_bytes(self, resident: Sequence[int], slot: int, choice: Sequence[int | None]) -> int:
         """The peak per GPU of the call in `slot` while it runs (`memory`'s rule, for that call alone)."""

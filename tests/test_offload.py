@@ -124,3 +124,24 @@ def test_compile_no_offload_keeps_every_state_on_the_gpu(cli) -> None:  # noqa: 
     without = cli(*args, "--no-offload")
     assert without.code == 0, without.err
     assert '"offload"' not in without.out
+
+
+@pytest.mark.slow
+def test_offloaded_states_stay_within_the_host_memory(monkeypatch) -> None:  # noqa: ANN001
+    """The states every home call on a GPU offloads share its host memory: with none to spare,
+    neither CP-SAT nor the simulator accepts an offloaded plan."""
+    from cost_models import CostModel
+    from planner.cpsat import solve_cpsat
+    from planner.problem import Problem, build_problem
+
+    graph, cluster = _ppo_8b(), parse_cluster("h100-sxm:1x8")
+    problem = build_problem(graph, CostModel(cluster), SearchSpace())
+    assert any(op.host_bytes for ops in problem.ops for op in ops)
+    free = solve_cpsat(problem, hint=None, time_limit_s=30, work_budget=1.0)
+    assert free.choice is not None and max(problem.host_bytes(free.choice)) > 0  # offloads when it may
+    monkeypatch.setattr(Problem, "host_cap_bytes", property(lambda self: 2**30))  # 1 GiB per GPU
+    assert not problem.fits(free.choice)
+    tight = solve_cpsat(problem, hint=None, time_limit_s=30, work_budget=1.0)
+    assert tight.choice is not None and max(problem.host_bytes(tight.choice)) <= 2**30
+    plan = compile_graph(graph, cluster, time_limit_s=1)  # each model's offload alone exceeds 1 GiB per GPU
+    assert all(c.layout.offload == "none" for c in plan.calls)
