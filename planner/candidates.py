@@ -358,16 +358,13 @@ def _add_offload(call: Call, graph: Graph, cm: CostModel, sizes: dict[int, list[
     cluster = cm.cluster
     if kind is None or cluster.gpu == "cpu":
         return
-    host_cap = int(cluster.sheet.host_mem_gib * 1024**3)
     view = costed_view(call, graph.models[call.model])
     for cands in sizes.values():
-        have = {(c.layout, c.decode_layout) for c in cands}
+        # The kept candidates keep every state on the GPU; a variant has their peak, so it fits.
         for c in cands[:OFFLOAD_VARIANTS[kind]]:
             lay = c.layout.model_copy(update={"offload": kind})
-            if (lay, c.decode_layout) in have:
-                continue
             cost = cm.call_cost(call, view, c.mesh, lay, decode_layout=c.decode_layout)
-            if cost.host_mem_bytes and cost.host_mem_bytes <= host_cap and cost.peak_mem_bytes <= cluster.usable_mem_bytes:
+            if 0 < cost.host_mem_bytes <= cluster.host_mem_bytes:
                 cands.append(Candidate(c.mesh, lay, cost, c.decode_layout))
         cands.sort(key=lambda c: (c.time_s, c.state_bytes, c.work_bytes, c.layout.short()))
 

@@ -282,15 +282,12 @@ def from_verl(tree: dict[str, Any], cluster: ClusterSpec, models: dict[str, str]
         if strategy == "megatron":
             return bool(block(role)[f"{what}_offload"])
         engine = "fsdp" if role == "critic" else "fsdp_config"  # verl 0.9's keys of the FSDP workers
-        return bool(_get(tree, f"{role}.{engine}.{what}_offload") is True)
+        return _get(tree, f"{role}.{engine}.{what}_offload") is True
 
     def train_layout(role: str, micro_key: str, gc_key: str) -> Layout:
-        return _train_layout(role, micro_key, gc_key).model_copy(
-            update={"offload": "optimizer" if offloads(role, "optimizer") else "none"})
-
-    def _train_layout(role: str, micro_key: str, gc_key: str) -> Layout:
         micro = _int(get(micro_key, required=True), micro_key)
         rc = "full" if get(gc_key) else "none"
+        off = "optimizer" if offloads(role, "optimizer") else "none"
         if strategy == "megatron":
             b = block(role)
             tp, pp, cp = (_int(b[k], f"{role}.megatron.{k}") for k in
@@ -300,10 +297,10 @@ def from_verl(tree: dict[str, Any], cluster: ClusterSpec, models: dict[str, str]
             vpp = b["virtual_pipeline_model_parallel_size"]
             return Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=_zero(zero, dp), interleave=_int(vpp, "vpp") if vpp else 1,
                           micro_batches=_div(rows // minibatches, dp * micro, f"{role} mini-batch over dp x micro"),
-                          recompute=rc, sequence_parallel=bool(b["sequence_parallel"]) and tp > 1)
+                          recompute=rc, sequence_parallel=bool(b["sequence_parallel"]) and tp > 1, offload=off)
         sp = _int(get(f"{role}.ulysses_sequence_parallel_size"), f"{role}.ulysses_sequence_parallel_size")
         dp = _div(pool, sp, f"{role}: {pool} GPUs over the Ulysses size")
-        return Layout(dp=dp, cp=sp, zero=_zero(3, dp), recompute=rc,
+        return Layout(dp=dp, cp=sp, zero=_zero(3, dp), recompute=rc, offload=off,
                       micro_batches=_div(rows // minibatches, dp * micro, f"{role} mini-batch over dp x micro"))
 
     def forward_layout(role: str, micro: int, on: Mesh) -> Layout:

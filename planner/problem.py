@@ -221,8 +221,8 @@ class Problem:
 
     @property
     def host_cap_bytes(self) -> int:
-        """Host memory per GPU that offloaded states may take (the node's memory over its GPUs)."""
-        return int(self.cluster.sheet.host_mem_gib * 1024**3)
+        """Host memory per GPU that offloaded states may take (`ClusterSpec.host_mem_bytes`)."""
+        return self.cluster.host_mem_bytes
 
     def host_bytes(self, choice: Sequence[int | None]) -> list[int]:
         """Host memory per GPU of each atom holding offloaded states between calls."""
@@ -235,11 +235,15 @@ class Problem:
                     out[a] += op.host_bytes
         return out
 
+    def host_fits(self, choice: Sequence[int | None]) -> bool:
+        """Whether every atom's offloaded states fit in the host memory per GPU."""
+        return max(self.host_bytes(choice)) <= self.host_cap_bytes
+
     def fits(self, choice: Sequence[int | None]) -> bool:
         """Whether a (possibly partial) assignment fits: every atom's peak within the usable GPU
-        memory (`memory`) and its offloaded states within the host memory per GPU."""
+        memory (`memory`) and its offloaded states within the host memory (`host_fits`)."""
         _, peak = self.memory(choice)
-        return max(peak) <= self.cluster.usable_mem_bytes and max(self.host_bytes(choice)) <= self.host_cap_bytes
+        return max(peak) <= self.cluster.usable_mem_bytes and self.host_fits(choice)
 
     def call_peak_bytes(self, resident: Sequence[int], slot: int, choice: Sequence[int | None]) -> int:
         """The peak per GPU of the call in `slot` while it runs (`memory`'s rule, for that call alone)."""

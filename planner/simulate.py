@@ -99,7 +99,7 @@ def simulate(problem: Problem, choice: Sequence[int | None], order: list[Op] | N
     makespan = max(end.values(), default=0.0)
     cap = problem.cluster.usable_mem_bytes
     return Schedule(start, run, end, realloc, peak, makespan, makespan / problem.unroll,
-                    all(p <= cap for p in peak) and max(problem.host_bytes(choice)) <= problem.host_cap_bytes, dur)
+                    all(p <= cap for p in peak) and problem.host_fits(choice), dur)
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,12 @@ class ClusterSpec(Strict):
         return int(self.mem_gib * GIB)
 
     @property
+    def host_mem_bytes(self) -> int:
+        """Host memory per GPU (the node's over its GPUs, `GpuSpec.host_mem_gib`): what states
+        offloaded between calls may take."""
+        return int(self.sheet.host_mem_gib * GIB)
+
+    @property
     def headroom_bytes(self) -> int:
         assert self.mem_headroom_gib is not None
         return int(self.mem_headroom_gib * GIB)

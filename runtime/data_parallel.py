@@ -269,7 +269,6 @@ class DataParallel:
         size = self.owned[1] - self.owned[0]
         self.m = torch.zeros(size, dtype=torch.float32, device=ref.device)
         self.v = torch.zeros_like(self.m)
-        self.device = ref.device
         self.on_host = False  # Adam's moments wait in host memory (`optimizer_to_host`)
         self.steps = 0
         self.replicated = [n for n in names if _replicated_under_tp(shard, n)]
@@ -447,7 +446,7 @@ class DataParallel:
 
     def optimizer_to_device(self) -> None:
         if self.on_host:
-            self.m, self.v = to_device(self.m, self.device), to_device(self.v, self.device)
+            self.m, self.v = to_device(self.m, self.flat.device), to_device(self.v, self.flat.device)
             self.on_host = False
 
     def moments(self) -> dict[str, tuple[Tensor, Tensor]]:
@@ -457,10 +456,10 @@ class DataParallel:
         the parameters' own."""
         m, v = self.m, self.v
         if self.on_host:  # gathered on the device (NCCL sends device tensors), as a step would use them
-            m, v = to_device(m, self.device), to_device(v, self.device)
+            m, v = to_device(m, self.flat.device), to_device(v, self.flat.device)
         if self.zero in (1, 2) and self.groups.dp.size > 1:
-            both = torch.empty(self.groups.dp.size * 2, self.m.numel(), dtype=self.m.dtype, device=self.m.device)
-            all_gather_into(both, torch.stack([self.m, self.v]), group=self.groups.dp.group)
+            both = torch.empty(self.groups.dp.size * 2, m.numel(), dtype=m.dtype, device=m.device)
+            all_gather_into(both, torch.stack([m, v]), group=self.groups.dp.group)
             m, v = both[0::2].reshape(-1), both[1::2].reshape(-1)  # rank r's pair sits at rows 2r, 2r+1
         return {n: (m[lo:hi].view(self.shard.params[n].shape), v[lo:hi].view(self.shard.params[n].shape))
                 for n, (lo, hi) in self.views.items()}

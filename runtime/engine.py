@@ -255,8 +255,9 @@ class ModelRunner:
     def local_parameters(self) -> dict[str, Tensor]:
         """This rank's parameter slices (detached), by HF name (copied back to the device while
         `offload_states` keeps the weights on the host)."""
-        if self._host_weights is not None:
-            return {n: to_device(t, self.device) for n, t in self._host_weights.items()}
+        if self._host_weights is not None:  # one copy per distinct weight, under each of its names
+            back = {id(self.shard.params[n]): to_device(t, self.device) for n, t in self._host_weights.items()}
+            return {n: back[id(p)] for n, p in self.shard.params.items()}
         return {n: p.detach() for n, p in self.shard.params.items()}
 
     # Offload (`Layout.offload`) -------------------------------------------------------------
@@ -269,8 +270,8 @@ class ModelRunner:
             self.dp.optimizer_to_host()
         elif self.layout.offload == "weights" and self._host_weights is None:
             assert self.dp is None, "weights offload on a trainable model"
-            self._host_weights = {n: to_host(p.detach()) for n, p in self.shard.params.items()}
-            for p in {id(p): p for p in self.shard.params.values()}.values():  # a tied weight once
+            self._host_weights = {n: to_host(p.detach()) for n, p in self._distinct_params().items()}
+            for p in self._distinct_params().values():
                 p.data = released(p.data)
 
     def reload_states(self) -> None:
@@ -278,12 +279,16 @@ class ModelRunner:
         if self.dp is not None:
             self.dp.optimizer_to_device()
         if self._host_weights is not None:
-            done: set[int] = set()
-            for n, p in self.shard.params.items():
-                if id(p) not in done:
-                    p.data = to_device(self._host_weights[n], self.device)
-                    done.add(id(p))
+            for n, p in self._distinct_params().items():
+                p.data = to_device(self._host_weights[n], self.device)
             self._host_weights = None
+
+    def _distinct_params(self) -> dict[str, torch.nn.Parameter]:
+        """This rank's parameters by their first name (a tied weight once)."""
+        first: dict[int, str] = {}
+        for n, p in self.shard.params.items():
+            first.setdefault(id(p), n)
+        return {n: self.shard.params[n] for n in first.values()}
 
     @property
     def offloaded(self) -> bool:

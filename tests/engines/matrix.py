@@ -122,10 +122,11 @@ def _colocated(plan: Plan, train: Layout) -> dict[str, Layout]:
 def _offloaded(plan: Plan, layouts: dict[str, Layout]) -> dict[str, Layout]:
     """`layouts` with every home call keeping in host memory what it may (`Layout.offload`)."""
     graph = plan.graph()
+    homes = graph.home_calls()
     out = dict(layouts)
     for c in plan.calls:
         kind = offload_kind(c, graph)
-        if kind is not None and graph.home_calls()[c.model] == c.name and c.name in out:
+        if kind is not None and homes[c.model] == c.name and c.name in out:
             out[c.name] = out[c.name].model_copy(update={"offload": kind})
     return out
 
