@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import runpy
 import statistics
 import subprocess
@@ -77,10 +78,21 @@ def run_plan(plan_path: Path, out_path: Path, *, steps: int, reference: bool = F
     launch = ["-m", "runtime", str(plan_path), "--reference"] if reference else \
         ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", "-m", "runtime", str(plan_path)]
     what = ["--memory-out" if memory else "--trace-out", str(out_path)]
-    out = subprocess.run([sys.executable, *launch, "--steps", str(steps), "--quiet", *what],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, *launch, "--steps", str(steps), "--quiet", *what]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0 and _killed_by_signal(out.stderr):
+        # torch's CPU profiler (--memory-out) has been seen to abort a rank as it stops, rarely
+        # (std::terminate, SIGABRT): run once more and say so; a second failure ends the bench.
+        print(f"  (the run was killed by a signal; running it once more) {out.stderr.strip().splitlines()[-1:]}")
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise SystemExit(f"the run failed:\n{out.stderr[-3000:]}")
+
+
+def _killed_by_signal(stderr: str) -> bool:
+    """Whether a rank of the run died by a signal (torchrun reports a negative exit code) rather
+    than exiting with an error of its own."""
+    return re.search(r"exitcode\s*:\s*-(6|11) ", stderr) is not None  # SIGABRT, SIGSEGV; peers torchrun stops get -15
 
 
 def report_alone(plan: Plan, trace: dict, cal: Calibration) -> float:

@@ -218,6 +218,8 @@ def run(args: argparse.Namespace, interrupts: Interrupts) -> None:
             for d in save_hf(runner, args.save_hf, shard_mb=args.save_hf_shard_mb):
                 say(f"saved HF model {d}", flush=True)
         if meter is not None:
+            if distributed:  # no collective of this rank is still running on gloo's threads when the profiler stops
+                dist.barrier()
             meter.__exit__()
             peaks = gather_events([meter.peaks()], distributed=distributed, rank=rank, world_size=world)
             if peaks is not None:
