@@ -5,10 +5,12 @@
     python bench/search.py --exhaustive     # also check enumerable instances against brute force
     python bench/search.py --node-ranges    # also search ReaLHF's wider mesh space, side by side
     python bench/search.py --no-old-space   # skip the search in the space before offload
+    python bench/search.py --only grpo-7b-1gpu   # one of the GaLore instances (AdamW beside GaLore)
 
 Besides the main table (the default space), every instance is searched again in the space before
 offload (`SearchSpace(offload=False)`: every state on the GPU) and the two plans are printed side
-by side, with the calls whose states the new plan keeps in host memory.
+by side, with the calls whose states the new plan keeps in host memory. Then the instances where
+memory binds (`GALORE_SUITE`) are searched with AdamW only and with a GaLore optimizer allowed.
 
 Suite (batch 512, prompt 1024, generation 1024 unless stated), as in issue 4. Each baseline is
 the best plan its rule allows (`planner.baselines`). Speedup = baseline iteration / plan iteration.
@@ -31,6 +33,7 @@ from planner.compile import compile_graph  # noqa: E402
 from plans.cluster import parse_cluster  # noqa: E402
 from plans.errors import PlannerError  # noqa: E402
 from plans.graph import Graph  # noqa: E402
+from plans.layout import GaLore  # noqa: E402
 
 PPO = dict(batch=512, prompt_len=1024, gen_len=1024, ppo_minibatches=4)
 
@@ -56,6 +59,49 @@ SUITE = [
     Instance("sft-70b", "h100-sxm:8x8", sft("llama-3-70b", batch=512, seq_len=4096, name="sft_70b"), False, 10),
     Instance("sft-405b", "h100-sxm:128x8", sft("llama-3-405b", batch=512, seq_len=4096, name="sft_405b"), False, 60),
 ]
+
+# Where memory binds: AdamW's states against a GaLore optimizer's (`--galore-rank 512`), the space
+# with GaLore opt-in (`SearchSpace.galore`; it changes the optimizer). Fine-tuning 7B models on
+# one or two GPUs, GaLore's own setting (Zhao et al. 2024 pre-train 7B on one 24 GB GPU).
+GALORE = GaLore(rank=512)
+GALORE_SUITE = [
+    Instance("sft-7b-1gpu", "h100-sxm:1x1", sft("llama-2-7b", batch=64, seq_len=2048, name="sft_7b_1gpu"), False, 10),
+    Instance("grpo-7b-1gpu", "h200:1x1",
+             grpo("llama-2-7b", batch=32, prompt_len=512, gen_len=512, samples_per_prompt=4, name="grpo_7b_1gpu"),
+             True, 10),
+    Instance("grpo-7b-2gpu", "h100-sxm:1x2",
+             grpo("llama-2-7b", batch=64, prompt_len=512, gen_len=512, samples_per_prompt=4, name="grpo_7b_2gpu"),
+             True, 10),
+]
+
+
+def galore_row(inst: Instance, *, time_limit_s: float) -> str:
+    """The instance searched with AdamW only (the default space) and with GaLore allowed."""
+    from planner.candidates import SearchSpace
+
+    cluster = parse_cluster(inst.cluster)
+    out = []
+    for space in (SearchSpace(), SearchSpace(galore=GALORE)):
+        t0 = time.perf_counter()
+        try:
+            plan = compile_graph(inst.graph, cluster, time_limit_s=time_limit_s, space=space)
+        except PlannerError as e:
+            out.append((None, time.perf_counter() - t0, e.message.splitlines()[0]))
+            continue
+        low = [f"{c.name} {c.layout.short()}" for c in plan.calls if c.layout.galore is not None]
+        out.append((plan, time.perf_counter() - t0, "; ".join(low) or "none"))
+
+    def cell(plan, wall: float) -> str:  # noqa: ANN001
+        if plan is None:
+            return f"{'no plan':>9} ({wall:>4.1f}s)          "
+        return f"{plan.estimate.iteration_s:>8.2f}s ({wall:>4.1f}s, gap {(plan.search.gap or 0) * 100:>4.1f}%)"
+
+    (adam, t_adam, why), (low, t_low, chosen) = out
+    if low is None:
+        return f"{inst.name:<12} AdamW {cell(adam, t_adam)}  GaLore: {chosen}"
+    gain = f"{adam.estimate.iteration_s / low.estimate.iteration_s:.3f}x" if adam is not None else "fits only with GaLore"
+    note = f"  (AdamW: {why})" if adam is None else ""
+    return f"{inst.name:<12} AdamW {cell(adam, t_adam)}  with GaLore {cell(low, t_low)}  {gain}  GaLore on: {chosen}{note}"
 
 
 def run(inst: Instance, *, time_limit_s: float) -> dict:
@@ -145,6 +191,8 @@ def main() -> None:
     ap.add_argument("--exhaustive", action="store_true", help="also compare against brute force on restricted spaces")
     ap.add_argument("--no-old-space", action="store_true",
                     help="skip searching each instance again in the space before offload")
+    ap.add_argument("--no-galore", action="store_true",
+                    help="skip the instances where memory binds, searched with AdamW only and with GaLore allowed")
     ap.add_argument("--node-ranges", action="store_true",
                     help="also search each instance with runs of consecutive nodes and half nodes (ReaLHF's space)")
     args = ap.parse_args()
@@ -170,11 +218,18 @@ def main() -> None:
         for b in BASELINES:
             if r.get(f"{b}_why"):
                 print(f"note: {r['instance']}: baseline {b} not applicable: {r[f'{b}_why']}")
-    if not args.no_old_space:
+    if not args.no_old_space and chosen:
         print("\nthe space before offload (every state on the GPU) beside the default space:")
         for inst, r in zip(chosen, rows):
             limit = args.time_limit if args.time_limit is not None else inst.limit_s
             print(old_space_row(inst, time_limit_s=limit, new=r), flush=True)
+    if not args.no_galore:
+        print(f"\nwhere memory binds: AdamW only beside a GaLore optimizer allowed ({GALORE.short()}, planner compile "
+              f"--galore-rank {GALORE.rank}):")
+        for inst in GALORE_SUITE:
+            if not args.only or inst.name in args.only.split(","):
+                limit = args.time_limit if args.time_limit is not None else inst.limit_s
+                print(galore_row(inst, time_limit_s=limit), flush=True)
     if args.node_ranges:
         print("\nthe wider mesh space (runs of consecutive nodes, half nodes) beside the aligned blocks:")
         for inst, r in zip(chosen, rows):

@@ -22,6 +22,7 @@ import numpy as np
 from cost_models import comm
 from cost_models.calibration import Calibration, default_calibration
 from cost_models.framework import UNCALIBRATED_ATTENTION_SHARE, Framework, resolve_framework
+from cost_models.galore import galore_stage
 from cost_models.generation import decode_split, generate_times
 from cost_models.hardware import Hardware, core_share, effective_hardware
 from cost_models.lengths import length_dist
@@ -256,8 +257,14 @@ class CostModel:
     def _state(self, decl: ModelDecl, layout: Layout, stage: int | None = None) -> dict[str, int]:
         """Model states of one rank of `stage` (None: of the stage holding the most)."""
         counts = self._stage_params(decl.spec, decl.head, layout)
-        dense, experts = counts[stage] if stage is not None else max(counts, key=sum)
-        return state_bytes(dense, self.framework, layout=layout, trainable=decl.trainable, expert_params=experts)
+        at = stage if stage is not None else max(range(len(counts)), key=lambda i: sum(counts[i]))
+        dense, experts = counts[at]
+        galore = None
+        if layout.galore is not None and decl.trainable:
+            galore = galore_stage(decl.spec, layout.galore,
+                                  *stage_layer_counts(decl.spec, layout.pp, layout.interleave)[at])
+        return state_bytes(dense, self.framework, layout=layout, trainable=decl.trainable, expert_params=experts,
+                           galore=galore)
 
     @staticmethod
     def _moe(decl: ModelDecl, layout: Layout, tokens: int) -> ExpertLoad | None:
@@ -384,7 +391,7 @@ class CostModel:
 
     def realloc_cost(self, decl: ModelDecl, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout]) -> ReallocCost:
         """Bytes and time to move `decl`'s parameters from placement `src` to `dst` (cached)."""
-        src, dst = (src[0], src[1].on_device), (dst[0], dst[1].on_device)  # offload moves no parameter
+        src, dst = (src[0], src[1].placement), (dst[0], dst[1].placement)  # offload and the optimizer move no parameter
         key = (decl.spec, decl.head, src, dst)
         hit = self._reallocs.get(key)
         if hit is None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from cost_models.comm import NCCL_CHANNELS
 from cost_models.framework import Framework
+from cost_models.galore import GaLoreLayer, saved_optimizer_bytes
 from cost_models.ops import ExpertLoad
 from plans.layout import Layout
 from plans.model import Head, ModelSpec
@@ -132,9 +133,10 @@ def stage_params(spec: ModelSpec, *, head: Head, layers: int, first: bool, last:
 
 
 def state_bytes(params: float, fw: Framework, *, layout: Layout, trainable: bool,
-                expert_params: float = 0.0) -> dict[str, int]:
+                expert_params: float = 0.0, galore: GaLoreLayer | None = None) -> dict[str, int]:
     """Weights (+ gradients and optimizer states when trainable) per rank, by ZeRO stage: dense
-    weights sharded over the data-parallel group, routed experts over theirs (`Layout.edp`)."""
+    weights sharded over the data-parallel group, routed experts over theirs (`Layout.edp`);
+    with a GaLore optimizer the stage's projected matrices (`galore`) keep low-rank moments."""
     dp = layout.dp * layout.cp  # context-parallel ranks hold replicas and reduce gradients too
     edp = layout.edp
     z = layout.zero
@@ -145,7 +147,10 @@ def state_bytes(params: float, fw: Framework, *, layout: Layout, trainable: bool
     out = {"params": int(over(params, expert_params, z >= 3) * fw.param_bytes)}
     if trainable:
         out["grads"] = int(over(params, expert_params, z >= fw.grads_sharded_from_zero) * fw.grad_bytes)
-        out["optimizer"] = int(over(params, expert_params, z >= 1) * fw.optimizer_bytes)
+        optimizer = over(params, expert_params, z >= 1) * fw.optimizer_bytes
+        if galore is not None:
+            optimizer -= saved_optimizer_bytes(galore) / (dp if z >= 1 else 1)
+        out["optimizer"] = int(optimizer)
     return out
 
 

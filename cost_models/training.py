@@ -25,6 +25,7 @@ from functools import lru_cache
 from cost_models import comm
 from cost_models.compute import host_device_s, kernels_time_s
 from cost_models.framework import Framework
+from cost_models.galore import galore_stage
 from cost_models.hardware import Hardware
 from cost_models.memory import stage_params
 from cost_models.ops import (
@@ -337,6 +338,8 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
     zero_div = layout.dp * layout.cp if layout.zero >= 1 else 1
     expert_div = layout.edp if layout.zero >= 1 else 1
     optimizer_s = (params / zero_div + experts / expert_div) * fw.optimizer_step_bytes / hw.mem_bytes_s
+    if layout.galore is not None:
+        optimizer_s += _galore_step(spec, fw, hw, layout, topo, out, heavy=heavy, zero_div=zero_div)
     out.add("optimizer", optimizer_s)
     if 1 <= layout.zero < 3:  # ZeRO gathers the updated weight shards back to every rank
         g = topo.group(layout, "dpcp")
@@ -348,6 +351,27 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
         out.add("pp_comm", comm.all_reduce_s(rows * fw.grad_bytes, comm.Group(2, 1, 1) if cross else comm.Group(2, 2, 1), hw))
     out.add("overhead", hw.step_overhead_s)
     return out
+
+
+def _galore_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, out: StepTimes, *,
+                 heavy: int, zero_div: int) -> float:
+    """What a GaLore optimizer (`cost_models.galore`) changes in a step of the `heavy` stage: the
+    projected matrices' Adam runs on their low-rank moments instead (returned: the change to the
+    optimizer's time, negative where it streams less), plus the projections (`galore`) and, once
+    every `update_interval` steps, the SVDs, split over the data-parallel group's owners, and
+    under ZeRO-0 the projectors sent from each owner to the group (`dp_comm`)."""
+    galore = layout.galore
+    assert galore is not None
+    stage = galore_stage(spec, galore, *stage_layer_counts(spec, layout.pp, layout.interleave)[heavy])
+    # Adam over the low-rank moments, and the update added to each weight (read the projected-back
+    # step, read and write the weight: 12 bytes), in place of Adam over the full matrix.
+    adam_s = ((stage.moment - stage.params) * fw.optimizer_step_bytes + stage.params * 3 * 4) / zero_div / hw.mem_bytes_s
+    owners = layout.dp * layout.cp
+    svd_s = (stage.svd_gemm_flops / hw.gemm_flops + stage.svd_stream_bytes / hw.mem_bytes_s) / owners
+    out.add("galore", stage.project_flops / zero_div / hw.gemm_flops + svd_s / galore.update_interval)
+    if layout.zero == 0 and owners > 1:
+        out.add("dp_comm", comm.all_gather_s(stage.projector * 4, topo.group(layout, "dpcp"), hw) / galore.update_interval)
+    return adam_s
 
 
 def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, m: int,

@@ -49,6 +49,7 @@ from plans.cluster import ClusterSpec, resolve_cluster
 from plans.errors import PlannerError
 from plans.graph import AlgorithmConfig, Head, ModelDecl
 from plans.graph import Graph as GraphSpec
+from plans.layout import GaLore
 from plans.model import ModelSpec, resolve_model, weights_directory
 from plans.plan import PLAN_VERSION, Plan, load_plan, parse_plan, plan_to_json, save_plan
 
@@ -63,7 +64,7 @@ def model(spec: str | ModelSpec | dict[str, Any], *, trainable: bool = False, he
 
 
 def plan_hash(graph: GraphSpec, *, cluster: ClusterSpec, baseline: str | None = None,
-              calibration_sha256: str | None = None, offload: bool = True) -> str:
+              calibration_sha256: str | None = None, offload: bool = True, galore: GaLore | None = None) -> str:
     """SHA-256 of canonical JSON of what a plan is compiled from: the graph (models, calls, data
     edges, host steps with their source hashes, algorithm), the cluster and the options that
     change the plan."""
@@ -72,6 +73,8 @@ def plan_hash(graph: GraphSpec, *, cluster: ClusterSpec, baseline: str | None = 
                "calibration_sha256": calibration_sha256}
     if not offload:  # a plan searched with every state on the GPU (`planner compile --no-offload`)
         payload["offload"] = False
+    if galore is not None:  # train calls may use a GaLore optimizer (`planner compile --galore-rank`)
+        payload["galore"] = galore.model_dump(mode="json")
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

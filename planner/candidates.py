@@ -18,7 +18,7 @@ from itertools import product
 from cost_models import CallCost, CostModel
 from plans.cluster import ClusterSpec
 from plans.graph import Call, Graph, ModelDecl
-from plans.layout import Layout, Mesh
+from plans.layout import GaLore, Layout, Mesh
 from plans.model import ModelSpec
 from plans.runnable import expert_layout_problems
 from plans.sharding import layout_problems, slices_key
@@ -87,6 +87,9 @@ class SearchSpace:
     # Home calls may also keep states in host memory between calls (`Layout.offload`): a train
     # call's optimizer states, a frozen model's weights when it has no other call.
     offload: bool = True
+    # A GaLore optimizer (`Layout.galore`) train calls may use where AdamW's states do not fit
+    # (None: AdamW only). Opt-in: it changes the training algorithm, not only where it runs.
+    galore: GaLore | None = None
     # Costing one layout takes about a millisecond; past this many (distinct calls x mesh sizes x
     # layouts) a request is refused with an error rather than left to run for many minutes.
     max_layout_evals: int = 200_000
@@ -217,14 +220,20 @@ def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpa
         # A plan for the planner's runtime (framework torch) splits experts only as it runs them.
         runtime = cm.framework.name == "torch"
         # Layouts whose model states alone exceed the memory are not costed (they cannot fit).
-        valid = [lay for lay in layouts_for(call, decl, size, cluster)
-                 if (space.layout_ok is None or space.layout_ok(call, decl, lay))
-                 and not (runtime and expert_layout_problems(decl.spec, lay))
-                 and cm.state_floor_bytes(view, lay) <= cap]
+        allowed = [lay for lay in layouts_for(call, decl, size, cluster)
+                   if (space.layout_ok is None or space.layout_ok(call, decl, lay))
+                   and not (runtime and expert_layout_problems(decl.spec, lay))]
+        valid = [lay for lay in allowed if cm.state_floor_bytes(view, lay) <= cap]
         for lay in valid:
             cost = cm.call_cost(call, view, mesh, lay)
             if cost.peak_mem_bytes <= cap:
                 costed.append(Candidate(mesh, lay, cost))
+        # Memory binds the call on this mesh size where some layout does not fit: only then are
+        # GaLore variants considered (GaLore changes the optimizer; where AdamW fits every way
+        # the plan stays AdamW's).
+        galore = space.galore is not None and call.kind == "train" and decl.trainable and len(costed) < len(allowed)
+        if galore:
+            costed += _galore_variants(call, view, cm, mesh, space, allowed, {c.layout for c in costed})
         if call.kind == "generate" and space.split_decode and costed:
             costed += _split_decode(call, view, cm, mesh, pareto(costed)[:SPLIT_DECODE_PREFILLS], valid)
             if call.prompt_len >= LONG_SEQ_TOKENS:  # long prompts: a context-parallel prefill, then decode
@@ -232,6 +241,28 @@ def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpa
                                         must_split=True)
         if costed:
             out[size] = diverse(pareto(costed), space.keep_per_size)
+            if galore:
+                _add_galore(call, view, cm, space, out[size], costed)
+    return out
+
+
+def _galore_variants(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, space: SearchSpace,
+                     allowed: list[Layout], fitted: set[Layout]) -> list[Candidate]:
+    """A train call's `allowed` layouts with the space's GaLore optimizer where AdamW's states do
+    not fit (none of `fitted`) but GaLore's do. GaLore needs each matrix's whole gradient on a
+    rank (`Layout.check_galore_whole_gradients`)."""
+    assert space.galore is not None
+    cap = cm.cluster.usable_mem_bytes
+    out = []
+    for lay in allowed:
+        if lay.tp > 1 or lay.zero > 1 or lay in fitted:
+            continue
+        low = lay.model_copy(update={"galore": space.galore})
+        if cm.state_floor_bytes(view, low) > cap:
+            continue
+        cost = cm.call_cost(call, view, mesh, low)
+        if cost.peak_mem_bytes <= cap:
+            out.append(Candidate(mesh, low, cost))
     return out
 
 
@@ -367,6 +398,24 @@ def _add_offload(call: Call, graph: Graph, cm: CostModel, sizes: dict[int, list[
             if 0 < cost.host_mem_bytes <= cluster.host_mem_bytes:
                 cands.append(Candidate(c.mesh, lay, cost, c.decode_layout))
         cands.sort(key=lambda c: (c.time_s, c.state_bytes, c.work_bytes, c.layout.short()))
+
+
+def _add_galore(call: Call, view: ModelDecl, cm: CostModel, space: SearchSpace, kept: list[Candidate],
+                costed: list[Candidate]) -> None:
+    """Add to a train call's `kept` candidates of one mesh size the GaLore variant of the fastest
+    AdamW one GaLore can run (tp 1, ZeRO 0 or 1): as fast but for the projections, and less
+    resident between calls, which is what binds where the models of a plan share GPUs."""
+    plain = next((c for c in sorted(costed, key=lambda c: (c.time_s, c.layout.short()))
+                  if c.layout.galore is None and c.layout.tp == 1 and c.layout.zero <= 1), None)
+    if plain is None:
+        return
+    lay = plain.layout.model_copy(update={"galore": space.galore})
+    if any(c.layout == lay for c in kept):
+        return
+    cost = cm.call_cost(call, view, plain.mesh, lay)
+    if cost.peak_mem_bytes <= cm.cluster.usable_mem_bytes:
+        kept.append(Candidate(plain.mesh, lay, cost))
+        kept.sort(key=lambda c: (c.time_s, c.state_bytes, c.work_bytes, c.layout.short()))
 
 
 def merge_candidates(into: dict[str, dict[int, list[Candidate]]], more: dict[str, dict[int, list[Candidate]]]) -> None:

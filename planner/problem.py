@@ -326,7 +326,7 @@ class Problem:
         s = self.slots[slot]
         assert s.home is not None
         src, dst = self.slots[s.home].cands[h], s.cands[k]
-        return (s.call.model, src.layout.on_device, dst.layout.on_device, *self._relation(src.mesh, dst.mesh))
+        return (s.call.model, src.layout.placement, dst.layout.placement, *self._relation(src.mesh, dst.mesh))
 
     def _relation(self, a: Mesh, b: Mesh) -> tuple[int, ...]:
         """What a reallocation's cost depends on in the placement of two aligned blocks: their

@@ -9,7 +9,7 @@ from plans.errors import PlannerError
 from plans.graph import AlgorithmConfig, Call, DataInput, Graph, HostStep, ModelDecl, parse_graph
 from plans.hardware import GpuSpec, gpu_catalog, gpu_spec
 from plans.io import check_output, write_bytes_atomic, write_text_atomic
-from plans.layout import Coord, Layout, Mesh
+from plans.layout import Coord, GaLore, Layout, Mesh
 from plans.model import PRESETS, ModelSpec, resolve_model
 from plans.plan import (
     PLAN_VERSION,
@@ -27,7 +27,7 @@ from plans.plan import (
 
 __all__ = [
     "PLAN_VERSION", "PRESETS", "AlgorithmConfig", "Call", "CheckpointManifest", "ClusterSpec", "Coord", "DataInput",
-    "DataTransfer", "Estimate", "GpuSpec", "Graph", "HostStep", "Layout", "Mesh", "ModelDecl", "ModelSpec", "Plan", "PlanCall",
+    "DataTransfer", "Estimate", "GaLore", "GpuSpec", "Graph", "HostStep", "Layout", "Mesh", "ModelDecl", "ModelSpec", "Plan", "PlanCall",
     "PlannerError", "Reallocation", "SearchInfo", "check_output", "gpu_catalog", "gpu_spec", "graph_fingerprint",
     "latest_complete", "load_manifest", "load_plan", "parse_cluster", "parse_graph", "parse_plan", "plan_to_json",
     "resolve_cluster", "resolve_model", "save_plan", "write_bytes_atomic", "write_text_atomic",

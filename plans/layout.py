@@ -21,6 +21,22 @@ Recompute = Literal["none", "selective", "full"]
 Offload = Literal["none", "optimizer", "weights"]
 
 
+class GaLore(Strict):
+    """A train call's low-rank optimizer (Zhao et al. 2024, GaLore; Su et al. 2025, GaLore 2):
+    each decoder layer's attention and MLP matrix G (m x n) keeps Adam's moments for its rank-r
+    projection only, P^T G (m <= n, P the top r left singular vectors of G) or G Q (m > n, Q the
+    right ones), with P refreshed by an SVD of the gradient every `update_interval` steps; the
+    update is ``-lr * scale * P N`` for Adam's normalised step N. Every other parameter keeps
+    plain AdamW. See `plans.sharding.galore_projected` for which matrices."""
+
+    rank: int = Field(ge=1, description="Rank r of the gradient projection.")
+    update_interval: int = Field(200, ge=1, description="Optimizer steps between SVDs of the gradient (the projector refresh).")
+    scale: float = Field(0.25, gt=0, description="alpha: the projected-back update is scaled by this.")
+
+    def short(self) -> str:
+        return f"galore:r{self.rank}" + (f"/{self.update_interval}" if self.update_interval != 200 else "")
+
+
 class Coord(NamedTuple):
     """Where one rank of a mesh sits in the layout grid."""
 
@@ -52,6 +68,10 @@ class Layout(Strict):
         "optimizer states, copied to the GPU for the call and back after it, as DeepSpeed's offload_optimizer "
         "and verl's optimizer_offload keep them); weights (a frozen model's only call: its weights are "
         "copied in before the call and dropped after it, as OpenRLHF's --ref.offload)."))
+    # Left out of a plan's JSON when None (plain AdamW), so plans without it keep their bytes.
+    galore: GaLore | None = Field(None, exclude_if=lambda v: v is None, description=(
+        "A train call's GaLore optimizer (low-rank projected Adam states), or None for AdamW. Needs tp = 1 "
+        "and ZeRO 0 or 1: each matrix's projection reads its whole gradient."))
 
     @model_validator(mode="after")
     def check_sequence_parallel_needs_tp(self) -> Layout:
@@ -63,6 +83,13 @@ class Layout(Strict):
     def check_zero_needs_dp(self) -> Layout:
         if self.zero and self.dp == 1:
             raise ValueError("a ZeRO stage needs dp > 1 (there is nothing to shard over)")
+        return self
+
+    @model_validator(mode="after")
+    def check_galore_whole_gradients(self) -> Layout:
+        if self.galore is not None and (self.tp > 1 or self.zero > 1):
+            raise ValueError(f"galore needs tp=1 and zero 0 or 1 (got tp={self.tp}, zero={self.zero}): the projection "
+                             "of a matrix reads its whole gradient on one rank")
         return self
 
     @model_validator(mode="after")
@@ -97,6 +124,14 @@ class Layout(Strict):
         """This layout with every state kept on the GPU: how it splits parameters and work,
         which offload does not change (a reallocation or a twin sees this)."""
         return self if self.offload == "none" else self.model_copy(update={"offload": "none"})
+
+    @property
+    def placement(self) -> Layout:
+        """This layout as parameters see it: where their slices are, which neither offload nor the
+        optimizer changes (what a reallocation's cost depends on)."""
+        if self.offload == "none" and self.galore is None:
+            return self
+        return self.model_copy(update={"offload": "none", "galore": None})
 
     @property
     def size(self) -> int:
@@ -135,6 +170,8 @@ class Layout(Strict):
             parts.append("sp")
         if self.offload != "none":
             parts.append("off:" + {"optimizer": "opt", "weights": "w"}[self.offload])
+        if self.galore is not None:
+            parts.append(self.galore.short())
         return " ".join(parts)
 
 

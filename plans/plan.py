@@ -21,7 +21,7 @@ from plans.cluster import ClusterSpec
 from plans.errors import PlannerError, brief
 from plans.graph import AlgorithmConfig, Call, DataInput, Graph, HostStep, ModelDecl
 from plans.io import write_text_atomic
-from plans.layout import Layout, Mesh
+from plans.layout import GaLore, Layout, Mesh
 from plans.sharding import layout_problems
 
 # The cost model's framework presets (`cost_models.framework.FRAMEWORKS`, which a test keeps equal).
@@ -174,6 +174,7 @@ def placement_problems(plan: Plan) -> list[str]:
                 for p in layout_problems(plan.models[c.model].spec, lay):
                     problems.append(f"call {c.name!r}: {p}")
     problems += offload_problems(plan)
+    problems += galore_problems(plan)
     for r in plan.reallocations:
         for end in (r.from_call, r.to_call):
             if end not in calls:
@@ -181,6 +182,34 @@ def placement_problems(plan: Plan) -> list[str]:
             elif calls[end].model != r.model:
                 problems.append(f"reallocation of {r.model!r} names call {end!r}, which runs on {calls[end].model!r}")
     return problems
+
+
+def galore_problems(plan: Plan) -> list[str]:
+    """Where a plan names a GaLore optimizer that no step would use, or two for one model: only a
+    train call of a trainable model steps an optimizer, and every train call of a model steps
+    the same one."""
+    problems = []
+    seen: dict[str, tuple[str, GaLore | None]] = {}
+    for c in plan.calls:
+        if c.decode_layout is not None and c.decode_layout.galore is not None:
+            problems.append(f"call {c.name!r}: its decode layout names a GaLore optimizer; only a train call's layout may")
+        g = c.layout.galore
+        decl = plan.models.get(c.model)
+        if c.kind != "train" or decl is None or not decl.trainable:
+            if g is not None:
+                problems.append(f"call {c.name!r} ({c.kind}) names a GaLore optimizer, which only a train call of a "
+                                "trainable model steps; drop layout.galore")
+            continue
+        if c.model in seen and seen[c.model][1] != g:
+            problems.append(f"calls {seen[c.model][0]!r} and {c.name!r} train {c.model!r} with different optimizers "
+                            f"({_optimizer_name(seen[c.model][1])} and {_optimizer_name(g)}); give both the same "
+                            "layout.galore")
+        seen.setdefault(c.model, (c.name, g))
+    return problems
+
+
+def _optimizer_name(g: GaLore | None) -> str:
+    return "AdamW" if g is None else g.short()
 
 
 def offload_problems(plan: Plan) -> list[str]:

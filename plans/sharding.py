@@ -63,6 +63,15 @@ class Param:
         return n
 
 
+def galore_projected(param: Param, rank: int) -> bool:
+    """Whether a GaLore optimizer of `rank` (`plans.layout.GaLore`) projects `param`'s gradient:
+    the attention and MLP matrices of decoder layers (the weights tensor parallel splits, shared
+    experts' included) larger than the rank both ways. Embeddings, the head, norms, biases,
+    routers and routed experts keep plain AdamW, as GaLore's reference training does."""
+    return (param.layer is not None and len(param.shape) == 2 and param.tp_dim is not None
+            and param.expert_dim is None and min(param.shape) > rank)
+
+
 def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
     """Bounds of part `index` when `n` items split into `parts` (numpy array_split: first n % parts get one more)."""
     q, r = divmod(n, parts)

@@ -45,8 +45,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from plans.layout import Layout
-from plans.sharding import parameters, shard_box, split_range
+from plans.errors import PlannerError
+from plans.layout import GaLore, Layout
+from plans.sharding import galore_projected, parameters, shard_box, split_range
+from runtime.galore import GaLoreStep
+from runtime.galore import owners as galore_owners
 from runtime.groups import Axis, RankGroups, all_gather_into, reduce_scatter_into
 from runtime.model import Shard
 from runtime.offload import to_device, to_host
@@ -242,17 +245,30 @@ class _GatherRows(torch.autograd.Function):
 class DataParallel:
     """Flat buffers, gradient reduction and the optimizer step of one trainable shard."""
 
-    def __init__(self, shard: Shard, *, groups: RankGroups, zero: int, adam: AdamConfig) -> None:
+    def __init__(self, shard: Shard, *, groups: RankGroups, zero: int, adam: AdamConfig,
+                 galore: GaLore | None = None) -> None:
         self.shard, self.groups, self.zero, self.adam = shard, groups, zero, adam
         dp = groups.dp
         names = list(shard.params)
         # Each parameter starts at a multiple of ALIGN_ELEMENTS (64 bytes): matmul kernels run
         # slower on weights at an arbitrary offset than on separately allocated ones.
+        sizes = [-(-shard.params[n].numel() // ALIGN_ELEMENTS) * ALIGN_ELEMENTS for n in names]
         starts, numel = {}, 0
-        for n in names:
+        for n, size in zip(names, sizes):
             starts[n] = numel
-            numel += -(-shard.params[n].numel() // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+            numel += size
         padded = numel if zero not in (1, 2) else math.ceil(numel / dp.size) * dp.size
+        owner = dict(zip(names, galore_owners(sizes, dp.size))) if galore is not None else {}
+        if galore is not None and zero == 1:
+            # A rank's partition is exactly the parameters it owns (`runtime.galore`): each
+            # rank's run of parameters starts its own chunk of the buffer, all chunks one size.
+            chunk = max(sum(size for n, size in zip(names, sizes) if owner[n] == r) for r in range(dp.size))
+            chunk = max(ALIGN_ELEMENTS, chunk)
+            fill = [0] * dp.size
+            for n, size in zip(names, sizes):
+                starts[n] = owner[n] * chunk + fill[owner[n]]
+                fill[owner[n]] += size
+            padded = chunk * dp.size
         ref = next(iter(shard.params.values()))
         self.flat = torch.zeros(padded, dtype=torch.float32, device=ref.device)
         self.grad = torch.zeros_like(self.flat)
@@ -266,7 +282,18 @@ class DataParallel:
             shard.params[n] = new
         # The part of the flat buffer this rank updates (and keeps Adam state for).
         self.owned = (0, padded) if zero not in (1, 2) else split_range(padded, dp.size, dp.index)
-        size = self.owned[1] - self.owned[0]
+        lo, hi = self.owned
+        # Where AdamW runs: the owned part, less the matrices GaLore projects (runs of the buffer
+        # between them; gaps of alignment padding hold zeros and stay zero).
+        self.adam_runs = [(lo, hi)]
+        self.galore: GaLoreStep | None = None
+        if galore is not None:
+            catalog = {p.name: p for p in parameters(shard.spec, head=shard.head)}
+            projected = {n: shard.params[n].shape for n in names if galore_projected(catalog[n], galore.rank)}
+            self.galore = GaLoreStep(galore, {n: (int(a), int(b)) for n, (a, b) in projected.items()}, owner,
+                                     dp=dp, zero=zero, device=ref.device)
+            self.adam_runs = _runs_between(lo, hi, sorted(self.views[n] for n in projected))
+        size = sum(b - a for a, b in self.adam_runs)
         self.m = torch.zeros(size, dtype=torch.float32, device=ref.device)
         self.v = torch.zeros_like(self.m)
         self.on_host = False  # Adam's moments wait in host memory (`optimizer_to_host`)
@@ -433,7 +460,18 @@ class DataParallel:
         if self.on_host:
             raise RuntimeError("the optimizer step ran while Adam's moments were in host memory (optimizer_to_device first)")
         with torch.no_grad():
-            adam_update(self.flat[lo:hi], self.grad[lo:hi], self.m, self.v, step=self.steps, lr=lr, cfg=self.adam)
+            at = 0
+            for a, b in self.adam_runs:
+                adam_update(self.flat[a:b], self.grad[a:b], self.m[at:at + b - a], self.v[at:at + b - a],
+                            step=self.steps, lr=lr, cfg=self.adam)
+                at += b - a
+            if self.galore is not None:
+                views = {n: self.views[n] for n in self.galore.names}
+                cfg = self.adam
+                self.galore.step({n: self.shard.params[n].data for n in views},
+                                 {n: self.grad[a:b].view(self.shard.params[n].shape) for n, (a, b) in views.items()},
+                                 step=self.steps, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay)
             if self.zero in (1, 2) and self.groups.dp.size > 1:
                 all_gather_into(self.flat, self.flat[lo:hi].clone(), group=self.groups.dp.group)
 
@@ -442,11 +480,15 @@ class DataParallel:
         device's copies; `optimizer_to_device` brings them back before the next step."""
         if not self.on_host:
             self.m, self.v = to_host(self.m), to_host(self.v)
+            if self.galore is not None:
+                self.galore.to_host()
             self.on_host = True
 
     def optimizer_to_device(self) -> None:
         if self.on_host:
             self.m, self.v = to_device(self.m, self.flat.device), to_device(self.v, self.flat.device)
+            if self.galore is not None:
+                self.galore.to_device(self.flat.device)
             self.on_host = False
 
     def moments(self) -> dict[str, tuple[Tensor, Tensor]]:
@@ -454,6 +496,9 @@ class DataParallel:
         Under ZeRO 1/2 the partitions are all-gathered over the data-parallel group first, so
         every rank of the group must call it; Adam is elementwise, so the gathered moments are
         the parameters' own."""
+        if self.galore is not None:
+            raise PlannerError("checkpoints do not hold a GaLore optimizer's low-rank states yet",
+                               hint="run this plan without --checkpoint-dir, or compile it without --galore-rank")
         m, v = self.m, self.v
         if self.on_host:  # gathered on the device (NCCL sends device tensors), as a step would use them
             m, v = to_device(m, self.flat.device), to_device(v, self.flat.device)
@@ -467,6 +512,9 @@ class DataParallel:
     def load_moments(self, moments: dict[str, tuple[Tensor, Tensor]], *, steps: int) -> None:
         """Set Adam's state from whole-shard moments (as `moments` returns them) and its step
         count; each rank keeps its own partition."""
+        if self.galore is not None:
+            raise PlannerError("checkpoints do not hold a GaLore optimizer's low-rank states yet",
+                               hint="resume with a plan compiled without --galore-rank")
         whole_m, whole_v = torch.zeros_like(self.flat), torch.zeros_like(self.flat)
         for n, (lo, hi) in self.views.items():
             m, v = moments[n]
@@ -490,6 +538,20 @@ class DataParallel:
             p.grad = self.grad[lo:hi].view(p.shape)
 
 
+def _runs_between(lo: int, hi: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The non-empty runs of [lo, hi) outside the sorted ranges `holes`."""
+    out, at = [], lo
+    for a, b in holes:
+        if b <= lo or a >= hi:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < hi:
+        out.append((at, hi))
+    return out
+
+
 @dataclass
 class _Bucket:
     """Consecutive parameters whose gradients [lo, hi) of the flat buffer are reduced together."""
@@ -509,11 +571,12 @@ def _replicated_under_tp(shard: Shard, name: str) -> bool:
 
 
 def apply_data_parallel(shard: Shard, *, groups: RankGroups, zero: int, trainable: bool,
-                        adam: AdamConfig | None = None) -> DataParallel | None:
+                        adam: AdamConfig | None = None, galore: GaLore | None = None) -> DataParallel | None:
     """Split parameters for ZeRO-3 (the gather runs on use) and, for a trainable shard, set up the
     flat buffers, gradient reduction and optimizer partition of ZeRO `zero`."""
     if zero == 3 and groups.dp.size > 1:
         shard.gather = Zero3Gather(shard, dp=groups.dp, layout=groups.layout, local=groups.local)
     if not trainable:
         return None
-    return DataParallel(shard, groups=groups, zero=zero if groups.dp.size > 1 else 0, adam=adam or AdamConfig())
+    return DataParallel(shard, groups=groups, zero=zero if groups.dp.size > 1 else 0, adam=adam or AdamConfig(),
+                        galore=galore)

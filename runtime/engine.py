@@ -69,7 +69,7 @@ def parallelize(spec: ModelSpec, *, head: Head, trainable: bool, groups: RankGro
     if groups.cp.size > 1:
         shard.cp = ContextParallel(group=groups.cp.group, size=groups.cp.size, rank=groups.cp.index)
     apply_recompute(shard, mode=layout.recompute)
-    dp = apply_data_parallel(shard, groups=groups, zero=layout.zero, trainable=trainable, adam=adam)
+    dp = apply_data_parallel(shard, groups=groups, zero=layout.zero, trainable=trainable, adam=adam, galore=layout.galore)
     return shard, pipe, dp
 
 

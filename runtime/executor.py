@@ -22,7 +22,7 @@ it, so calls on disjoint meshes run at the same time:
    are sent; a call's ``time_s`` metric is its leader's span.
 
 ``reference=True`` runs the same calls in one process with no parallelism (every layout replaced
-by dp = tp = pp = 1, every call on the model's one copy): the numbers a parallel run must
+by dp = tp = pp = 1 with the home call's optimizer, every call on the model's one copy): the numbers a parallel run must
 reproduce.
 
 `step` runs the calls in plan order. A driver that runs them in another (dependency-respecting)
@@ -182,9 +182,10 @@ class PlanRunner:
         self.calls = call_plans(plan)
         # Calls that run on a reallocated copy (the reference reports their move as taking 0 s).
         self.moved = {n for n, cp in self.calls.items() if cp.source == "realloc"}
-        if reference:
-            solo = Placement(SOLO_MESH, Layout())
-            self.calls = {n: CallPlan(solo, cp.home, "home") for n, cp in self.calls.items()}
+        if reference:  # unsharded, with the optimizer the home call trains with (AdamW or GaLore)
+            optimizer = {c.name: c.layout.galore for c in plan.calls}
+            self.calls = {n: CallPlan(Placement(SOLO_MESH, Layout(galore=optimizer[cp.home])), cp.home, "home")
+                          for n, cp in self.calls.items()}
         self.distributed = not reference and world_size > 1
         self.vocab = min(plan.models[m].spec.vocab_size for m in plan.models)
         tokenizers: dict[str, Tokenizer] = {}

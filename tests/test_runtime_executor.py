@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from planner import algorithms
-from plans import Estimate, Layout, Mesh, Plan, PlanCall, Reallocation, SearchInfo, parse_cluster
+from plans import Estimate, GaLore, Layout, Mesh, Plan, PlanCall, Reallocation, SearchInfo, parse_cluster
 from plans.errors import PlannerError
 from plans.sharding import slices_key, transfer_volume
 from runtime.executor import PlanRunner
@@ -60,6 +60,9 @@ def place(graph, layouts: dict[str, tuple[Mesh, Layout]], *, reallocations: bool
     return Plan(name=graph.name, cluster=cl, models=graph.models, inputs=graph.inputs,
                 algorithm=graph.algorithm, calls=calls, reallocations=moves, search=SearchInfo(method="test"),
                 estimate=Estimate(iteration_s=0, tokens_per_s=0, mfu=0, peak_mem_bytes=0))
+
+
+GALORE = GaLore(rank=8, update_interval=1)
 
 
 def _plans() -> dict[str, Plan]:
@@ -115,6 +118,14 @@ def _plans() -> dict[str, Plan]:
                               "critic_inference": (low, Layout(dp=2)),
                               "ref": (high, Layout(tp=2, offload="weights")),
                               "reward": (all4, Layout(pp=2, dp=2, offload="weights"))}),
+        # A GaLore optimizer (`Layout.galore`): the actor's under ZeRO-1 with a pipeline, the
+        # critic's under ZeRO-0 (projectors sent from their owners), refreshed every step.
+        "ppo_galore": place(algorithms.ppo("tiny-llama", reward_fn=REWARD, batch=8, prompt_len=6, gen_len=5,
+                                           ppo_minibatches=2, **common),
+                            {"actor_train": (all4, Layout(dp=2, pp=2, zero=1, micro_batches=2, galore=GALORE)),
+                             "actor_generate": (all4, Layout(dp=2, tp=2)),
+                             "critic_train": (low, Layout(dp=2, galore=GALORE)),
+                             "critic_inference": (low, Layout(dp=2)), "ref": (high, Layout(tp=2))}),
         # Mixtures of experts: GRPO trained with expert parallel over all four ranks, generating with
         # experts split over tp and ep (a reallocation moves them), the reference on two ranks at ep 2;
         # PPO of a Qwen-MoE-style actor (shared expert, a dense layer) trained with ep x tp, its

@@ -6,13 +6,17 @@ import json
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from plans.errors import PlannerError
+from plans.layout import GaLore
+
+if TYPE_CHECKING:
+    from planner.candidates import SearchSpace
 
 COMPILE_HELP = """Compile a graph file or a built-in algorithm into a plan.
 
@@ -96,6 +100,27 @@ def _graph_from_target(target: str, *, actor: str | None, critic: str | None, re
     return LoadedGraph(ALGORITHMS[target](actor, **kw), None)  # type: ignore[operator]
 
 
+def _galore(rank: int | None, interval: int, scale: float) -> GaLore | None:
+    if rank is None:
+        if interval != 200 or scale != 0.25:
+            raise PlannerError("--galore-interval and --galore-scale set up a GaLore optimizer that --galore-rank turns on",
+                               hint="add --galore-rank R (e.g. 128), or drop them")
+        return None
+    if scale <= 0:
+        raise PlannerError(f"--galore-scale must be positive, got {scale}", hint="GaLore's papers use 0.25")
+    return GaLore(rank=rank, update_interval=interval, scale=scale)
+
+
+def _search_space(*, offload: bool, galore_rank: int | None, galore_interval: int, galore_scale: float) -> SearchSpace | None:
+    """The compile command's search space (None: the default one)."""
+    from planner.candidates import SearchSpace  # noqa: F811 (imported here at run time)
+
+    galore = _galore(galore_rank, galore_interval, galore_scale)
+    if offload and galore is None:
+        return None
+    return SearchSpace(offload=offload, galore=galore)
+
+
 def compile_cmd(
     target: Annotated[str, typer.Argument(help="Graph file (.py) or algorithm name.", show_default=False)],
     cluster: Annotated[Optional[str], typer.Option("--cluster", "-c", help="GPU:NODESxPER_NODE or a file (default: the graph file's CLUSTER).")] = None,
@@ -107,6 +132,9 @@ def compile_cmd(
     framework: Annotated[str, typer.Option("--framework", help="The stack the plan is costed for: torch (the planner's runtime, which runs the plan), megatron-core (Megatron-Core with Transformer Engine), megatron (Megatron-LM GPT as vTrain measured it), vllm (vLLM generation) or rlhf-engine (verl and OpenRLHF: Megatron-Core training, vLLM rollouts); cost the stack you will run, e.g. megatron-core before `planner export --to megatron`.")] = "torch",
     mem_headroom: Annotated[Optional[float], typer.Option("--mem-headroom", min=0, help="GiB per GPU every call leaves free, beyond what the cost model counts (context, NCCL buffers, fragmentation) [default: 1 GiB + 2.5% of the memory, 3 GiB of an 80 GiB GPU; 0 packs to the edge].")] = None,
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="Let home calls keep states in host memory between calls (a trained model's optimizer states, a frozen model's weights), copied over PCIe for each call, where that makes the iteration faster; --no-offload keeps every state on the GPU.")] = True,
+    galore_rank: Annotated[Optional[int], typer.Option("--galore-rank", min=1, help="Let train calls use a GaLore optimizer of this rank (Adam states of each decoder matrix's rank-r gradient projection; Zhao et al. 2024) where AdamW's states do not fit: it changes the optimizer, so it is off unless asked. Runs on the planner's runtime with tp=1 and ZeRO 0 or 1; no export engine has it. GaLore's papers use 128-1024 for 60M-7B models.")] = None,
+    galore_interval: Annotated[int, typer.Option("--galore-interval", min=1, help="With --galore-rank: optimizer steps between the SVDs that refresh each projection.")] = 200,
+    galore_scale: Annotated[float, typer.Option("--galore-scale", min=0, help="With --galore-rank: alpha, the scale of the projected-back update.")] = 0.25,
     actor: Annotated[Optional[str], typer.Option(help="Actor / policy model SPEC (algorithms).")] = None,
     critic: Annotated[Optional[str], typer.Option(help="Critic SPEC (ppo; default: the actor's).")] = None,
     ref: Annotated[Optional[str], typer.Option(help="Reference model SPEC (default: the actor's).")] = None,
@@ -131,7 +159,6 @@ def compile_cmd(
     response_len_mean: Annotated[Optional[float], typer.Option("--response-len-mean", min=1, help="Generate calls: the mean tokens a response really has (gen_len is the cap); lengths are costed as geometric (a constant chance of stopping at each token), and a batch takes as many steps as its longest response [default: every response runs to gen_len].")] = None,
     response_len_from: Annotated[Optional[Path], typer.Option("--response-len-from", help="Generate calls: take that mean from a previous run's --metrics-out file (its last 10 steps' response_len).")] = None,
 ) -> None:
-    from planner.candidates import SearchSpace
     from planner.compile import SearchProgress, compile_graph
     from planner.render import print_plan
     from plans.cluster import resolve_cluster, with_headroom
@@ -169,6 +196,10 @@ def compile_cmd(
     from cost_models.framework import resolve_framework
 
     resolve_framework(framework)  # an unknown name is an error before any work
+    if galore_rank is not None and framework != "torch":
+        raise PlannerError(f"--galore-rank with --framework {framework}: GaLore runs on the planner's runtime only "
+                           "(framework torch); no engine planner exports to has it",
+                           hint="drop --framework to plan for the planner's runtime, or drop --galore-rank")
     default_path = loaded.auto.plan_path if loaded.auto is not None else Path("plans") / f"{graph.name}.json"
     if not as_json or output is not None:
         check_output(output or default_path)
@@ -186,12 +217,14 @@ def compile_cmd(
 
         plan = compile_graph(graph, cl, time_limit_s=time_limit, baseline=baseline.value if baseline else None,
                              calibration=calib, progress=show, framework=framework,
-                             space=None if offload else SearchSpace(offload=False))
+                             space=_search_space(offload=offload, galore_rank=galore_rank, galore_interval=galore_interval,
+                                                 galore_scale=galore_scale))
     if loaded.auto is not None:  # the loop reuses this plan while it, the cluster and the options are unchanged
         from planner.auto import file_sha256, plan_hash
 
         digest = plan_hash(graph, cluster=cl, baseline=baseline.value if baseline else None,
-                           calibration_sha256=file_sha256(calibration), offload=offload)
+                           calibration_sha256=file_sha256(calibration), offload=offload,
+                           galore=_galore(galore_rank, galore_interval, galore_scale))
         plan = plan.model_copy(update={"source_hash": digest})
     if as_json:
         typer.echo(plan_to_json(plan), nl=False)
