@@ -275,3 +275,11 @@ def test_owners_split_runs_evenly() -> None:
     assert owners([100, 1, 1, 1], 2) == [0, 1, 1, 1]
     assert owners([5], 4) == [0]
     assert sorted(set(owners([3, 1, 4, 1, 5, 9, 2, 6], 3))) == [0, 1, 2]
+
+
+def test_replan_keeps_galore_on_offer() -> None:
+    from planner.replan import replan
+
+    plan = _compile(sft("llama-2-7b", batch=64, seq_len=2048), "h100-sxm:1x1", G)
+    new = replan(plan, with_headroom(parse_cluster("h200:1x1"), None), time_limit_s=2).new
+    assert new.calls[0].layout.galore == G  # some AdamW layouts still do not fit a 140 GiB GPU; GaLore wins there

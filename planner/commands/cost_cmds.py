@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from plans.errors import PlannerError
+from plans.layout import GaLore
 from plans.hardware import GIB
 from plans.io import check_output
 
@@ -51,6 +52,8 @@ def estimate(
     zero: int = typer.Option(0, "--zero", min=0, max=3, help="ZeRO stage over the data-parallel group."),
     sequence_parallel: bool = typer.Option(False, "--sequence-parallel", help="Shard norm/dropout activations over tp."),
     interleave: int = typer.Option(1, "--interleave", help="Virtual pipeline stages per rank (interleaved 1F1B)."),
+    galore_rank: int | None = typer.Option(None, "--galore-rank", min=1, help="Train with a GaLore optimizer of this rank (needs --tp 1 and --zero 0 or 1; see planner compile --help)."),
+    galore_interval: int = typer.Option(200, "--galore-interval", min=1, help="With --galore-rank: steps between the SVDs that refresh the projections."),
     calibration: Path | None = typer.Option(None, "--calibration", help="Calibration file (planner calibrate / profile)."),
     framework: FrameworkName = typer.Option(FrameworkName.torch, "--framework", help=FRAMEWORK_HELP),
     mem_headroom: float | None = typer.Option(None, "--mem-headroom", min=0, help="GiB per GPU every call leaves free, beyond what the cost model counts (context, NCCL buffers, fragmentation) [default: 1 GiB + 2.5% of the memory, 3 GiB of an 80 GiB GPU; 0 packs to the edge]."),
@@ -75,6 +78,11 @@ def estimate(
     layout = training_layout(spec, cl, tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=micro_batch, global_batch=global_batch,
                              seq_len=seq_len, recompute=recompute.value, zero=zero, sequence_parallel=sequence_parallel,
                              interleave=interleave)
+    if galore_rank is not None:
+        if tp > 1 or zero > 1:
+            raise PlannerError(f"--galore-rank with --tp {tp} --zero {zero}: GaLore projects each matrix's whole "
+                               "gradient on one rank", hint="use --tp 1 and --zero 0 or 1")
+        layout = layout.model_copy(update={"galore": GaLore(rank=galore_rank, update_interval=galore_interval)})
     est = estimate_training(spec, cl, layout, global_batch=global_batch, seq_len=seq_len, calibration=cal,
                             framework=framework.value)
     if as_json:
