@@ -12,9 +12,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from plans.errors import PlannerError
-from plans.layout import GaLore
 from plans.hardware import GIB
 from plans.io import check_output
+from plans.layout import GaLore
 
 
 class Recompute(str, Enum):
