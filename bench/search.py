@@ -4,13 +4,15 @@
     python bench/search.py --only ppo-7b    # one instance
     python bench/search.py --exhaustive     # also check enumerable instances against brute force
     python bench/search.py --node-ranges    # also search ReaLHF's wider mesh space, side by side
+                                            # (the three-node instances are searched in both always)
     python bench/search.py --no-old-space   # skip the search in the space before offload
     python bench/search.py --only grpo-7b-1gpu   # one of the GaLore instances (AdamW beside GaLore)
 
 Besides the main table (the default space), every instance is searched again in the space before
 offload (`SearchSpace(offload=False)`: every state on the GPU) and the two plans are printed side
 by side, with the calls whose states the new plan keeps in host memory. Then the instances where
-memory binds (`GALORE_SUITE`) are searched with AdamW only and with a GaLore optimizer allowed.
+memory binds (`GALORE_SUITE`) are searched with AdamW only and with a GaLore optimizer allowed,
+and clusters of three nodes (`NODE_RANGE_SUITE`) in the aligned space and in ReaLHF's node ranges.
 
 Suite (batch 512, prompt 1024, generation 1024 unless stated), as in issue 4. Each baseline is
 the best plan its rule allows (`planner.baselines`). Speedup = baseline iteration / plan iteration.
@@ -58,6 +60,16 @@ SUITE = [
                   ppo_minibatches=4, name="grpo_qwen7b"), True, 10),
     Instance("sft-70b", "h100-sxm:8x8", sft("llama-3-70b", batch=512, seq_len=4096, name="sft_70b"), False, 10),
     Instance("sft-405b", "h100-sxm:128x8", sft("llama-3-405b", batch=512, seq_len=4096, name="sft_405b"), False, 60),
+]
+
+# Clusters whose node count is no power of two: the aligned space has no mesh between one node and
+# all of them, ReaLHF's (`SearchSpace.node_ranges`) places calls on 2 of 3 nodes too.
+NODE_RANGE_SUITE = [
+    Instance("grpo-7b-3node", "a100-80gb:3x8",
+             grpo("llama-2-7b", batch=512, prompt_len=1024, gen_len=1024, samples_per_prompt=8, ppo_minibatches=4,
+                  name="grpo_7b_3node"), True, 10),
+    Instance("ppo-7b-3node", "a100-80gb:3x8", ppo("llama-2-7b", reward="llama-2-7b", name="ppo_7b_3node", **PPO),
+             True, 10),
 ]
 
 # Where memory binds: AdamW's states against a GaLore optimizer's (`--galore-rank 512`), the space
@@ -123,12 +135,18 @@ def run(inst: Instance, *, time_limit_s: float) -> dict:
     return row
 
 
-def node_ranges_row(inst: Instance, *, time_limit_s: float, aligned: dict) -> str:
+def node_ranges_row(inst: Instance, *, time_limit_s: float, aligned: dict | None = None) -> str:
     """The instance searched again with runs of consecutive nodes and half nodes
-    (`SearchSpace.node_ranges`), beside the aligned space's plan of the same run."""
+    (`SearchSpace.node_ranges`), beside the aligned space's plan of the same run (searched here
+    when not given)."""
     from planner.beam import is_aligned
     from planner.candidates import SearchSpace
 
+    if aligned is None:
+        t0 = time.perf_counter()
+        base = compile_graph(inst.graph, parse_cluster(inst.cluster), time_limit_s=time_limit_s)
+        aligned = {"iteration_s": base.estimate.iteration_s, "wall_s": time.perf_counter() - t0,
+                   "gap": base.search.gap or 0.0}
     t0 = time.perf_counter()
     plan = compile_graph(inst.graph, parse_cluster(inst.cluster), time_limit_s=time_limit_s,
                          space=SearchSpace(node_ranges=True))
@@ -230,11 +248,16 @@ def main() -> None:
             if not args.only or inst.name in args.only.split(","):
                 limit = args.time_limit if args.time_limit is not None else inst.limit_s
                 print(galore_row(inst, time_limit_s=limit), flush=True)
-    if args.node_ranges:
+    extra = [i for i in NODE_RANGE_SUITE if not args.only or i.name in args.only.split(",")]
+    if args.node_ranges or extra:
         print("\nthe wider mesh space (runs of consecutive nodes, half nodes) beside the aligned blocks:")
+    if args.node_ranges:
         for inst, r in zip(chosen, rows):
             limit = args.time_limit if args.time_limit is not None else inst.limit_s
             print(node_ranges_row(inst, time_limit_s=limit, aligned=r), flush=True)
+    for inst in extra:  # clusters of three nodes, searched in both spaces here
+        limit = args.time_limit if args.time_limit is not None else inst.limit_s
+        print(node_ranges_row(inst, time_limit_s=limit), flush=True)
     if args.exhaustive:
         print("\nexhaustive enumeration (candidate space restricted to 1 layout per mesh size, meshes >= half the cluster):")
         for inst in chosen:

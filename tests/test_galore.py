@@ -283,3 +283,31 @@ def test_replan_keeps_galore_on_offer() -> None:
     plan = _compile(sft("llama-2-7b", batch=64, seq_len=2048), "h100-sxm:1x1", G)
     new = replan(plan, with_headroom(parse_cluster("h200:1x1"), None), time_limit_s=2).new
     assert new.calls[0].layout.galore == G  # some AdamW layouts still do not fit a 140 GiB GPU; GaLore wins there
+
+
+def test_runtime_cli_runs_a_galore_plan_and_refuses_checkpoints_of_it(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from plans.plan import save_plan
+    from tests.conftest import ROOT
+
+    plan = compile_graph(sft("tiny-llama", batch=8, seq_len=12, task="pattern"), parse_cluster("cpu:1x4"),
+                         time_limit_s=0)
+    calls = [c.model_copy(update={"mesh": Mesh.block(0, 4), "layout": Layout(dp=4, zero=1, galore=CFG)})
+             for c in plan.calls]
+    path = tmp_path / "galore.json"
+    save_plan(plan.model_copy(update={"calls": calls}), path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "runtime", str(path), "--reference", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    out = run("--steps", "2", "--quiet")
+    assert out.returncode == 0, out.stderr
+    out = run("--steps", "1", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert out.returncode == 2 and "GaLore" in out.stderr and "--checkpoint-dir" in out.stderr, out.stderr
+    assert not (tmp_path / "ckpt").exists()
