@@ -139,8 +139,7 @@ def node_ranges_row(inst: Instance, *, time_limit_s: float, aligned: dict | None
     """The instance searched again with runs of consecutive nodes and half nodes
     (`SearchSpace.node_ranges`), beside the aligned space's plan of the same run (searched here
     when not given)."""
-    from planner.beam import is_aligned
-    from planner.candidates import SearchSpace
+    from planner.candidates import SearchSpace, mesh_positions, mesh_sizes
 
     if aligned is None:
         t0 = time.perf_counter()
@@ -152,7 +151,9 @@ def node_ranges_row(inst: Instance, *, time_limit_s: float, aligned: dict | None
                          space=SearchSpace(node_ranges=True))
     wall = time.perf_counter() - t0
     gain = aligned["iteration_s"] / plan.estimate.iteration_s
-    ranges = sorted({c.mesh.short() for c in plan.calls if not is_aligned(c.mesh)})
+    cluster = parse_cluster(inst.cluster)
+    aligned_space = {m for size in mesh_sizes(cluster, SearchSpace()) for m in mesh_positions(cluster, size)}
+    ranges = sorted({c.mesh.short() for c in plan.calls if c.mesh not in aligned_space})
     return (f"{inst.name:<12} aligned {aligned['iteration_s']:>8.2f}s ({aligned['wall_s']:>5.1f}s, gap "
             f"{aligned['gap'] * 100:>4.1f}%)  node ranges {plan.estimate.iteration_s:>8.2f}s ({wall:>5.1f}s, gap "
             f"{plan.search.gap * 100:>4.1f}%, {plan.search.candidates} candidates, {plan.search.status})  "
