@@ -130,6 +130,7 @@ class CostModel:
         self.hw: Hardware = hw
         self._calls: dict[tuple, CallCost] = {}
         self._reallocs: dict[tuple, ReallocCost] = {}
+        self._train_mem: dict[tuple, dict[str, int]] = {}  # `_train_memory_at`
         self._at_busy: dict[int, CostModel] = {}
 
     @property
@@ -191,7 +192,7 @@ class CostModel:
             step = train_step(spec, fw, hw, layout, topo, head=head, seqs=call.step_seqs,
                               seq_len=call.seq_len, load_cv=cv)
             times = {k: v * call.minibatches for k, v in step.parts.items()}
-            mem = self._train_memory(decl, layout, topo, seqs=call.step_seqs, seq_len=call.seq_len)
+            mem = self._train_memory_at(call, decl, mesh, layout)
         elif call.kind == "inference":
             times = forward_pass(spec, fw, hw, layout, topo, head=head, seqs=call.seqs, seq_len=call.seq_len,
                                  load_cv=cv).parts
@@ -216,6 +217,21 @@ class CostModel:
             breakdown_s={k: v for k, v in sorted(times.items()) if v > 0},
             mem_breakdown_bytes=dict(sorted(mem.items())),
         )
+
+    def train_peak_bytes(self, call: Call, decl: ModelDecl, mesh: Mesh, layout: Layout) -> int:
+        """`call_cost(call, decl, mesh, layout).peak_mem_bytes` of a train call whose states stay
+        on the GPU, without pricing its time: the candidate search skips the time of layouts that
+        do not fit (about half of a large model's)."""
+        return sum(self._train_memory_at(call, decl, mesh, layout).values())
+
+    def _train_memory_at(self, call: Call, decl: ModelDecl, mesh: Mesh, layout: Layout) -> dict[str, int]:
+        topo = Topology(mesh.first, mesh.size, self.cluster.gpus_per_node)
+        key = (call.step_seqs, call.seq_len, decl, topo.first % topo.gpus_per_node if mesh.size < topo.gpus_per_node else 0,
+               mesh.size, layout)
+        hit = self._train_mem.get(key)
+        if hit is None:
+            hit = self._train_mem[key] = self._train_memory(decl, layout, topo, seqs=call.step_seqs, seq_len=call.seq_len)
+        return dict(hit)
 
     def _offloaded(self, cost: CallCost, offload: str) -> CallCost:
         """`cost` of a call whose home keeps `offload` (`Layout.offload`) in host memory between

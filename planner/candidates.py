@@ -225,6 +225,8 @@ def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpa
                    and not (runtime and expert_layout_problems(decl.spec, lay))]
         valid = [lay for lay in allowed if cm.state_floor_bytes(view, lay) <= cap]
         for lay in valid:
+            if call.kind == "train" and cm.train_peak_bytes(call, view, mesh, lay) > cap:
+                continue  # does not fit: its time need not be priced
             cost = cm.call_cost(call, view, mesh, lay)
             if cost.peak_mem_bytes <= cap:
                 costed.append(Candidate(mesh, lay, cost))
