@@ -165,7 +165,11 @@ CASES = [
     (2, 2, {"zero": 0}),
     (1, 4, {"micro_batches": 2}),
     (4, 1, {"zero": 1, "offload": "optimizer"}),
+    (2, 1, {"zero": 1, "cp": 2}),
 ]
+# A mixture of experts: routed experts keep AdamW (reduced over their own group), the shared
+# expert's and attention matrices are projected.
+MOE_CASES = [(4, 1, {"ep": 4}), (2, 2, {"ep": 2, "micro_batches": 2})]
 TOL = 1e-5
 
 
@@ -227,7 +231,17 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     groups = Groups(distributed=True)
-    spec, head = PRESETS["tiny-llama"], "lm"
+    problems, checks = [], 0
+    for model, cases in (("tiny-llama", CASES), ("tiny-qwen-moe", MOE_CASES)):
+        p, c = _check_model(rank, groups, PRESETS[model], cases)
+        problems += [f"{model}: {x}" for x in p]
+        checks += c
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"problems": problems, "checks": checks}))
+    dist.destroy_process_group()
+
+
+def _check_model(rank: int, groups: Groups, spec, cases: list) -> tuple[list[str], int]:  # noqa: ANN001
+    head = "lm"
     batch = _batch(seed=5)
     cpu = torch.device("cpu")
     ref_runner = ModelRunner(spec, head=head, trainable=True, groups=solo_groups(Layout()), state=_state, device=cpu,
@@ -246,7 +260,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         problems.append(f"GaLore and AdamW differ by only {apart:.2e}: the test cannot tell them apart")
     mesh = Mesh.block(0, WORLD)
     catalog = {p.name: p for p in parameters(spec, head=head)}
-    for dp, pp, extra in CASES:
+    for dp, pp, extra in cases:
         layout = Layout(dp=dp, pp=pp, galore=CFG, **extra)
         mine = groups.build(mesh, layout, rank=rank, tied=False)
         runner = ModelRunner(spec, head=head, trainable=True, groups=mine, state=_state, device=cpu, adam=ADAM)
@@ -258,8 +272,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             diff = (want - t).abs().max().item()
             if diff > TOL:
                 problems.append(f"{layout.short()} {name}: max diff {diff:.2e}")
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"problems": problems, "checks": checks}))
-    dist.destroy_process_group()
+    return problems, checks
 
 
 @pytest.mark.slow
@@ -267,7 +280,7 @@ def test_galore_runtime_matches_single_process_reference(tmp_path: Path) -> None
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     problems, checks = collect(tmp_path)
     assert not problems, "\n".join(problems[:40])
-    assert checks >= len(CASES) * WORLD * 5
+    assert checks >= (len(CASES) + len(MOE_CASES)) * WORLD * 5
 
 
 def test_owners_split_runs_evenly() -> None:
