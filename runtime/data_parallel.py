@@ -29,6 +29,11 @@ a share over the rank's positions: the whole buffer is summed over the cp group 
 backward (its ranks hold the same slices), then reduced as above. Buckets fire in the order autograd
 reaches them, the same on every rank of the group.
 
+With a GaLore optimizer (`runtime.galore`, `Layout.galore`) the projected matrices leave Adam's
+runs of the buffer and get their low-rank step instead; under ZeRO-1 the buffer's partitions
+then fall on parameter boundaries (each rank's owned run of parameters padded to one chunk
+size), so a rank updates whole matrices and the all-gather shares them.
+
 Gradients are sums, not means: losses are normalised by the global token (or sequence) count
 of the minibatch, so the summed gradient over ranks and micro-batches equals the gradient of the
 single-process loss. Adam is elementwise, so any partition of the buffer gives the same update.
