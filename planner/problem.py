@@ -297,10 +297,12 @@ class Problem:
     def realloc_s(self, slot: int, h: int, k: int) -> float:
         """Reallocation time for searching: exact when already computed, else a cheap lower bound.
 
-        The bound: nothing when the meshes overlap (ranks may hold what they need), else every
-        destination rank receives all its parameter bytes at no more than the fastest link into it
-        (the node's NVLink when both meshes share the node, the node's whole network otherwise).
-        Search results are re-simulated with exact times, and bounds stay valid."""
+        The bound: when the meshes overlap, the destination rank needing the most parameter bytes
+        receives at least what it needs beyond what any source rank holds (its own source slices
+        at most), over its NVLink and its node's network at once; else every destination rank receives all its parameter bytes at
+        no more than the fastest link into it (the node's NVLink when both meshes share the node,
+        the node's whole network otherwise). Search results are re-simulated with exact times, and
+        bounds stay valid."""
         if self.shares_params(slot, k, h):
             return 0.0
         key = self._realloc_key(slot, h, k)
@@ -310,10 +312,14 @@ class Problem:
         assert s.home is not None
         src, dst = self.slots[s.home].cands[h], s.cands[k]
         rel = self._relation(src.mesh, dst.mesh)
-        if rel[2] == 0:
-            return 0.0
         cl = self.cluster
         assert cl.intra_node_gbps is not None and cl.inter_node_gbps is not None
+        if rel[2] == 0:
+            short = dst.cost.mem_breakdown_bytes.get("params", 0) - src.cost.mem_breakdown_bytes.get("params", 0)
+            if short <= 0:
+                return 0.0
+            hw = self.cm.hw  # as `CostModel.realloc_cost` prices it: a rank receives over both links at most
+            return short / (hw.intra_bytes_s + hw.node_net_bytes_s)
         link_gbps = cl.intra_node_gbps if rel[3] else cl.inter_node_gbps
         return dst.state_bytes * 8 / (link_gbps * 1e9)
 
