@@ -260,7 +260,7 @@ def _galore_variants(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, spa
         if lay.tp > 1 or lay.zero > 1 or lay in fitted:
             continue
         low = lay.model_copy(update={"galore": space.galore})
-        if cm.state_floor_bytes(view, low) > cap:
+        if cm.state_floor_bytes(view, low) > cap or cm.train_peak_bytes(call, view, mesh, low) > cap:
             continue
         cost = cm.call_cost(call, view, mesh, low)
         if cost.peak_mem_bytes <= cap:
