@@ -43,6 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from planner.graph import Graph as GraphBuilder
 from planner.tracing import TracedData, TracedModel, Tracer, traceback_location
 from plans.cluster import ClusterSpec, resolve_cluster
@@ -79,7 +81,7 @@ def plan_hash(graph: GraphSpec, *, cluster: ClusterSpec, baseline: str | None = 
 
 
 def ensure_plan(graph: GraphSpec, *, cluster: ClusterSpec, path: Path, digest: str, time_limit_s: float,
-                baseline: str | None = None, calibration: Path | None = None,
+                baseline: str | None = None, calibration: Path | None = None, galore: GaLore | None = None,
                 say: Callable[[str], None] = lambda _m: None) -> tuple[Plan, bool]:
     """(the plan at `path` if it carries `digest`, else a new one compiled and written there;
     whether it was compiled)."""
@@ -104,10 +106,27 @@ def ensure_plan(graph: GraphSpec, *, cluster: ClusterSpec, path: Path, digest: s
         from cost_models import load_calibration
 
         calib = load_calibration(calibration)
-    plan = compile_graph(graph, cluster, time_limit_s=time_limit_s, baseline=baseline, calibration=calib)
+    from planner.candidates import SearchSpace
+
+    space = SearchSpace(galore=galore) if galore is not None else None
+    plan = compile_graph(graph, cluster, time_limit_s=time_limit_s, baseline=baseline, calibration=calib, space=space)
     plan = plan.model_copy(update={"source_hash": digest})
     save_plan(plan, path)
     return plan, True
+
+
+def _galore_option(value: GaLore | dict[str, Any] | None, *, where: str) -> GaLore | None:
+    """The decorator's `galore=` option: a `GaLore`, its fields as a dict, or None (AdamW only)."""
+    if value is None or isinstance(value, GaLore):
+        return value
+    if not isinstance(value, dict):
+        raise PlannerError(f"{where}: galore= must be a dict of GaLore fields (rank, update_interval, scale), got "
+                           f"{type(value).__name__}", hint="e.g. galore={'rank': 128}")
+    try:
+        return GaLore.model_validate(value)
+    except ValidationError as e:
+        raise PlannerError(f"{where}: galore={value!r}: " + "; ".join(err["msg"] for err in e.errors()),
+                           hint="e.g. galore={'rank': 128, 'update_interval': 200}") from None
 
 
 def file_sha256(path: Path | None) -> str | None:
@@ -129,7 +148,7 @@ class AutoFunction:
                  inputs: dict[str, tuple[int, int]] | None = None, data: dict[str, dict[str, Any]] | None = None,
                  algorithm: AlgorithmConfig | dict[str, Any] | None = None, seed: int = 0,
                  time_limit_s: float = 10.0, baseline: str | None = None, calibration: str | Path | None = None,
-                 verbose: bool = True) -> None:
+                 galore: GaLore | dict[str, Any] | None = None, verbose: bool = True) -> None:
         self.fn = fn
         self.name = name or fn.__name__
         self.cluster_arg = cluster
@@ -140,6 +159,7 @@ class AutoFunction:
         self.algorithm = algorithm
         self.seed, self.time_limit_s, self.baseline, self.verbose = seed, time_limit_s, baseline, verbose
         self.calibration = Path(calibration) if calibration is not None else None
+        self.galore = _galore_option(galore, where=f"@planner.auto on {fn.__qualname__}")
         self.signature = inspect.signature(fn)
         # in the order of the function's arguments (the graph's model order)
         order = [p for p in self.signature.parameters if p in models] + [m for m in models if m not in
@@ -229,14 +249,14 @@ class AutoFunction:
     def source_hash(self, graph: GraphSpec | None = None) -> str:
         """`plan_hash` of the traced loop (or `graph`) with this decorator's cluster and options."""
         return plan_hash(graph or self.trace(), cluster=self.cluster(), baseline=self.baseline,
-                         calibration_sha256=file_sha256(self.calibration))
+                         calibration_sha256=file_sha256(self.calibration), galore=self.galore)
 
     def compile(self) -> tuple[Plan, bool]:
         """(the loop's plan, reused or compiled and written; whether it was compiled), in this process."""
         graph = self.trace()
         return ensure_plan(graph, cluster=self.cluster(), path=self.plan_path, digest=self.source_hash(graph),
                            time_limit_s=self.time_limit_s, baseline=self.baseline, calibration=self.calibration,
-                           say=self._say)
+                           galore=self.galore, say=self._say)
 
     def _say(self, message: str) -> None:
         if self.verbose:
@@ -338,7 +358,9 @@ def auto(*, cluster: str | ClusterSpec | dict[str, Any], models: dict[str, Model
         options: `name`, `prompt_len`, `gen_len`, `seq_len`, `inputs`, `data`, `algorithm` (the runtime's
             hyperparameters and data `task`, as `AlgorithmConfig`), `seed` (weights, data and
             sampling; default 0), `time_limit_s` (search budget; default 10), `baseline`,
-            `calibration`, `verbose` (say on stderr whether the plan was reused or compiled).
+            `calibration`, `galore` (let train calls use a GaLore optimizer where memory binds, e.g.
+            ``{"rank": 128}``; as ``planner compile --galore-rank``), `verbose` (say on stderr whether the
+            plan was reused or compiled).
     """
     def wrap(fn: Callable) -> AutoFunction:
         return AutoFunction(fn, cluster=cluster, models=models, plan=plan, batch=batch, **options)

@@ -324,3 +324,33 @@ def test_runtime_cli_runs_a_galore_plan_and_refuses_checkpoints_of_it(tmp_path: 
     out = run("--steps", "1", "--checkpoint-dir", str(tmp_path / "ckpt"))
     assert out.returncode == 2 and "GaLore" in out.stderr and "--checkpoint-dir" in out.stderr, out.stderr
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_auto_offers_galore_and_hashes_it(tmp_path: Path) -> None:
+    import runpy
+
+    from planner.auto import plan_hash
+
+    loop = '''
+import planner
+
+@planner.auto(cluster="h100-sxm:1x1", plan=PLAN, batch=64, seq_len=2048, verbose=False, time_limit_s=1, GALORE
+              models={"policy": planner.model("llama-2-7b", trainable=True)})
+def sft_step(policy, tokens):
+    return policy.train(tokens, loss="sft")
+'''
+
+    def load(galore: str):  # noqa: ANN202
+        path = tmp_path / "loop.py"
+        path.write_text(loop.replace("PLAN", repr(str(tmp_path / "p.json"))).replace("GALORE", galore))
+        return runpy.run_path(str(path))["sft_step"]
+
+    plain, low = load(""), load("galore={'rank': 512},")
+    assert low.galore == G and low.source_hash() != plain.source_hash()
+    assert low.source_hash() == plan_hash(low.trace(), cluster=low.cluster(), galore=G)
+    with pytest.raises(PlannerError, match="does not fit"):
+        plain.compile()
+    plan, compiled = low.compile()
+    assert compiled and plan.calls[0].layout.galore == G
+    with pytest.raises(PlannerError, match="galore=.*rank"):
+        load("galore={'rank': 0},")
