@@ -34,7 +34,8 @@ class GaLore(Strict):
     scale: float = Field(0.25, gt=0, description="alpha: the projected-back update is scaled by this.")
 
     def short(self) -> str:
-        return f"galore:r{self.rank}" + (f"/{self.update_interval}" if self.update_interval != 200 else "")
+        default = type(self).model_fields["update_interval"].default
+        return f"galore:r{self.rank}" + (f"/{self.update_interval}" if self.update_interval != default else "")
 
 
 class Coord(NamedTuple):

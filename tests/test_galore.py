@@ -354,3 +354,14 @@ def sft_step(policy, tokens):
     assert compiled and plan.calls[0].layout.galore == G
     with pytest.raises(PlannerError, match="galore=.*rank"):
         load("galore={'rank': 0},")
+
+
+def test_estimate_galore_rank(cli) -> None:  # noqa: ANN001
+    base = ["estimate", "--model", "llama-2-7b", "--pp", "1", "--dp", "1", "--micro-batch", "2", "--global-batch", "64",
+            "--seq-len", "2048", "--galore-rank", "512"]
+    out = cli(*base, "--cluster", "h100-sxm:1x2", "--tp", "2")
+    assert out.code == 2 and "galore needs tp=1" in out.err, out
+    out = cli(*base, "--cluster", "h100-sxm:1x1", "--tp", "1", "--recompute", "full", "--json")
+    assert out.code == 0, out
+    got = json.loads(out.out)
+    assert got["fits"] and got["breakdown"]["time_s"]["galore"] > 0 and got["layout"].endswith("galore:r512")

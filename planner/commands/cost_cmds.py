@@ -7,6 +7,7 @@ from enum import Enum
 from pathlib import Path
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -14,7 +15,7 @@ from rich.table import Table
 from plans.errors import PlannerError
 from plans.hardware import GIB
 from plans.io import check_output
-from plans.layout import GaLore
+from plans.layout import GaLore, Layout
 
 
 class Recompute(str, Enum):
@@ -53,7 +54,7 @@ def estimate(
     sequence_parallel: bool = typer.Option(False, "--sequence-parallel", help="Shard norm/dropout activations over tp."),
     interleave: int = typer.Option(1, "--interleave", help="Virtual pipeline stages per rank (interleaved 1F1B)."),
     galore_rank: int | None = typer.Option(None, "--galore-rank", min=1, help="Train with a GaLore optimizer of this rank (needs --tp 1 and --zero 0 or 1; see planner compile --help)."),
-    galore_interval: int = typer.Option(200, "--galore-interval", min=1, help="With --galore-rank: steps between the SVDs that refresh the projections."),
+    galore_interval: int = typer.Option(GaLore.model_fields["update_interval"].default, "--galore-interval", min=1, help="With --galore-rank: steps between the SVDs that refresh the projections."),
     calibration: Path | None = typer.Option(None, "--calibration", help="Calibration file (planner calibrate / profile)."),
     framework: FrameworkName = typer.Option(FrameworkName.torch, "--framework", help=FRAMEWORK_HELP),
     mem_headroom: float | None = typer.Option(None, "--mem-headroom", min=0, help="GiB per GPU every call leaves free, beyond what the cost model counts (context, NCCL buffers, fragmentation) [default: 1 GiB + 2.5% of the memory, 3 GiB of an 80 GiB GPU; 0 packs to the edge]."),
@@ -79,10 +80,13 @@ def estimate(
                              seq_len=seq_len, recompute=recompute.value, zero=zero, sequence_parallel=sequence_parallel,
                              interleave=interleave)
     if galore_rank is not None:
-        if tp > 1 or zero > 1:
-            raise PlannerError(f"--galore-rank with --tp {tp} --zero {zero}: GaLore projects each matrix's whole "
-                               "gradient on one rank", hint="use --tp 1 and --zero 0 or 1")
-        layout = layout.model_copy(update={"galore": GaLore(rank=galore_rank, update_interval=galore_interval)})
+        galore = GaLore(rank=galore_rank, update_interval=galore_interval)
+        try:  # the layout's own rule (`Layout.check_galore_whole_gradients`)
+            layout = Layout.model_validate({**layout.model_dump(), "galore": galore})
+        except ValidationError as e:
+            raise PlannerError(f"--galore-rank with --tp {tp} --zero {zero}: "
+                               + "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors()),
+                               hint="use --tp 1 and --zero 0 or 1") from None
     est = estimate_training(spec, cl, layout, global_batch=global_batch, seq_len=seq_len, calibration=cal,
                             framework=framework.value)
     if as_json:

@@ -100,14 +100,19 @@ def _graph_from_target(target: str, *, actor: str | None, critic: str | None, re
     return LoadedGraph(ALGORITHMS[target](actor, **kw), None)  # type: ignore[operator]
 
 
+GALORE_INTERVAL = GaLore.model_fields["update_interval"].default
+GALORE_SCALE = GaLore.model_fields["scale"].default
+
+
 def _galore(rank: int | None, interval: int, scale: float) -> GaLore | None:
+    """The GaLore optimizer the compile flags ask for (None: AdamW only)."""
     if rank is None:
-        if interval != 200 or scale != 0.25:
+        if interval != GALORE_INTERVAL or scale != GALORE_SCALE:
             raise PlannerError("--galore-interval and --galore-scale set up a GaLore optimizer that --galore-rank turns on",
                                hint="add --galore-rank R (e.g. 128), or drop them")
         return None
-    if scale <= 0:
-        raise PlannerError(f"--galore-scale must be positive, got {scale}", hint="GaLore's papers use 0.25")
+    if scale <= 0:  # GaLore's own check, said as a flag
+        raise PlannerError(f"--galore-scale must be positive, got {scale}", hint=f"GaLore's papers use {GALORE_SCALE}")
     return GaLore(rank=rank, update_interval=interval, scale=scale)
 
 
@@ -133,8 +138,8 @@ def compile_cmd(
     mem_headroom: Annotated[Optional[float], typer.Option("--mem-headroom", min=0, help="GiB per GPU every call leaves free, beyond what the cost model counts (context, NCCL buffers, fragmentation) [default: 1 GiB + 2.5% of the memory, 3 GiB of an 80 GiB GPU; 0 packs to the edge].")] = None,
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="Let home calls keep states in host memory between calls (a trained model's optimizer states, a frozen model's weights), copied over PCIe for each call, where that makes the iteration faster; --no-offload keeps every state on the GPU.")] = True,
     galore_rank: Annotated[Optional[int], typer.Option("--galore-rank", min=1, help="Let train calls use a GaLore optimizer of this rank (Adam states of each decoder matrix's rank-r gradient projection; Zhao et al. 2024) where AdamW's states do not fit: it changes the optimizer, so it is off unless asked. Runs on the planner's runtime with tp=1 and ZeRO 0 or 1; no export engine has it. GaLore's papers use 128-1024 for 60M-7B models.")] = None,
-    galore_interval: Annotated[int, typer.Option("--galore-interval", min=1, help="With --galore-rank: optimizer steps between the SVDs that refresh each projection.")] = 200,
-    galore_scale: Annotated[float, typer.Option("--galore-scale", min=0, help="With --galore-rank: alpha, the scale of the projected-back update.")] = 0.25,
+    galore_interval: Annotated[int, typer.Option("--galore-interval", min=1, help="With --galore-rank: optimizer steps between the SVDs that refresh each projection.")] = GALORE_INTERVAL,
+    galore_scale: Annotated[float, typer.Option("--galore-scale", min=0, help="With --galore-rank: alpha, the scale of the projected-back update.")] = GALORE_SCALE,
     actor: Annotated[Optional[str], typer.Option(help="Actor / policy model SPEC (algorithms).")] = None,
     critic: Annotated[Optional[str], typer.Option(help="Critic SPEC (ppo; default: the actor's).")] = None,
     ref: Annotated[Optional[str], typer.Option(help="Reference model SPEC (default: the actor's).")] = None,
