@@ -82,8 +82,8 @@ def replan(plan: Plan, cluster: ClusterSpec, *, time_limit_s: float = 10.0, base
     is a `PlannerError` that names both clusters and what does not fit."""
     rule = baseline_of(plan) if baseline == "same" else baseline
     # A plan that trains with GaLore keeps it on offer (the same rank and interval) for the new cluster.
-    galore = next((c.layout.galore for c in plan.calls if c.layout.galore is not None), None)
-    space = SearchSpace(galore=galore) if galore is not None and rule is None else None
+    galore = plan.galore_call()
+    space = SearchSpace(galore=galore.layout.galore) if galore is not None and rule is None else None
     try:
         new = compile_graph(plan.graph(), cluster, time_limit_s=time_limit_s, baseline=rule, space=space,
                             calibration=calibration, progress=progress, framework=plan.estimate.framework or "torch")

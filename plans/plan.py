@@ -153,6 +153,10 @@ class Plan(Strict):
                 return c
         raise KeyError(name)
 
+    def galore_call(self) -> PlanCall | None:
+        """The first call that trains with a GaLore optimizer (`Layout.galore`), or None."""
+        return next((c for c in self.calls if c.layout.galore is not None), None)
+
 
 def placement_problems(plan: Plan) -> list[str]:
     """Placement rules a plan breaks: ranks outside the cluster, misaligned meshes, layouts that

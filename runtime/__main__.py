@@ -146,9 +146,9 @@ def _check_launch(args: argparse.Namespace, plan: Plan, *, world: int) -> None:
                            "`planner replan PLAN --cluster cpu:1xN` gives a plan for N CPU ranks, and --reference "
                            "runs it in one process")
     check_runnable(plan, reference=args.reference)
-    galore = next((c.name for c in plan.calls if c.layout.galore is not None), None)
+    galore = plan.galore_call()
     if galore is not None and args.checkpoint_dir is not None:
-        raise PlannerError(f"call {galore!r} trains with a GaLore optimizer, whose low-rank states checkpoints do not "
+        raise PlannerError(f"call {galore.name!r} trains with a GaLore optimizer, whose low-rank states checkpoints do not "
                            "hold yet: --checkpoint-dir would fail at the first save",
                            hint="run without --checkpoint-dir, or compile the plan without --galore-rank")
     if args.reference:

@@ -51,9 +51,9 @@ def export_plan(plan: Plan, target: str, *, call: str | None = None, version: st
         raise PlannerError(f"unknown export target {target!r}", hint=f"targets: {', '.join(EXPORTERS)}")
     if version is not None:
         check_version(target, version)
-    galore = next(((c.name, c.layout.galore) for c in plan.calls if c.layout.galore is not None), None)
-    if galore is not None:  # none of the engines has a GaLore optimizer: their configs would train with AdamW
-        raise PlannerError(f"call {galore[0]!r} trains with a GaLore optimizer ({galore[1].short()}), "
+    galore = plan.galore_call()
+    if galore is not None and galore.layout.galore is not None:  # no engine has it: its config would train with AdamW
+        raise PlannerError(f"call {galore.name!r} trains with a GaLore optimizer ({galore.layout.galore.short()}), "
                            f"which {TARGETS[target]} does not have; its config would train with AdamW, in memory the "
                            "plan did not count",
                            hint="run the plan with the planner's runtime (python -m runtime PLAN), or compile it again "
