@@ -46,13 +46,13 @@ from cost_models.training import (
     stage_param_counts,
     train_step,
 )
-from cost_models.transfer import KV_BYTES, RankVolumes, kv_volumes, rank_volumes
+from cost_models.transfer import KV_BYTES, RankVolumes, kv_volumes, rank_volumes, realloc_floor
 from plans.cluster import ClusterSpec
 from plans.errors import PlannerError
 from plans.graph import Call, ModelDecl
 from plans.layout import Layout, Mesh
 from plans.model import Head, ModelSpec
-from plans.sharding import stage_layers
+from plans.sharding import slicing, stage_layers
 
 # Host-side tensor ops per slice a reallocation packs, unpacks or copies (`runtime.realloc`: index
 # the source, slice the flat buffer, view it, copy).
@@ -139,6 +139,13 @@ class CostModel:
         fewer cores than ranks x threads). Every cost is priced with all ranks at work; a call
         then runs faster while fewer of its node's ranks work (`at_busy`, `planner.simulate`)."""
         return core_share(self.cluster, self.calibration) < 1.0
+
+    @property
+    def drifts(self) -> bool:
+        """Whether ranks drift apart between collectives (time-shared cores with a profiled skew),
+        so a message between calls also waits for the end of the work before it
+        (`data_transfer_s`'s `after_s`); never on GPUs."""
+        return self.hw.skew_s_per_sqrt_s > 0
 
     def at_busy(self, busy: int) -> CostModel:
         """This cost model while only `busy` ranks of each node work (itself when that changes
@@ -407,7 +414,7 @@ class CostModel:
 
     def realloc_cost(self, decl: ModelDecl, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout]) -> ReallocCost:
         """Bytes and time to move `decl`'s parameters from placement `src` to `dst` (cached)."""
-        src, dst = (src[0], src[1].placement), (dst[0], dst[1].placement)  # offload and the optimizer move no parameter
+        src, dst = (src[0], slicing(src[1])), (dst[0], slicing(dst[1]))  # where the slices sit, nothing else
         key = (decl.spec, decl.head, src, dst)
         hit = self._reallocs.get(key)
         if hit is None:
@@ -423,6 +430,39 @@ class CostModel:
             return ReallocCost(0, 0.0)
         vol = rank_volumes(decl.spec, head=decl.head, src=src, dst=dst, gpus_per_node=self.cluster.gpus_per_node)
         return self._move_cost(vol, self.framework.param_bytes, dst[0].size)
+
+    def realloc_floor_s(self, decl: ModelDecl, src: tuple[Mesh, Layout], dst: tuple[Mesh, Layout]) -> float:
+        """A lower bound on `realloc_cost(decl, src, dst).time_s` that costs a fraction of it: the
+        parts of `_move_cost` that do not depend on which rank sends what (`realloc_floor`).
+
+        Every destination rank unpacks or copies each source slice its slices overlap (exactly
+        the exact cost's receiving side), the busiest sender packs at least its share of the
+        slices that cannot be local, and each rank receives what it needs beyond the most it can
+        already hold: all of it when the meshes are disjoint, over NVLink when one node holds
+        both meshes, over the network (summed per node) when they share no node, else over both
+        links at once."""
+        (smesh, slay), (dmesh, dlay) = (src[0], slicing(src[1])), (dst[0], slicing(dst[1]))
+        if (smesh, slay) == (dmesh, dlay):
+            return 0.0
+        floor = realloc_floor(decl.spec, head=decl.head, src=slay, dst=dlay)
+        gpn, hw, pb = self.cluster.gpus_per_node, self.hw, self.framework.param_bytes
+        ranks = dmesh.first + np.arange(dmesh.size)
+        inside = (ranks >= smesh.first) & (ranks < smesh.first + smesh.size)
+        moved_pieces = floor.total_pieces - int(floor.tensors[inside].sum())
+        host_s = REALLOC_PIECE_OPS * hw.host_kernel_s * (int(floor.pieces.max(initial=0))
+                                                         + max(0, -(-moved_pieces // smesh.size)))
+        lack = floor.need - np.where(inside, floor.own_max, 0)
+        if lack.max(initial=0) <= 0:
+            return host_s
+        s_nodes = set(range(smesh.first // gpn, (smesh.first + smesh.size - 1) // gpn + 1))
+        d_nodes = set(range(dmesh.first // gpn, (dmesh.first + dmesh.size - 1) // gpn + 1))
+        if not s_nodes & d_nodes:  # every slice crosses the network
+            per_node = np.bincount(ranks // gpn - ranks[0] // gpn, weights=floor.need)
+            return float(per_node.max()) * pb / hw.node_net_bytes_s + hw.inter_latency_s + host_s
+        if len(s_nodes | d_nodes) == 1:
+            return float(lack.max()) * pb / hw.intra_bytes_s + hw.intra_latency_s + host_s
+        return (float(lack.max()) * pb / (hw.intra_bytes_s + hw.node_net_bytes_s)
+                + min(hw.intra_latency_s, hw.inter_latency_s) + host_s)
 
     def kv_reshard_cost(self, decl: ModelDecl, call: Call, mesh: Mesh, prefill: Layout, decode: Layout) -> ReallocCost:
         """Bytes and time to move a generate call's prefilled KV cache (every prompt position but

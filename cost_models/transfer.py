@@ -17,7 +17,7 @@ import numpy as np
 
 from plans.layout import Layout, Mesh
 from plans.model import Head, ModelSpec
-from plans.sharding import Param, _stage_of_layer, kv_tensor_transfers, param_stages, parameters
+from plans.sharding import Param, _stage_of_layer, kv_tensor_transfers, param_stages, parameters, stage_layers
 
 
 @dataclass(frozen=True)
@@ -268,3 +268,87 @@ def _kv_volumes(spec: ModelSpec, rows: int, positions: int, src: tuple[Mesh, Lay
                 totals[4][t.src - first] += scale
                 totals[5][t.dst - first] += scale
     return RankVolumes(first, totals[0], totals[1], totals[2], totals[3], local, totals[4], totals[5], totals[6])
+
+
+@dataclass(frozen=True)
+class ReallocFloor:
+    """What a reallocation between two layouts costs wherever their meshes sit: per rank of the
+    destination (local index), the elements it needs, at most how many of them it can already
+    hold (the largest overlap of each tensor with one source slice, summed), and its pieces (the
+    source slices its slices overlap: each is unpacked or copied, received or local, `RankVolumes`'
+    recv + local pieces, which the sender choice does not change); the tensors it needs."""
+
+    need: np.ndarray
+    own_max: np.ndarray
+    pieces: np.ndarray
+    tensors: np.ndarray
+
+    @property
+    def total_pieces(self) -> int:
+        return int(self.pieces.sum())
+
+
+def realloc_floor(spec: ModelSpec, *, head: Head, src: Layout, dst: Layout) -> ReallocFloor:
+    """The position-free parts of reallocating `spec` from layout `src` to `dst` (cached; pass
+    `plans.sharding.slicing` layouts so that layouts holding the same slices share one entry)."""
+    return _realloc_floor(spec, head, src, dst)
+
+
+def _one_stage(lay: Layout) -> Layout:
+    """One pipeline stage of `lay`: every stage cuts a tensor it holds into the same slices."""
+    return lay if lay.pp == 1 else lay.model_copy(update={"pp": 1, "interleave": 1})
+
+
+@lru_cache(maxsize=256)
+def _tensor_kinds(spec: ModelSpec, head: Head) -> tuple[tuple[tuple, str, bool, int], ...]:
+    """(kind, where, of a sparse layer, tensors) of the model's parameters: a kind is (shape,
+    tp_dim, expert_dim), counted per decoder layer of that sparsity, or per model elsewhere."""
+    reps = {spec.is_moe_layer(i): i for i in reversed(range(spec.num_hidden_layers))}
+    count: dict[tuple[tuple, str, bool], int] = {}
+    for param in parameters(spec, head=head):
+        if param.layer is not None and reps.get(spec.is_moe_layer(param.layer)) != param.layer:
+            continue
+        key = ((param.shape, param.tp_dim, param.expert_dim), param.where,
+               param.layer is not None and spec.is_moe_layer(param.layer))
+        count[key] = count.get(key, 0) + 1
+    return tuple((kind, where, sparse, n) for (kind, where, sparse), n in count.items())
+
+
+@lru_cache(maxsize=65536)
+def _realloc_floor(spec: ModelSpec, head: Head, src: Layout, dst: Layout) -> ReallocFloor:
+    per_stage = dst.size // dst.pp
+    need, own, pieces, tensors = (np.zeros(dst.size, dtype=np.int64) for _ in range(4))
+    layers = [(len(ls) - sum(map(spec.is_moe_layer, ls)), sum(map(spec.is_moe_layer, ls)))
+              for ls in stage_layers(spec.num_hidden_layers, dst.pp, dst.interleave)]
+    ends = {"first": (0,), "last": (dst.pp - 1,), "first+last": tuple(sorted({0, dst.pp - 1}))}
+    for kind, where, sparse, n in _tensor_kinds(spec, head):
+        parts = _kind_floor(kind, _one_stage(src), _one_stage(dst))
+        for stage in range(dst.pp) if where == "layer" else ends[where]:
+            held = n * (layers[stage][sparse] if where == "layer" else 1)
+            block = slice(stage * per_stage, (stage + 1) * per_stage)
+            for total, part in zip((need, own, pieces, tensors), parts):
+                total[block] += part * held
+    return ReallocFloor(need, own, pieces, tensors)
+
+
+@lru_cache(maxsize=65536)
+def _kind_floor(kind: tuple, src: Layout, dst: Layout) -> tuple[np.ndarray, ...]:
+    """(need, own_max, pieces, 1) of one tensor of `kind` per rank of one stage of `dst`, from
+    one stage of `src` (both with pp = 1)."""
+    shape, tp_dim, expert_dim = kind
+    out = [np.zeros(dst.size, dtype=np.int64) for _ in range(4)]
+    s_holds, s_lo, s_hi = _boxes(shape, tp_dim, (0,), src, src.size, expert_dim)
+    d_holds, d_lo, d_hi = _boxes(shape, tp_dim, (0,), dst, dst.size, expert_dim)
+    idx, r = np.flatnonzero(s_holds), np.flatnonzero(d_holds)
+    if not len(idx) or not len(r):
+        return tuple(out)
+    cells = np.unique(np.concatenate([s_lo[idx], s_hi[idx]], axis=1), axis=0)
+    ndim = s_lo.shape[1]
+    c_lo, c_hi = cells[:, :ndim], cells[:, ndim:]
+    ov = np.prod(np.clip(np.minimum(d_hi[r][:, None, :], c_hi[None]) - np.maximum(d_lo[r][:, None, :], c_lo[None]),
+                         0, None), axis=2)  # [receiver, cell]
+    out[0][r] = np.prod(d_hi[r] - d_lo[r], axis=1)
+    out[1][r] = ov.max(axis=1)
+    out[2][r] = (ov > 0).sum(axis=1)
+    out[3][r] = 1
+    return tuple(out)

@@ -30,6 +30,8 @@ from planner.problem import Problem
 from planner.simulate import Op, Schedule, precedences, simulate
 
 CpsatProgress = Callable[[float | None, float], None]  # (incumbent iteration_s or None, bound on it)
+HORIZON_TICKS = 100_000  # the horizon (the hint's makespan) in integer time steps
+OBJECTIVE_STEP = 100  # ticks per step of the objective: 0.1% of the horizon
 
 
 class _Incumbents(cp_model.CpSolverSolutionCallback):
@@ -40,8 +42,8 @@ class _Incumbents(cp_model.CpSolverSolutionCallback):
         self._report, self._scale, self._slack = report, scale, slack
 
     def on_solution_callback(self) -> None:
-        self._report(self.objective_value * self._scale,
-                     max(0.0, self.best_objective_bound - self._slack) * self._scale)
+        self._report(self.objective_value * OBJECTIVE_STEP * self._scale,
+                     max(0.0, (self.best_objective_bound - 1) * OBJECTIVE_STEP - self._slack) * self._scale)
 
 
 @dataclass
@@ -67,7 +69,7 @@ class _Model:
         self.p = problem
         self.allowed = allowed
         n_ops = len(problem.slots) * problem.unroll
-        self.tick_s = max(horizon_s, 1e-9) / 100_000.0
+        self.tick_s = max(horizon_s, 1e-9) / HORIZON_TICKS
         self.horizon = int(math.ceil(horizon_s / self.tick_s)) + 4 * n_ops + 1
         self.m = cp_model.CpModel()
         self._variables()
@@ -88,7 +90,7 @@ class _Model:
         self.x = [[m.new_bool_var(f"x_{i}_{k}") for k in range(len(s.cands))] for i, s in enumerate(p.slots)]
         self.S = {(u, i): m.new_int_var(0, self.horizon, f"S_{u}_{i}") for u in range(p.unroll) for i in range(len(p.slots))}
         self.E = {(u, i): m.new_int_var(0, self.horizon, f"E_{u}_{i}") for u in range(p.unroll) for i in range(len(p.slots))}
-        self.delay: dict[int, tuple[cp_model.IntVar, list[list[int]]]] = {}
+        self.delay: dict[int, tuple[cp_model.IntVar, int]] = {}  # slot -> (delay, its largest value)
         self.src_lit: dict[tuple[int, int], cp_model.IntVar] = {}
         self.L = [m.new_int_var(0, self.horizon, f"L_{i}") for i in range(len(p.slots))]
 
@@ -106,22 +108,47 @@ class _Model:
         if self.allowed is not None:
             self.allowed.add_joint(self, p)
 
+    def _group_lits(self, slot: int, groups: list[int]) -> list[cp_model.IntVar]:
+        """One literal per group of `slot`'s candidates: whether the chosen one is in it (its x
+        itself for a group of one)."""
+        members: list[list[int]] = [[] for _ in range(max(groups, default=-1) + 1)]
+        for k, g in enumerate(groups):
+            members[g].append(k)
+        key = (slot, tuple(groups))
+        if key not in self._lits:
+            lits = []
+            for g, ks in enumerate(members):
+                if len(ks) == 1:
+                    lits.append(self.x[slot][ks[0]])
+                    continue
+                lit = self.m.new_bool_var(f"g_{slot}_{len(self._lits)}_{g}")
+                self.m.add(lit == sum(self.x[slot][k] for k in ks))
+                lits.append(lit)
+            self._lits[key] = lits
+        return self._lits[key]
+
     def _realloc_delays(self) -> None:
+        """Each call's reallocation delay, pinned to the table's entry for the chosen home and
+        own candidates: by groups of candidates that cost alike (`Problem.realloc_groups`), a
+        home group's literal enforcing the delay as a sum over the call's group literals."""
         p, m = self.p, self.m
+        self._lits: dict[tuple, list[cp_model.IntVar]] = {}
         for s in p.slots:
             dur = sum(self.ticks(p.fastest_s(s.index, k)) * self.x[s.index][k] for k in range(len(s.cands)))
             if s.home is None:
                 m.add(self.L[s.index] == dur)
                 continue
-            home = p.slots[s.home]
-            table = [[self.ticks(p.realloc_s(s.index, h, k)) for k in range(len(s.cands))]
-                     for h in range(len(home.cands))]
+            hg, kg, reps = p.realloc_groups(s.index)
+            n_k = max(kg) + 1
+            table = [[self.ticks(p.realloc_s(s.index, h, k)) for h, k in reps[row * n_k:(row + 1) * n_k]]
+                     for row in range(len(reps) // n_k)]
             top = max((max(row) for row in table), default=0)
             d = m.new_int_var(0, top, f"delay_{s.index}")
-            self.delay[s.index] = (d, table)
-            for h, row in enumerate(table):
-                if any(row):
-                    m.add(d >= _weighted(row, self.x[s.index])).only_enforce_if(self.x[s.home][h])
+            self.delay[s.index] = (d, top)
+            if top:
+                home_lits, own_lits = self._group_lits(s.home, hg), self._group_lits(s.index, kg)
+                for row, lit in zip(table, home_lits):  # pinned, not just bounded: no slack to shave
+                    m.add(d == _weighted(row, own_lits)).only_enforce_if(lit)
             m.add(self.L[s.index] == d + dur)
 
     def _intervals(self) -> None:
@@ -150,8 +177,8 @@ class _Model:
                     per_atom[a].append(m.new_optional_interval_var(self.S[u, i], self.L[i], self.E[u, i], lit, f"I_{u}_{i}_{a}"))
                 if i not in self.delay:
                     continue
-                d, table = self.delay[i]
-                if not any(any(row) for row in table):
+                d, top = self.delay[i]
+                if not top:
                     continue
                 R = m.new_int_var(0, self.horizon, f"R_{u}_{i}")
                 m.add(R == self.S[u, i] + d)
@@ -172,14 +199,15 @@ class _Model:
         p, m = self.p, self.m
         self.T: dict[int, cp_model.IntVar] = {}
         for e, (i, j, _) in enumerate(p.edges):
-            table = [[self.ticks(t) for t in row] for row in p.transfer_table(e)]  # producer x consumer
+            pg, cg, seconds = p.transfer_groups(e)  # producer group x consumer group
+            table = [[self.ticks(t) for t in row] for row in seconds]
             top = max((max(row) for row in table), default=0)
             if top == 0:
                 continue
             t = m.new_int_var(0, top, f"T_{e}")
-            for ki, row in enumerate(table):
-                if any(row):
-                    m.add(t >= _weighted(row, self.x[j])).only_enforce_if(self.x[i][ki])
+            cons = self._group_lits(j, cg)
+            for row, lit in zip(table, self._group_lits(i, pg)):
+                m.add(t == _weighted(row, cons)).only_enforce_if(lit)
             self.T[e] = t
         for a, b, edge in precedences(p):
             lag = self.T.get(edge, 0) if edge is not None else 0
@@ -234,7 +262,12 @@ class _Model:
                     for k, op in enumerate(p.ops[s.index]) if a in op.atoms]
             if work:
                 m.add(p.unroll * sum(work) <= self.makespan)
-        m.minimize(self.makespan)
+        # The objective counts whole steps of OBJECTIVE_STEP ticks: a schedule one tick shorter is
+        # no better, so the search never spends its budget shaving ticks one solution at a time
+        # (the bound loses at most one step).
+        self.steps = m.new_int_var(0, -(-self.horizon // OBJECTIVE_STEP), "makespan_steps")
+        m.add(self.makespan <= OBJECTIVE_STEP * self.steps)
+        m.minimize(self.steps)
 
     # Hint and solve -------------------------------------------------------------------------
 
@@ -270,13 +303,13 @@ class _Model:
         else:
             # Observers only: they read incumbents and bounds and never steer the search.
             scale, slack = self.tick_s / self.p.unroll, 3 * n_ops
-            solver.best_bound_callback = lambda b: on_progress(None, max(0.0, b - slack) * scale)
+            solver.best_bound_callback = lambda b: on_progress(None, max(0.0, (b - 1) * OBJECTIVE_STEP - slack) * scale)
             status = solver.solve(self.m, _Incumbents(on_progress, scale=scale, slack=slack))
         name = solver.status_name(status)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             bound = 0.0
             if status == cp_model.UNKNOWN:
-                bound = max(0.0, solver.best_objective_bound - 3 * n_ops) * self.tick_s / self.p.unroll
+                bound = self._bound_s(solver.best_objective_bound, n_ops)
             return CpsatResult(None, None, name, bound, None)
         choice = [next(k for k, v in enumerate(ks) if solver.value(v)) for ks in self.x]
         starts = {op: solver.value(v) for op, v in self.S.items()}
@@ -284,8 +317,14 @@ class _Model:
         order = sorted(starts, key=lambda op: (starts[op], default[op]))
         # Durations were rounded up to ticks: each op on a chain may add up to three ticks
         # (duration, reallocation delay, transfer lag), so the bound on the exact problem is lower.
-        bound = max(0.0, solver.best_objective_bound - 3 * n_ops) * self.tick_s / self.p.unroll
-        return CpsatResult(choice, order, name, bound, solver.objective_value * self.tick_s / self.p.unroll)
+        bound = self._bound_s(solver.best_objective_bound, n_ops)
+        return CpsatResult(choice, order, name, bound, solver.value(self.makespan) * self.tick_s / self.p.unroll)
+
+    def _bound_s(self, best_steps: float, n_ops: int) -> float:
+        """The solver's bound on the objective (whole steps) as a bound on the exact iteration
+        time: a makespan in step B may be one step short of B steps, and durations were rounded
+        up, each op on a chain by up to three ticks (duration, reallocation delay, transfer lag)."""
+        return max(0.0, (best_steps - 1) * OBJECTIVE_STEP - 3 * n_ops) * self.tick_s / self.p.unroll
 
 
 def solve_cpsat(problem: Problem, *, hint: list[int] | None, time_limit_s: float, work_budget: float | None = None,

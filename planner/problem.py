@@ -30,7 +30,7 @@ from planner.candidates import Candidate, SearchSpace, costed_view, graph_candid
 from plans.errors import PlannerError
 from plans.graph import Call, Graph
 from plans.layout import Mesh
-from plans.sharding import distinct_slices
+from plans.sharding import distinct_slices, slices_key, slicing
 
 TOKEN_BYTES = 4  # int32 token ids
 FLOAT_BYTES = 4  # fp32 per-token values, log-probs, scores
@@ -97,6 +97,7 @@ class Problem:
     realloc_work: int = 0  # source x destination mesh sizes summed over exact reallocation costings
     _realloc: dict[tuple, tuple[int, float]] = field(default_factory=dict, repr=False)
     _transfer: dict[tuple, float] = field(default_factory=dict, repr=False)
+    _floor: dict[tuple, float] = field(default_factory=dict, repr=False)  # reallocation lower bounds by key
     _busy: dict[tuple, tuple[float, ...]] = field(default_factory=dict, repr=False)
     _per_node: dict[tuple[int, int], dict[int, int]] = field(default_factory=dict, repr=False)
     # The same two tables by candidate index (what the simulator asks, many times a search):
@@ -188,7 +189,7 @@ class Problem:
         """Append a candidate to `slot` (e.g. a plan's own placement outside the space) and return
         its index; the op-semantics table is rebuilt on next use."""
         self.slots[slot].cands.append(cand)
-        for key in [k for k in self._cache if k == "ops" or k.startswith("transfer")]:
+        for key in [k for k in self._cache if k == "ops" or k.startswith(("transfer", "realloc"))]:
             del self._cache[key]
         return len(self.slots[slot].cands) - 1
 
@@ -295,33 +296,23 @@ class Problem:
             )
 
     def realloc_s(self, slot: int, h: int, k: int) -> float:
-        """Reallocation time for searching: exact when already computed, else a cheap lower bound.
-
-        The bound: when the meshes overlap, the destination rank needing the most parameter bytes
-        receives at least what it needs beyond what any source rank holds (its own source slices
-        at most), over its NVLink and its node's network at once; else every destination rank receives all its parameter bytes at
-        no more than the fastest link into it (the node's NVLink when both meshes share the node,
-        the node's whole network otherwise). Search results are re-simulated with exact times, and
-        bounds stay valid."""
+        """Reallocation time for searching: exact when already computed, else the cost model's
+        cheap lower bound (`CostModel.realloc_floor_s`, which depends on the two layouts and on
+        how the meshes overlap, so it is kept per `_realloc_key`). Search results are
+        re-simulated with exact times, and bounds stay valid."""
         if self.shares_params(slot, k, h):
             return 0.0
         key = self._realloc_key(slot, h, k)
         if key in self._realloc:
             return self._realloc[key][1]
-        s = self.slots[slot]
-        assert s.home is not None
-        src, dst = self.slots[s.home].cands[h], s.cands[k]
-        rel = self._relation(src.mesh, dst.mesh)
-        cl = self.cluster
-        assert cl.intra_node_gbps is not None and cl.inter_node_gbps is not None
-        if rel[2] == 0:
-            short = dst.cost.mem_breakdown_bytes.get("params", 0) - src.cost.mem_breakdown_bytes.get("params", 0)
-            if short <= 0:
-                return 0.0
-            hw = self.cm.hw  # as `CostModel.realloc_cost` prices it: a rank receives over both links at most
-            return short / (hw.intra_bytes_s + hw.node_net_bytes_s)
-        link_gbps = cl.intra_node_gbps if rel[3] else cl.inter_node_gbps
-        return dst.state_bytes * 8 / (link_gbps * 1e9)
+        hit = self._floor.get(key)
+        if hit is None:
+            s = self.slots[slot]
+            assert s.home is not None
+            src, dst = self.slots[s.home].cands[h], s.cands[k]
+            hit = self._floor[key] = self.cm.realloc_floor_s(self.graph.models[s.call.model], (src.mesh, src.layout),
+                                                             (dst.mesh, dst.layout))
+        return hit
 
     def is_exact(self, slot: int, h: int, k: int) -> bool:
         return self.shares_params(slot, k, h) or self._realloc_key(slot, h, k) in self._realloc
@@ -332,7 +323,7 @@ class Problem:
         s = self.slots[slot]
         assert s.home is not None
         src, dst = self.slots[s.home].cands[h], s.cands[k]
-        return (s.call.model, src.layout.placement, dst.layout.placement, *self._relation(src.mesh, dst.mesh))
+        return (s.call.model, slicing(src.layout), slicing(dst.layout), *self._relation(src.mesh, dst.mesh))
 
     def _relation(self, a: Mesh, b: Mesh) -> tuple[int, ...]:
         """What a reallocation's cost depends on in the placement of two aligned blocks: their
@@ -352,25 +343,58 @@ class Problem:
             hit = self._transfer_at[edge, ki, kj] = self._transfer_of(edge, ki, kj)
         return hit
 
-    def transfer_table(self, edge: int) -> list[list[float]]:
-        """`transfer(edge, ki, kj)` for every producer candidate ki and consumer candidate kj
-        (built once: every CP-SAT model of a search reads the same table)."""
-        def make() -> list[list[float]]:
+    def transfer_groups(self, edge: int) -> tuple[list[int], list[int], list[list[float]]]:
+        """The transfer table of `edge` by what it depends on: (group of each producer candidate,
+        group of each consumer candidate, seconds per (producer group, consumer group)). A group
+        is a mesh (and, where ranks drift, the producer's duration: `_transfer_of`); every
+        candidate pair's `transfer` is its groups' entry. Built once per search."""
+        def make() -> tuple[list[int], list[int], list[list[float]]]:
             i, j, _ = self.edges[edge]
-            return [[self.transfer(edge, ki, kj) for kj in range(len(self.slots[j].cands))]
-                    for ki in range(len(self.slots[i].cands))]
+            pg, p_rep = _groups([self._transfer_source(edge, c) for c in self.slots[i].cands])
+            cg, c_rep = _groups([(c.mesh.first, c.mesh.size) for c in self.slots[j].cands])
+            return pg, cg, [[self.transfer(edge, ki, kj) for kj in c_rep] for ki in p_rep]
         return self.cached(f"transfer{edge}", make)
+
+    def _transfer_source(self, edge: int, cand: Candidate) -> tuple:
+        """What a transfer's time depends on at the producer's end: its mesh and, where ranks drift
+        apart (`CostModel.drifts`), the producer call's duration, since its ranks met the consumer's."""
+        return (cand.mesh.first, cand.mesh.size, cand.time_s if self.cm.drifts else 0.0)
 
     def _transfer_of(self, edge: int, ki: int, kj: int) -> float:
         i, j, nbytes = self.edges[edge]
-        mi, mj = self.slots[i].cands[ki].mesh, self.slots[j].cands[kj].mesh
-        if mi == mj or nbytes == 0:
+        src, mj = self.slots[i].cands[ki], self.slots[j].cands[kj].mesh
+        if src.mesh == mj or nbytes == 0:
             return 0.0
-        after = self.slots[i].cands[ki].time_s  # the producer's call, since its ranks met the consumer's
-        key = (edge, mi.first, mi.size, mj.first, mj.size, after)
+        key = (edge, *self._transfer_source(edge, src), mj.first, mj.size)
         if key not in self._transfer:
-            self._transfer[key] = self.cm.data_transfer_s(nbytes, mi, mj, after_s=after)
+            self._transfer[key] = self.cm.data_transfer_s(nbytes, src.mesh, mj, after_s=key[3])
         return self._transfer[key]
+
+    def realloc_groups(self, slot: int) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """The reallocation table of `slot` by what it depends on (`_realloc_key`, twins
+        included): (group of each home candidate, group of each of the slot's candidates, a
+        (home candidate, candidate) pair standing for each (home group, group)): a group is a
+        mesh and the slices its layout holds there."""
+        def make() -> tuple[list[int], list[int], list[tuple[int, int]]]:
+            s = self.slots[slot]
+            assert s.home is not None
+            hg, h_rep = _groups([slices_key(c.mesh, c.layout) for c in self.slots[s.home].cands])
+            kg, k_rep = _groups([slices_key(c.mesh, c.layout) for c in s.cands])
+            return hg, kg, [(h, k) for h in h_rep for k in k_rep]
+        return self.cached(f"realloc{slot}", make)
+
+
+def _groups(keys: list) -> tuple[list[int], list[int]]:
+    """(group index of each item, first item of each group), groups numbered by first appearance."""
+    index: dict = {}
+    of: list[int] = []
+    reps: list[int] = []
+    for n, key in enumerate(keys):
+        if key not in index:
+            index[key] = len(reps)
+            reps.append(n)
+        of.append(index[key])
+    return of, reps
 
 
 def graph_slots(graph: Graph, candidates_of: Callable[[Call], list[Candidate]]) -> tuple[list[Slot], dict[str, int]]:

@@ -127,14 +127,6 @@ class Layout(Strict):
         return self if self.offload == "none" else self.model_copy(update={"offload": "none"})
 
     @property
-    def placement(self) -> Layout:
-        """This layout as parameters see it: where their slices are, which neither offload nor the
-        optimizer changes (what a reallocation's cost depends on)."""
-        if self.offload == "none" and self.galore is None:
-            return self
-        return self.model_copy(update={"offload": "none", "galore": None})
-
-    @property
     def size(self) -> int:
         """Ranks the layout occupies: dp * tp * pp * cp."""
         return self.dp * self.tp * self.pp * self.cp

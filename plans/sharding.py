@@ -226,11 +226,24 @@ def layout_problems(spec: ModelSpec, layout: Layout) -> list[str]:
     return problems
 
 
+@lru_cache(maxsize=65536)
+def slicing(layout: Layout) -> Layout:
+    """The layout that holds the same slices as `layout` on any mesh of its size, with nothing
+    else: its tensor, pipeline and expert degrees, and data-parallel ones only as ZeRO-3 splits
+    over them (`shard_box` reads no other field; ZeRO 0-2 and context-parallel ranks hold
+    replicas). Whatever depends only on where slices sit (a reallocation's cost) is a function
+    of this."""
+    z3 = layout.zero == 3
+    canon = Layout(dp=layout.dp if z3 else layout.dp * layout.cp, cp=layout.cp if z3 else 1, tp=layout.tp, pp=layout.pp,
+                   interleave=layout.interleave, zero=3 if z3 else 0, ep=layout.ep, etp=layout.etp)
+    return layout if canon == layout else canon
+
+
 def slices_key(mesh: Mesh, layout: Layout) -> tuple[int, ...]:
-    """Placements with equal keys hold every parameter slice on the same ranks (`shard_box` is a
-    function of these fields alone), so moving a model between them moves nothing."""
-    return (mesh.first, mesh.size, layout.tp, layout.pp, layout.interleave, layout.dp if layout.zero == 3 else 0,
-            layout.ep, layout.etp)
+    """Placements with equal keys hold every parameter slice on the same ranks (`slicing`), so
+    moving a model between them moves nothing."""
+    s = slicing(layout)
+    return (mesh.first, mesh.size, s.tp, s.pp, s.interleave, s.dp if s.zero == 3 else 0, s.ep, s.etp)
 
 
 def distinct_slices(layout: Layout) -> int:

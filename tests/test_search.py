@@ -35,9 +35,13 @@ class TableCosts:
     realloc_s: float = 1.0
     transfer_s: float = 0.0
     shares_cores: bool = False  # ranks with cores of their own: each call runs at its priced time
+    drifts: bool = False
 
     def realloc_cost(self, decl, src, dst) -> ReallocCost:  # noqa: ANN001
         return ReallocCost(1000, self.realloc_s)
+
+    def realloc_floor_s(self, decl, src, dst) -> float:  # noqa: ANN001 - the weakest lower bound, always valid
+        return 0.0
 
     def data_transfer_s(self, nbytes, src, dst, *, after_s=0.0) -> float:  # noqa: ANN001
         return self.transfer_s
