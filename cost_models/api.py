@@ -115,6 +115,21 @@ def model_flops(spec: ModelSpec, call: Call, *, head: Head = "lm") -> float:
     return call.seqs * (2.0 * n * (p + g) + 4.0 * lh * ctx_sum)
 
 
+def _peak_stage_candidates(counts: tuple[tuple[int, int], ...]) -> list[int]:
+    """The pipeline stages one of which holds a train call's peak, in order: the first and last
+    (embeddings, head and logits) and, of the stages between holding the same (dense, sparse)
+    layers, the earliest: it holds the same states and, in 1F1B, the most micro-batches in flight
+    (`in_flight_microbatches` falls with the stage), so the later ones never peak higher."""
+    pp = len(counts)
+    seen: set[tuple[int, int]] = set()
+    out = [0]
+    for st in range(1, pp - 1):
+        if counts[st] not in seen:
+            seen.add(counts[st])
+            out.append(st)
+    return out + ([pp - 1] if pp > 1 else [])
+
+
 class CostModel:
     """Estimates over one cluster with one calibration and one framework's kernels."""
 
@@ -310,7 +325,7 @@ class CostModel:
         counts = stage_layer_counts(spec, pp, layout.interleave)
         act_bytes = 2.0 * b * s_loc * spec.hidden_size / tp
         best: dict[str, int] = {}
-        for st in range(pp):
+        for st in _peak_stage_candidates(counts):
             nd, ns = counts[st]
             mem = self._state(decl, layout, st)
             kept = nd * per_layer[False] + (ns * per_layer[True] if ns else 0.0)

@@ -17,7 +17,7 @@ import numpy as np
 
 from plans.layout import Layout, Mesh
 from plans.model import Head, ModelSpec
-from plans.sharding import Param, _stage_of_layer, kv_tensor_transfers, param_stages, parameters, stage_layers
+from plans.sharding import Param, _stage_of_layer, param_stages, parameters, stage_layers
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,11 @@ class _Source:
 @lru_cache(maxsize=65536)
 def _source(shape: tuple[int, ...], tp_dim: int | None, stages: tuple[int, ...], lay: Layout, mesh: Mesh,
             gpn: int, expert_dim: int | None = None) -> _Source | None:
-    holds, lo, hi = _boxes(shape, tp_dim, stages, lay, mesh.size, expert_dim)
+    return _source_of(*_boxes(shape, tp_dim, stages, lay, mesh.size, expert_dim), mesh, gpn)
+
+
+def _source_of(holds: np.ndarray, lo: np.ndarray, hi: np.ndarray, mesh: Mesh, gpn: int) -> _Source | None:
+    """`_Source` of a tensor whose slices the ranks of `mesh` hold as [lo, hi) boxes where `holds`."""
     if not holds.any():
         return None
     idx = np.flatnonzero(holds)
@@ -139,7 +143,11 @@ def _source(shape: tuple[int, ...], tp_dim: int | None, stages: tuple[int, ...],
 def _needs(shape: tuple[int, ...], tp_dim: int | None, stages: tuple[int, ...], lay: Layout,
            mesh: Mesh, expert_dim: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(receiver global ranks, lo, hi) of every rank of a mesh that needs a non-empty slice."""
-    holds, lo, hi = _boxes(shape, tp_dim, stages, lay, mesh.size, expert_dim)
+    return _needs_of(*_boxes(shape, tp_dim, stages, lay, mesh.size, expert_dim), mesh)
+
+
+def _needs_of(holds: np.ndarray, lo: np.ndarray, hi: np.ndarray, mesh: Mesh
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     if not holds.any():
         return None
     idx = np.flatnonzero(holds)
@@ -151,9 +159,16 @@ def _param_volumes(param: Param, spec: ModelSpec, src: tuple[Mesh, Layout], dst:
     """(send intra, send inter, receive intra, receive inter, send pieces, receive pieces, local
     pieces) per rank, and the elements kept locally."""
     (smesh, slay), (dmesh, dlay) = src, dst
-    zeros = [np.zeros(span, dtype=np.int64) for _ in range(7)]
     source = _source(param.shape, param.tp_dim, param_stages(param, spec, slay), slay, smesh, gpn, param.expert_dim)
     needs = _needs(param.shape, param.tp_dim, param_stages(param, spec, dlay), dlay, dmesh, param.expert_dim)
+    return _volumes(source, needs, smesh, dmesh, gpn, first, span)
+
+
+def _volumes(source: _Source | None, needs: tuple[np.ndarray, np.ndarray, np.ndarray] | None, smesh: Mesh,
+             dmesh: Mesh, gpn: int, first: int, span: int) -> tuple[Any, ...]:
+    """`_param_volumes` of one tensor held as `source` and needed as `needs`, with the transfer
+    plan's sender choice (`plans.sharding._route`)."""
+    zeros = [np.zeros(span, dtype=np.int64) for _ in range(7)]
     if source is None or needs is None:
         return (*zeros, 0)
     recv_all, lo_all, hi_all = needs
@@ -245,29 +260,40 @@ def _kv_volumes(spec: ModelSpec, rows: int, positions: int, src: tuple[Mesh, Lay
                 gpn: int) -> RankVolumes:
     first = min(src[0].first, dst[0].first)
     span = max(src[0].first + src[0].size, dst[0].first + dst[0].size) - first
-    # Layers held by the same stages move alike: one of each (source stage, destination stage) group.
+    # Layers held by the same stages move alike: one of each (source stage, destination stage) group,
+    # and a layer's keys and values alike.
     s_owner = _stage_of_layer(spec.num_hidden_layers, src[1].pp, src[1].interleave)
     d_owner = _stage_of_layer(spec.num_hidden_layers, dst[1].pp, dst[1].interleave)
-    groups: dict[tuple[int, int], list[int]] = {}
+    groups: dict[tuple[int, int], int] = {}
     for i in range(spec.num_hidden_layers):
-        groups.setdefault((s_owner[i], d_owner[i]), []).append(i)
+        groups[s_owner[i], d_owner[i]] = groups.get((s_owner[i], d_owner[i]), 0) + 1
     totals = [np.zeros(span, dtype=np.int64) for _ in range(7)]
     local = 0
-    for layers in groups.values():
-        scale = len(layers)
-        for name in (f"kv.{layers[0]}.k", f"kv.{layers[0]}.v"):
-            for t in kv_tensor_transfers(spec, name, rows=rows, positions=positions, src=src, dst=dst,
-                                         gpus_per_node=gpn):
-                if t.src == t.dst:
-                    local += t.numel * scale
-                    totals[6][t.dst - first] += scale
-                    continue
-                lane = 0 if t.src // gpn == t.dst // gpn else 1  # 0: NVLink, 1: the network
-                totals[lane][t.src - first] += t.numel * scale
-                totals[2 + lane][t.dst - first] += t.numel * scale
-                totals[4][t.src - first] += scale
-                totals[5][t.dst - first] += scale
+    for (s_stage, d_stage), n in groups.items():
+        source = _source_of(*_kv_boxes(spec, rows, positions, s_stage, src[1], decode=False), src[0], gpn)
+        needs = _needs_of(*_kv_boxes(spec, rows, positions, d_stage, dst[1], decode=True), dst[0])
+        *arrays, kept = _volumes(source, needs, src[0], dst[0], gpn, first, span)
+        for t, a in zip(totals, arrays):
+            t += a * (2 * n)
+        local += kept * 2 * n
     return RankVolumes(first, totals[0], totals[1], totals[2], totals[3], local, totals[4], totals[5], totals[6])
+
+
+def _kv_boxes(spec: ModelSpec, rows: int, positions: int, stage: int, lay: Layout, *,
+              decode: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`plans.sharding.kv_box` of one layer of `stage` for every rank of a mesh, vectorised."""
+    local = np.arange(lay.size)
+    tp = local % lay.tp
+    cp = (local // lay.tp) % lay.cp
+    dp = (local // (lay.tp * lay.cp)) % lay.dp
+    pp = local // (lay.tp * lay.cp * lay.dp)
+    lo = np.zeros((lay.size, 4), dtype=np.int64)
+    hi = np.tile(np.array([rows, spec.kv_heads, positions, spec.d_head], dtype=np.int64), (lay.size, 1))
+    for dim, parts, index in ((0, lay.dp, dp), (1, lay.tp, tp)) + (((2, lay.cp, cp),) if decode else ()):
+        b = _splits(int(hi[0, dim]), parts)
+        lo[:, dim], hi[:, dim] = b[index], b[index + 1]
+    holds = (pp == stage) & (np.prod(hi - lo, axis=1) > 0)
+    return holds, lo, hi
 
 
 @dataclass(frozen=True)

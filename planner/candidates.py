@@ -10,6 +10,7 @@ and at most `keep_per_size` survive per size, fastest first.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -192,13 +193,24 @@ def expert_degrees(spec: ModelSpec, *, tp: int, stage: int) -> list[tuple[int, i
 
 
 def pareto(cands: list[Candidate]) -> list[Candidate]:
-    """Drop candidates that another beats or ties on time, state and transient memory."""
+    """Drop candidates that another beats or ties on time, state and transient memory.
+
+    Taken fastest first, a candidate is dominated exactly when some earlier one has no more state
+    and no more transient memory: the earlier ones' (state, work) staircase (state rising, work
+    falling) answers that with one bisection."""
     ranked = sorted(cands, key=lambda c: (c.time_s, c.state_bytes, c.work_bytes, c.layout.short()))
     front: list[Candidate] = []
+    states: list[int] = []  # the staircase: states ascending, their works strictly descending
+    works: list[int] = []
     for c in ranked:
-        if not any(f.time_s <= c.time_s and f.state_bytes <= c.state_bytes and f.work_bytes <= c.work_bytes
-                   for f in front):
-            front.append(c)
+        at = bisect_right(states, c.state_bytes)
+        if at and works[at - 1] <= c.work_bytes:
+            continue
+        front.append(c)
+        end = at
+        while end < len(states) and works[end] >= c.work_bytes:  # now dominated in (state, work)
+            end += 1
+        states[at:end], works[at:end] = [c.state_bytes], [c.work_bytes]
     return front
 
 

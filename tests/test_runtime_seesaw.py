@@ -109,22 +109,32 @@ def test_a_split_generation_matches_the_reference_and_moves_what_it_is_charged(t
         assert cost.breakdown_s["reshard"] == pytest.approx(cm.realloc_cost(decl, src, dst).time_s + kv.time_s)
 
 
-@pytest.mark.parametrize("src,dst", [(Layout(dp=2, tp=2), Layout(dp=4)), (Layout(dp=2, pp=2), Layout(tp=4)),
-                                     (Layout(pp=4), Layout(dp=2, pp=2)), (Layout(tp=4), Layout(tp=2, pp=2))])
-def test_kv_volumes_are_the_kv_transfer_plans(src: Layout, dst: Layout) -> None:
-    """The cost model's per-rank KV volumes (one layer per stage pair, scaled) equal the runtime's
-    transfer plan summed, element for element; a rank keeps what both layouts give it."""
+@pytest.mark.parametrize("src,dst,rows", [(Layout(dp=2, tp=2), Layout(dp=4), 8), (Layout(dp=2, pp=2), Layout(tp=4), 8),
+                                          (Layout(pp=4), Layout(dp=2, pp=2), 7), (Layout(tp=4), Layout(tp=2, pp=2), 8),
+                                          (Layout(dp=4), Layout(dp=2, cp=2), 7), (Layout(cp=2, tp=2), Layout(cp=4), 6)])
+def test_kv_volumes_are_the_kv_transfer_plans(src: Layout, dst: Layout, rows: int) -> None:
+    """The cost model's per-rank KV volumes (vectorised, one layer per stage pair, scaled) equal
+    the runtime's transfer plan summed, element for element and slice for slice, on each link; a
+    rank keeps what both layouts give it."""
     from cost_models.transfer import kv_volumes
     from plans import resolve_model
     from plans.sharding import kv_transfer_plan
 
-    spec, mesh = resolve_model("tiny-llama"), Mesh.block(0, 4)
-    plan = kv_transfer_plan(spec, rows=8, positions=5, src=(mesh, src), dst=(mesh, dst), gpus_per_node=2)
-    vol = kv_volumes(spec, rows=8, positions=5, src=(mesh, src), dst=(mesh, dst), gpus_per_node=2)
-    sent = [sum(t.numel for t in plan if t.src == r and t.dst != r) for r in range(4)]
-    assert [int(a + b) for a, b in zip(vol.send_intra, vol.send_inter)] == sent
-    assert vol.local_numel == sum(t.numel for t in plan if t.src == t.dst)
-    assert vol.moved_numel + vol.local_numel == 2 * spec.num_hidden_layers * 8 * spec.kv_heads * 5 * spec.d_head
+    spec, gpn = resolve_model("tiny-llama"), 2
+    for a, b in ((Mesh.block(0, 4), Mesh.block(0, 4)), (Mesh.block(0, 4), Mesh.block(2, 4))):
+        plan = kv_transfer_plan(spec, rows=rows, positions=5, src=(a, src), dst=(b, dst), gpus_per_node=gpn)
+        vol = kv_volumes(spec, rows=rows, positions=5, src=(a, src), dst=(b, dst), gpus_per_node=gpn)
+        ranks = range(vol.first, vol.first + len(vol.send_intra))
+        moved = [t for t in plan if t.src != t.dst]
+        for got, want in ((vol.send_intra, [sum(t.numel for t in moved if t.src == r and t.dst // gpn == r // gpn) for r in ranks]),
+                          (vol.send_inter, [sum(t.numel for t in moved if t.src == r and t.dst // gpn != r // gpn) for r in ranks]),
+                          (vol.recv_inter, [sum(t.numel for t in moved if t.dst == r and t.src // gpn != r // gpn) for r in ranks]),
+                          (vol.send_pieces, [sum(t.src == r for t in moved) for r in ranks]),
+                          (vol.recv_pieces, [sum(t.dst == r for t in moved) for r in ranks]),
+                          (vol.local_pieces, [sum(t.dst == r and t.src == r for t in plan) for r in ranks])):
+            assert got is not None and [int(x) for x in got] == want
+        assert vol.local_numel == sum(t.numel for t in plan if t.src == t.dst)
+        assert vol.moved_numel + vol.local_numel == 2 * spec.num_hidden_layers * rows * spec.kv_heads * 5 * spec.d_head
 
 
 def test_exports_say_they_cannot_split_a_rollout_over_context_parallel_ranks() -> None:
