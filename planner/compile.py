@@ -81,6 +81,9 @@ Progress = Callable[[SearchProgress], None]
 MAX_CPSAT_ROUNDS = 3  # re-solves after costing reallocations CP-SAT saw only as lower bounds
 CPSAT_WORK_SHARE = (0.3, 0.1, 0.1)  # of --time-limit, as CP-SAT deterministic time, per round
 MAX_ORDERS_TRIED = 5000  # list-scheduling orders tried for the final assignment
+# Polishing runs only while the plan is further than this from the proven bound: closer, it could
+# gain no more than this (two steps of CP-SAT's objective, `planner.cpsat.OBJECTIVE_STEP`).
+POLISH_GAP = 0.002
 # Work budgets, not the clock, decide the plan (same inputs, same plan). The clock only stops a
 # search that runs far past its budget, on a machine much slower or busier than expected.
 WALL_SAFETY_FACTOR = 3.0
@@ -265,9 +268,10 @@ def check_search_size(graph: Graph, cm: CostModel, space: SearchSpace) -> None:
 
 
 def cpsat_table_size(problem: Problem) -> int:
-    """Entries of the pairwise reallocation and transfer tables the CP-SAT model would build."""
-    n = sum(len(problem.slots[s.home].cands) * len(s.cands) for s in problem.slots if s.home is not None)
-    return n + sum(len(problem.slots[i].cands) * len(problem.slots[j].cands) for i, j, _ in problem.edges)
+    """Entries of the pairwise reallocation and transfer tables the CP-SAT model would build (by
+    groups of candidates that cost alike: `Problem.realloc_groups`, `Problem.transfer_groups`)."""
+    n = sum(len(problem.realloc_groups(s.index)[2]) for s in problem.slots if s.home is not None)
+    return n + sum(len(set(pg)) * len(set(cg)) for pg, cg in (problem.transfer_group_keys(e) for e in range(len(problem.edges))))
 
 
 def search(problem: Problem, *, rule: Restriction | None = None, time_limit_s: float, deadline: float | None = None,
@@ -309,7 +313,7 @@ def search(problem: Problem, *, rule: Restriction | None = None, time_limit_s: f
                                 best_s=sched.iteration_s if sched else None, bound_s=bound)
         budget = CPSAT_WORK_SHARE[rounds - 1] * time_limit_s
         result = solve_cpsat(problem, hint=choice, time_limit_s=max(left, 0.5), work_budget=budget, workers=workers,
-                             allowed=rule, on_progress=heard)
+                             allowed=rule, on_progress=heard, known_bound_s=bound)
         status = result.status
         bound = max(bound, result.lower_bound_s)
         if result.choice is None:
@@ -325,7 +329,7 @@ def search(problem: Problem, *, rule: Restriction | None = None, time_limit_s: f
             break
     if choice is None or sched is None:
         return None
-    if rounds and time.perf_counter() < deadline:
+    if rounds and time.perf_counter() < deadline and sched.iteration_s > bound * (1 + POLISH_GAP):
         say(SearchProgress("polish", candidates=n_cands, best_s=sched.iteration_s,
                            bound_s=min(bound, sched.iteration_s)))
         choice, sched = polish(problem, choice, sched, rule=rule, deadline=deadline)

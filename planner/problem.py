@@ -349,11 +349,18 @@ class Problem:
         is a mesh (and, where ranks drift, the producer's duration: `_transfer_of`); every
         candidate pair's `transfer` is its groups' entry. Built once per search."""
         def make() -> tuple[list[int], list[int], list[list[float]]]:
-            i, j, _ = self.edges[edge]
-            pg, p_rep = _groups([self._transfer_source(edge, c) for c in self.slots[i].cands])
-            cg, c_rep = _groups([(c.mesh.first, c.mesh.size) for c in self.slots[j].cands])
+            pg, cg = self.transfer_group_keys(edge)
+            p_rep, c_rep = _firsts(pg), _firsts(cg)
             return pg, cg, [[self.transfer(edge, ki, kj) for kj in c_rep] for ki in p_rep]
         return self.cached(f"transfer{edge}", make)
+
+    def transfer_group_keys(self, edge: int) -> tuple[list[int], list[int]]:
+        """`transfer_groups`'s (producer groups, consumer groups) alone, without costing its table."""
+        def make() -> tuple[list[int], list[int]]:
+            i, j, _ = self.edges[edge]
+            return (_groups([self._transfer_source(edge, c) for c in self.slots[i].cands])[0],
+                    _groups([(c.mesh.first, c.mesh.size) for c in self.slots[j].cands])[0])
+        return self.cached(f"transfer-groups{edge}", make)
 
     def _transfer_source(self, edge: int, cand: Candidate) -> tuple:
         """What a transfer's time depends on at the producer's end: its mesh and, where ranks drift
@@ -395,6 +402,14 @@ def _groups(keys: list) -> tuple[list[int], list[int]]:
             reps.append(n)
         of.append(index[key])
     return of, reps
+
+
+def _firsts(groups: list[int]) -> list[int]:
+    """The first item of each group of `_groups`' numbering."""
+    out: dict[int, int] = {}
+    for n, g in enumerate(groups):
+        out.setdefault(g, n)
+    return [out[g] for g in range(len(out))]
 
 
 def graph_slots(graph: Graph, candidates_of: Callable[[Call], list[Candidate]]) -> tuple[list[Slot], dict[str, int]]:
