@@ -145,6 +145,7 @@ class CostModel:
         self.hw: Hardware = hw
         self._calls: dict[tuple, CallCost] = {}
         self._reallocs: dict[tuple, ReallocCost] = {}
+        self._floors: dict[tuple, float] = {}  # `realloc_floor_s`
         self._train_mem: dict[tuple, dict[str, int]] = {}  # `_train_memory_at`
         self._at_busy: dict[int, CostModel] = {}
 
@@ -459,22 +460,38 @@ class CostModel:
         (smesh, slay), (dmesh, dlay) = (src[0], slicing(src[1])), (dst[0], slicing(dst[1]))
         if (smesh, slay) == (dmesh, dlay):
             return 0.0
+        gpn = self.cluster.gpus_per_node
+        # What the bound reads of the two meshes: the destination ranks inside the source mesh (a
+        # run [a, b) of them), whether they share nodes, and where the destination's nodes begin.
+        a = min(max(smesh.first - dmesh.first, 0), dmesh.size)
+        b = min(max(smesh.first + smesh.size - dmesh.first, 0), dmesh.size)
+        s_nodes = range(smesh.first // gpn, (smesh.first + smesh.size - 1) // gpn + 1)
+        d_nodes = range(dmesh.first // gpn, (dmesh.first + dmesh.size - 1) // gpn + 1)
+        apart = s_nodes.stop <= d_nodes.start or d_nodes.stop <= s_nodes.start
+        one_node = len(s_nodes) == len(d_nodes) == 1 and s_nodes == d_nodes
+        key = (decl.spec, decl.head, slay, dlay, smesh.size, a, b, apart, one_node, dmesh.first % gpn)
+        hit = self._floors.get(key)
+        if hit is None:
+            hit = self._floors[key] = self._realloc_floor_s(decl, slay, dlay, smesh.size, (a, b), apart=apart,
+                                                            one_node=one_node, offset=dmesh.first % gpn)
+        return hit
+
+    def _realloc_floor_s(self, decl: ModelDecl, slay: Layout, dlay: Layout, src_size: int, inside: tuple[int, int], *,
+                         apart: bool, one_node: bool, offset: int) -> float:
         floor = realloc_floor(decl.spec, head=decl.head, src=slay, dst=dlay)
         gpn, hw, pb = self.cluster.gpus_per_node, self.hw, self.framework.param_bytes
-        ranks = dmesh.first + np.arange(dmesh.size)
-        inside = (ranks >= smesh.first) & (ranks < smesh.first + smesh.size)
-        moved_pieces = floor.total_pieces - int(floor.tensors[inside].sum())
+        a, b = inside
+        moved_pieces = floor.total_pieces - int(floor.tensors[a:b].sum())
         host_s = REALLOC_PIECE_OPS * hw.host_kernel_s * (int(floor.pieces.max(initial=0))
-                                                         + max(0, -(-moved_pieces // smesh.size)))
-        lack = floor.need - np.where(inside, floor.own_max, 0)
+                                                         + max(0, -(-moved_pieces // src_size)))
+        lack = floor.need.copy()
+        lack[a:b] -= floor.own_max[a:b]
         if lack.max(initial=0) <= 0:
             return host_s
-        s_nodes = set(range(smesh.first // gpn, (smesh.first + smesh.size - 1) // gpn + 1))
-        d_nodes = set(range(dmesh.first // gpn, (dmesh.first + dmesh.size - 1) // gpn + 1))
-        if not s_nodes & d_nodes:  # every slice crosses the network
-            per_node = np.bincount(ranks // gpn - ranks[0] // gpn, weights=floor.need)
+        if apart:  # every slice crosses the network
+            per_node = np.bincount((offset + np.arange(len(floor.need))) // gpn, weights=floor.need)
             return float(per_node.max()) * pb / hw.node_net_bytes_s + hw.inter_latency_s + host_s
-        if len(s_nodes | d_nodes) == 1:
+        if one_node:
             return float(lack.max()) * pb / hw.intra_bytes_s + hw.intra_latency_s + host_s
         return (float(lack.max()) * pb / (hw.intra_bytes_s + hw.node_net_bytes_s)
                 + min(hw.intra_latency_s, hw.inter_latency_s) + host_s)

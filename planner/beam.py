@@ -45,8 +45,9 @@ def aligned_only(problem: Problem, slot: int, k: int, choice: Sequence[int | Non
 
 
 # Op placements simulated over a whole beam search (each candidate of each step simulates the
-# unrolled ops); about half a minute on one core. Wider beams than this allows are narrowed.
-BEAM_WORK_LIMIT = 4_000_000
+# unrolled ops); a couple of seconds on one core (10-15 us each). Wider beams than this allows are
+# narrowed: the beam only seeds CP-SAT, which proves its own bound.
+BEAM_WORK_LIMIT = 250_000
 
 
 def beam_width_for(problem: Problem, width: int) -> int:
