@@ -191,7 +191,10 @@ class CostModel:
                   decode_layout: Layout | None = None) -> CallCost:
         """Time and per-rank memory of `call` on `mesh` with `layout` (decode with `decode_layout`)."""
         gpn = self.cluster.gpus_per_node
-        key = (call.kind, call.seqs, call.seq_len, call.gen_len, call.response_len, call.minibatches, call.returns, decl,
+        # An inference call's cost reads only whether it returns per-token log-probs (scores and
+        # values cost alike).
+        returns = call.returns == "logprobs" if call.kind == "inference" else call.returns
+        key = (call.kind, call.seqs, call.seq_len, call.gen_len, call.response_len, call.minibatches, returns, decl,
                mesh.first % gpn if mesh.size < gpn else 0, mesh.size, layout, decode_layout)
         hit = self._calls.get(key)
         if hit is None:
@@ -301,7 +304,7 @@ class CostModel:
         galore = None
         if layout.galore is not None and decl.trainable:
             galore = galore_stage(decl.spec, layout.galore,
-                                  *stage_layer_counts(decl.spec, layout.pp, layout.interleave)[at])
+                                  *stage_layer_counts(decl.spec, layout.pp, layout.interleave)[at], tp=layout.tp)
         return state_bytes(dense, self.framework, layout=layout, trainable=decl.trainable, expert_params=experts,
                            galore=galore)
 

@@ -359,10 +359,12 @@ def _galore_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
     projected matrices' Adam runs on their low-rank moments instead (returned: the change to the
     optimizer's time, negative where it streams less), plus the projections (`galore`) and, once
     every `update_interval` steps, the SVDs, split over the data-parallel group's owners, and
-    under ZeRO-0 the projectors sent from each owner to the group (`dp_comm`)."""
+    under ZeRO-0 the projectors sent from each owner to the group (`dp_comm`). Under tensor
+    parallel, the projections summed over the group are all-reduced every step, and for each SVD
+    the gradient's slices are gathered and the projector sent back (`tp_comm`)."""
     galore = layout.galore
     assert galore is not None
-    stage = galore_stage(spec, galore, *stage_layer_counts(spec, layout.pp, layout.interleave)[heavy])
+    stage = galore_stage(spec, galore, *stage_layer_counts(spec, layout.pp, layout.interleave)[heavy], tp=layout.tp)
     # Adam over the low-rank moments, and the update added to each weight (read the projected-back
     # step, read and write the weight: 12 bytes), in place of Adam over the full matrix.
     adam_s = ((stage.moment - stage.params) * fw.optimizer_step_bytes + stage.params * 3 * 4) / zero_div / hw.mem_bytes_s
@@ -371,6 +373,11 @@ def _galore_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
     out.add("galore", stage.project_flops / zero_div / hw.gemm_flops + svd_s / galore.update_interval)
     if layout.zero == 0 and owners > 1:
         out.add("dp_comm", comm.all_gather_s(stage.projector * 4, topo.group(layout, "dpcp"), hw) / galore.update_interval)
+    if layout.tp > 1:
+        tp = topo.group(layout, "tp")
+        refresh = comm.all_gather_s(stage.tp_gather * 4, tp, hw) + comm.broadcast_s(stage.tp_projector * 4, tp, hw)
+        out.add("tp_comm", comm.all_reduce_s(stage.tp_reduce * 4, tp, hw) / zero_div
+                + refresh / owners / galore.update_interval)
     return adam_s
 
 

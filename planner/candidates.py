@@ -269,7 +269,7 @@ def _galore_variants(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, spa
     cap = cm.cluster.usable_mem_bytes
     out = []
     for lay in allowed:
-        if lay.tp > 1 or lay.zero > 1 or lay in fitted:
+        if lay.zero > 1 or lay in fitted:
             continue
         low = lay.model_copy(update={"galore": space.galore})
         if cm.state_floor_bytes(view, low) > cap or cm.train_peak_bytes(call, view, mesh, low) > cap:
@@ -417,10 +417,10 @@ def _add_offload(call: Call, graph: Graph, cm: CostModel, sizes: dict[int, list[
 def _add_galore(call: Call, view: ModelDecl, cm: CostModel, space: SearchSpace, kept: list[Candidate],
                 costed: list[Candidate]) -> None:
     """Add to a train call's `kept` candidates of one mesh size the GaLore variant of the fastest
-    AdamW one GaLore can run (tp 1, ZeRO 0 or 1): as fast but for the projections, and less
-    resident between calls, which is what binds where the models of a plan share GPUs."""
+    AdamW one GaLore can run (ZeRO 0 or 1): as fast but for the projections, and less resident
+    between calls, which is what binds where the models of a plan share GPUs."""
     plain = next((c for c in sorted(costed, key=lambda c: (c.time_s, c.layout.short()))
-                  if c.layout.galore is None and c.layout.tp == 1 and c.layout.zero <= 1), None)
+                  if c.layout.galore is None and c.layout.zero <= 1), None)
     if plain is None:
         return
     lay = plain.layout.model_copy(update={"galore": space.galore})

@@ -71,8 +71,9 @@ class Layout(Strict):
         "copied in before the call and dropped after it, as OpenRLHF's --ref.offload)."))
     # Left out of a plan's JSON when None (plain AdamW), so plans without it keep their bytes.
     galore: GaLore | None = Field(None, exclude_if=lambda v: v is None, description=(
-        "A train call's GaLore optimizer (low-rank projected Adam states), or None for AdamW. Needs tp = 1 "
-        "and ZeRO 0 or 1: each matrix's projection reads its whole gradient."))
+        "A train call's GaLore optimizer (low-rank projected Adam states), or None for AdamW. Needs ZeRO 0 "
+        "or 1: each matrix's projection reads its whole gradient (a tensor-parallel slice projects its own "
+        "part, summed over the tensor-parallel group where the projection runs along the split)."))
 
     @model_validator(mode="after")
     def check_sequence_parallel_needs_tp(self) -> Layout:
@@ -88,9 +89,9 @@ class Layout(Strict):
 
     @model_validator(mode="after")
     def check_galore_whole_gradients(self) -> Layout:
-        if self.galore is not None and (self.tp > 1 or self.zero > 1):
-            raise ValueError(f"galore needs tp=1 and zero 0 or 1 (got tp={self.tp}, zero={self.zero}): the projection "
-                             "of a matrix reads its whole gradient on one rank")
+        if self.galore is not None and self.zero > 1:
+            raise ValueError(f"galore needs zero 0 or 1 (got zero={self.zero}): the projection of a matrix reads its "
+                             "whole gradient (summed over the data-parallel group) on the ranks that hold the matrix")
         return self
 
     @model_validator(mode="after")

@@ -52,8 +52,8 @@ from torch import Tensor
 
 from plans.errors import PlannerError
 from plans.layout import GaLore, Layout
-from plans.sharding import galore_projected, parameters, shard_box, split_range
-from runtime.galore import GaLoreStep
+from plans.sharding import Param, galore_projected, parameters, shard_box, split_range
+from runtime.galore import GaLoreStep, Matrix
 from runtime.galore import owners as galore_owners
 from runtime.groups import Axis, RankGroups, all_gather_into, reduce_scatter_into
 from runtime.model import Shard
@@ -263,7 +263,9 @@ class DataParallel:
             starts[n] = numel
             numel += size
         padded = numel if zero not in (1, 2) else math.ceil(numel / dp.size) * dp.size
-        owner = dict(zip(names, galore_owners(sizes, dp.size))) if galore is not None else {}
+        catalog = {p.name: p for p in parameters(shard.spec, head=shard.head)}
+        owner = dict(zip(names, galore_owners([_nominal(catalog[n], shard.params[n].shape, groups.tp.size)
+                                               for n in names], dp.size))) if galore is not None else {}
         if galore is not None and zero == 1:
             # A rank's partition is exactly the parameters it owns (`runtime.galore`): each
             # rank's run of parameters starts its own chunk of the buffer, all chunks one size.
@@ -293,10 +295,8 @@ class DataParallel:
         self.adam_runs = [(lo, hi)]
         self.galore: GaLoreStep | None = None
         if galore is not None:
-            catalog = {p.name: p for p in parameters(shard.spec, head=shard.head)}
-            projected = {n: shard.params[n].shape for n in names if galore_projected(catalog[n], galore.rank)}
-            self.galore = GaLoreStep(galore, {n: (int(a), int(b)) for n, (a, b) in projected.items()}, owner,
-                                     dp=dp, zero=zero, device=ref.device)
+            projected = {n: _matrix(catalog[n], groups.tp.size) for n in names if galore_projected(catalog[n], galore.rank)}
+            self.galore = GaLoreStep(galore, projected, owner, dp=dp, tp=groups.tp, zero=zero, device=ref.device)
             self.adam_runs = _runs_between(lo, hi, sorted(self.views[n] for n in projected))
         size = sum(b - a for a, b in self.adam_runs)
         self.m = torch.zeros(size, dtype=torch.float32, device=ref.device)
@@ -541,6 +541,25 @@ class DataParallel:
         if p.grad is not None and p.grad.data_ptr() != self.grad[lo:hi].data_ptr():
             self.grad[lo:hi] += p.grad.reshape(-1)
             p.grad = self.grad[lo:hi].view(p.shape)
+
+
+def _matrix(param: Param, tp: int) -> Matrix:
+    """A projected matrix as the `tp` ranks of a tensor-parallel group hold it (`plans.sharding`)."""
+    m, n = param.shape
+    d = param.tp_dim
+    if tp == 1 or d is None:
+        return Matrix((m, n), None, ())
+    return Matrix((m, n), d, tuple(split_range(param.shape[d], tp, i) for i in range(tp)))
+
+
+def _nominal(param: Param, local: torch.Size, tp: int) -> int:
+    """The size a GaLore owner is chosen by (`runtime.galore.owners`): the slice's elements, with
+    a tensor-parallel split counted as its largest part, so every rank of the group sizes the
+    shard's parameters alike and gives a matrix's slices owners of one data-parallel index."""
+    n, d = math.prod(local), param.tp_dim
+    if tp == 1 or d is None or local[d] == 0:
+        return n
+    return n // local[d] * -(-param.shape[d] // tp)
 
 
 def _runs_between(lo: int, hi: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -53,7 +53,7 @@ def estimate(
     zero: int = typer.Option(0, "--zero", min=0, max=3, help="ZeRO stage over the data-parallel group."),
     sequence_parallel: bool = typer.Option(False, "--sequence-parallel", help="Shard norm/dropout activations over tp."),
     interleave: int = typer.Option(1, "--interleave", help="Virtual pipeline stages per rank (interleaved 1F1B)."),
-    galore_rank: int | None = typer.Option(None, "--galore-rank", min=1, help="Train with a GaLore optimizer of this rank (needs --tp 1 and --zero 0 or 1; see planner compile --help)."),
+    galore_rank: int | None = typer.Option(None, "--galore-rank", min=1, help="Train with a GaLore optimizer of this rank (needs --zero 0 or 1; see planner compile --help)."),
     galore_interval: int = typer.Option(GaLore.model_fields["update_interval"].default, "--galore-interval", min=1, help="With --galore-rank: steps between the SVDs that refresh the projections."),
     calibration: Path | None = typer.Option(None, "--calibration", help="Calibration file (planner calibrate / profile)."),
     framework: FrameworkName = typer.Option(FrameworkName.torch, "--framework", help=FRAMEWORK_HELP),
@@ -86,7 +86,7 @@ def estimate(
         except ValidationError as e:
             raise PlannerError(f"--galore-rank with --tp {tp} --zero {zero}: "
                                + "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors()),
-                               hint="use --tp 1 and --zero 0 or 1") from None
+                               hint="use --zero 0 or 1") from None
     est = estimate_training(spec, cl, layout, global_batch=global_batch, seq_len=seq_len, calibration=cal,
                             framework=framework.value)
     if as_json:
