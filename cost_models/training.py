@@ -181,7 +181,12 @@ class StageLayers:
 
     def mean(self, part: str, hw: Hardware) -> float:
         """Wall time of an average layer's `part`."""
-        total = sum(self.of(i, part).wall_s(hw) for i in range(len(self.counts)))
+        wall: dict[tuple[int, int], float] = {}  # stages holding alike layers take alike times
+        total = 0.0
+        for i, c in enumerate(self.counts):
+            if c not in wall:
+                wall[c] = self.of(i, part).wall_s(hw)
+            total += wall[c]
         return total / max(1, sum(self.sizes))
 
 
@@ -301,15 +306,19 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
         comm.skew_wait_s(chunk, 2, hw) if pp > 1 else 0.0
 
     stage_s, compute_s, comm_s = [], [], []
+    seen: dict[tuple, tuple[float, float, tuple[float, float, float, float]]] = {}  # stages alike time alike
     for st in range(pp):
-        f = lt.of(st, "fwd") + (ef if st == 0 else Stretch()) + (hf if st == pp - 1 else Stretch())
-        bw = lt.of(st, "bwd") + (eb if st == 0 else Stretch()) + (hb if st == pp - 1 else Stretch())
-        sends = (2 if 0 < st < pp - 1 else 1) * p2p * v if pp > 1 else 0.0
-        wall = f.wall_s(hw) + bw.wall_s(hw)
-        stage_s.append(wall + sends)
-        compute_s.append(wall - f.comm_s - bw.comm_s)
-        cp_s, ep_s = f.cp_comm_s + bw.cp_comm_s, f.ep_comm_s + bw.ep_comm_s
-        comm_s.append((f.comm_s + bw.comm_s - cp_s - ep_s, cp_s, sends, ep_s))
+        key = (lt.counts[st], st == 0, st == pp - 1)
+        if key not in seen:
+            f = lt.of(st, "fwd") + (ef if st == 0 else Stretch()) + (hf if st == pp - 1 else Stretch())
+            bw = lt.of(st, "bwd") + (eb if st == 0 else Stretch()) + (hb if st == pp - 1 else Stretch())
+            sends = (2 if 0 < st < pp - 1 else 1) * p2p * v if pp > 1 else 0.0
+            wall = f.wall_s(hw) + bw.wall_s(hw)
+            cp_s, ep_s = f.cp_comm_s + bw.cp_comm_s, f.ep_comm_s + bw.ep_comm_s
+            seen[key] = (wall + sends, wall - f.comm_s - bw.comm_s, (f.comm_s + bw.comm_s - cp_s - ep_s, cp_s, sends, ep_s))
+        stage_s.append(seen[key][0])
+        compute_s.append(seen[key][1])
+        comm_s.append(seen[key][2])
     steady, bubble = pipeline_s(stage_s, m=m, interleave=v, host_s=hw.microbatch_overhead_s)
     crit = max(range(pp), key=lambda i: stage_s[i])
     out.add("compute", compute_s[crit] * m)
@@ -448,10 +457,14 @@ def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
     p2p = comm.p2p_s(act_bytes, cross_node=topo.pp_cross_node(layout), senders_per_node=senders, hw=hw) + \
         comm.skew_wait_s(chunk, 2, hw) if pp > 1 else 0.0
     stage_s, comm_s = [], []
+    seen: dict[tuple, tuple[float, tuple[float, float, float]]] = {}  # stages alike time alike
     for st in range(pp):
-        f = lt.of(st, "fwd_only") + (ef if st == 0 else Stretch()) + (hf if st == pp - 1 else Stretch())
-        stage_s.append(f.wall_s(hw) + (p2p * v if st < pp - 1 else 0.0))
-        comm_s.append((f.comm_s, f.cp_comm_s, f.ep_comm_s))
+        key = (lt.counts[st], st == 0, st == pp - 1)
+        if key not in seen:
+            f = lt.of(st, "fwd_only") + (ef if st == 0 else Stretch()) + (hf if st == pp - 1 else Stretch())
+            seen[key] = (f.wall_s(hw) + (p2p * v if st < pp - 1 else 0.0), (f.comm_s, f.cp_comm_s, f.ep_comm_s))
+        stage_s.append(seen[key][0])
+        comm_s.append(seen[key][1])
     steady, bubble = pipeline_s(stage_s, m=m, interleave=v, host_s=hw.microbatch_overhead_s)
     crit = max(range(pp), key=lambda i: stage_s[i])
     sends = p2p * v if crit < pp - 1 else 0.0
