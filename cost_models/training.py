@@ -289,12 +289,66 @@ def stage_param_counts(spec: ModelSpec, head: Head, layout: Layout) -> tuple[tup
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class _Pipeline:
+    """The part of a training step the ZeRO stage and the optimizer do not change: micro-batches
+    through the pipeline (`train_step`)."""
+
+    parts: tuple[tuple[str, float], ...]
+    microbatch_s: float  # the critical stage's time per micro-batch
+    last_bwd_s: float  # ... its last backward
+    since_sync_s: float  # the pipeline's steady state and bubble
+    layers: tuple[int, ...]  # decoder layers per stage
+    cross: bool  # neighbouring stages on different nodes
+
+
 def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head,
                seqs: int, seq_len: int, load_cv: float = 0.0) -> StepTimes:
     """Wall time of one optimizer step over `seqs` sequences of `seq_len` tokens, by kind."""
-    out = StepTimes()
+    pp, tp, m = layout.pp, layout.tp, layout.micro_batches
+    bare = layout if layout.zero == 0 and layout.galore is None else layout.model_copy(update={"zero": 0, "galore": None})
+    pipe = _pipeline(spec, fw, hw, bare, topo, head=head, seqs=seqs, seq_len=seq_len, load_cv=load_cv)
+    out = StepTimes(dict(pipe.parts))
+    layers, cross = pipe.layers, pipe.cross
+
+    # Gradient reduction and optimizer, on the stage with the most parameters: dense weights over
+    # the data-parallel group, routed experts over the experts' own (`Layout.edp`).
+    counts = stage_param_counts(spec, head, layout)
+    heavy = max(range(pp), key=lambda i: sum(counts[i]))
+    params, experts = counts[heavy]
+    # Parameter groups a stage gathers one at a time under ZeRO-3: its layers, plus the embeddings
+    # on the first stage and the final norm and head on the last.
+    groups = max(n + (1 if i == 0 else 0) + (2 if i == pp - 1 else 0) for i, n in enumerate(layers))
+    out.add("dp_comm", grad_sync_s(params, fw, hw, layout, topo, m=m, microbatch_s=pipe.microbatch_s,
+                                   last_bwd_s=pipe.last_bwd_s, zero3_groups=groups, since_sync_s=pipe.since_sync_s))
+    if experts:
+        out.add("dp_comm", grad_sync_s(experts, fw, hw, layout, topo, m=m, microbatch_s=pipe.microbatch_s,
+                                       last_bwd_s=pipe.last_bwd_s, zero3_groups=groups, since_sync_s=pipe.since_sync_s,
+                                       group="edp"))
+    zero_div = layout.dp * layout.cp if layout.zero >= 1 else 1
+    expert_div = layout.edp if layout.zero >= 1 else 1
+    optimizer_s = (params / zero_div + experts / expert_div) * fw.optimizer_step_bytes / hw.mem_bytes_s
+    if layout.galore is not None:
+        optimizer_s += _galore_step(spec, fw, hw, layout, topo, out, heavy=heavy, zero_div=zero_div)
+    out.add("optimizer", optimizer_s)
+    if 1 <= layout.zero < 3:  # ZeRO gathers the updated weight shards back to every rank
+        g = topo.group(layout, "dpcp")
+        out.add("dp_comm", comm.all_gather_s(params * fw.param_bytes, g, hw) + comm.skew_wait_s(optimizer_s, g.n, hw))
+        if experts:
+            out.add("dp_comm", comm.all_gather_s(experts * fw.param_bytes, topo.group(layout, "edp"), hw))
+    if spec.tied and head == "lm" and pp > 1:  # first and last stage sum the shared embedding's gradient
+        rows = -(-spec.vocab_size // tp) * spec.hidden_size
+        out.add("pp_comm", comm.all_reduce_s(rows * fw.grad_bytes, comm.Group(2, 1, 1) if cross else comm.Group(2, 2, 1), hw))
+    out.add("overhead", hw.step_overhead_s)
+    return out
+
+
+@lru_cache(maxsize=16384)
+def _pipeline(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head,
+              seqs: int, seq_len: int, load_cv: float) -> _Pipeline:
     b, m = microbatch_size(seqs, layout), layout.micro_batches
     pp, v, tp = layout.pp, layout.interleave, layout.tp
+    out = StepTimes()
     lt = stage_times(spec, fw, hw, layout, topo, b=b, s=seq_len, training=True, load_cv=load_cv)
     ef, eb, hf, hb = _ends(spec, fw, hw, layout, topo, head=head, b=b, s=seq_len, loss=True)
     layers = lt.sizes
@@ -328,38 +382,8 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
     out.add("ep_comm", comm_s[crit][3] * m)
     out.add("overhead", hw.microbatch_overhead_s * m)
     out.add("pp_bubble", bubble)
-
-    # Gradient reduction and optimizer, on the stage with the most parameters: dense weights over
-    # the data-parallel group, routed experts over the experts' own (`Layout.edp`).
-    counts = stage_param_counts(spec, head, layout)
-    heavy = max(range(pp), key=lambda i: sum(counts[i]))
-    params, experts = counts[heavy]
-    # Parameter groups a stage gathers one at a time under ZeRO-3: its layers, plus the embeddings
-    # on the first stage and the final norm and head on the last.
-    groups = max(n + (1 if i == 0 else 0) + (2 if i == pp - 1 else 0) for i, n in enumerate(layers))
-    last_bwd = lt.of(crit, "bwd").wall_s(hw)
-    out.add("dp_comm", grad_sync_s(params, fw, hw, layout, topo, m=m, microbatch_s=stage_s[crit],
-                                   last_bwd_s=last_bwd, zero3_groups=groups, since_sync_s=steady + bubble))
-    if experts:
-        out.add("dp_comm", grad_sync_s(experts, fw, hw, layout, topo, m=m, microbatch_s=stage_s[crit],
-                                       last_bwd_s=last_bwd, zero3_groups=groups, since_sync_s=steady + bubble,
-                                       group="edp"))
-    zero_div = layout.dp * layout.cp if layout.zero >= 1 else 1
-    expert_div = layout.edp if layout.zero >= 1 else 1
-    optimizer_s = (params / zero_div + experts / expert_div) * fw.optimizer_step_bytes / hw.mem_bytes_s
-    if layout.galore is not None:
-        optimizer_s += _galore_step(spec, fw, hw, layout, topo, out, heavy=heavy, zero_div=zero_div)
-    out.add("optimizer", optimizer_s)
-    if 1 <= layout.zero < 3:  # ZeRO gathers the updated weight shards back to every rank
-        g = topo.group(layout, "dpcp")
-        out.add("dp_comm", comm.all_gather_s(params * fw.param_bytes, g, hw) + comm.skew_wait_s(optimizer_s, g.n, hw))
-        if experts:
-            out.add("dp_comm", comm.all_gather_s(experts * fw.param_bytes, topo.group(layout, "edp"), hw))
-    if spec.tied and head == "lm" and pp > 1:  # first and last stage sum the shared embedding's gradient
-        rows = -(-spec.vocab_size // tp) * spec.hidden_size
-        out.add("pp_comm", comm.all_reduce_s(rows * fw.grad_bytes, comm.Group(2, 1, 1) if cross else comm.Group(2, 2, 1), hw))
-    out.add("overhead", hw.step_overhead_s)
-    return out
+    return _Pipeline(tuple(out.parts.items()), stage_s[crit], lt.of(crit, "bwd").wall_s(hw), steady + bubble,
+                     tuple(layers), cross)
 
 
 def _galore_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, out: StepTimes, *,

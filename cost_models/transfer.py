@@ -342,18 +342,19 @@ def _tensor_kinds(spec: ModelSpec, head: Head) -> tuple[tuple[tuple, str, bool, 
 
 @lru_cache(maxsize=65536)
 def _realloc_floor(spec: ModelSpec, head: Head, src: Layout, dst: Layout) -> ReallocFloor:
-    per_stage = dst.size // dst.pp
     need, own, pieces, tensors = (np.zeros(dst.size, dtype=np.int64) for _ in range(4))
     layers = [(len(ls) - sum(map(spec.is_moe_layer, ls)), sum(map(spec.is_moe_layer, ls)))
               for ls in stage_layers(spec.num_hidden_layers, dst.pp, dst.interleave)]
     ends = {"first": (0,), "last": (dst.pp - 1,), "first+last": tuple(sorted({0, dst.pp - 1}))}
     for kind, where, sparse, n in _tensor_kinds(spec, head):
         parts = _kind_floor(kind, _one_stage(src), _one_stage(dst))
-        for stage in range(dst.pp) if where == "layer" else ends[where]:
-            held = n * (layers[stage][sparse] if where == "layer" else 1)
-            block = slice(stage * per_stage, (stage + 1) * per_stage)
-            for total, part in zip((need, own, pieces, tensors), parts):
-                total[block] += part * held
+        held = np.zeros(dst.pp, dtype=np.int64)  # tensors of this kind each stage holds
+        if where == "layer":
+            held[:] = [n * stage[sparse] for stage in layers]
+        else:
+            held[list(ends[where])] = n
+        for total, part in zip((need, own, pieces, tensors), parts):
+            total += np.outer(held, part).reshape(-1)
     return ReallocFloor(need, own, pieces, tensors)
 
 
