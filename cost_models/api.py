@@ -146,6 +146,7 @@ class CostModel:
         self._calls: dict[tuple, CallCost] = {}
         self._reallocs: dict[tuple, ReallocCost] = {}
         self._floors: dict[tuple, float] = {}  # `realloc_floor_s`
+        self._states: dict[tuple, dict[str, int]] = {}  # `_state`
         self._train_mem: dict[tuple, dict[str, int]] = {}  # `_train_memory_at`
         self._at_busy: dict[int, CostModel] = {}
 
@@ -297,7 +298,17 @@ class CostModel:
         return stage_param_counts(spec, head, layout)
 
     def _state(self, decl: ModelDecl, layout: Layout, stage: int | None = None) -> dict[str, int]:
-        """Model states of one rank of `stage` (None: of the stage holding the most)."""
+        """Model states of one rank of `stage` (None: of the stage holding the most); a new dict
+        (callers add to it)."""
+        # What the states read of the layout: how it splits parameters and shards states.
+        key = (decl, layout.tp, layout.pp, layout.interleave, layout.dp, layout.cp, layout.zero, layout.ep, layout.etp,
+               layout.galore, stage)
+        hit = self._states.get(key)
+        if hit is None:
+            hit = self._states[key] = self._state_of(decl, layout, stage)
+        return dict(hit)
+
+    def _state_of(self, decl: ModelDecl, layout: Layout, stage: int | None) -> dict[str, int]:
         counts = self._stage_params(decl.spec, decl.head, layout)
         at = stage if stage is not None else max(range(len(counts)), key=lambda i: sum(counts[i]))
         dense, experts = counts[at]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from planner.problem import Problem
-from planner.simulate import simulate
+from planner.simulate import makespan_s, simulate
 from plans.layout import Mesh
 
 Allowed = Callable[[Problem, int, int, Sequence[int | None]], bool]
@@ -80,8 +80,7 @@ def beam_search(problem: Problem, *, width: int = 16, allowed: Allowed | None = 
                 ext[i] = k
                 if not problem.fits(ext):
                     continue
-                sched = simulate(problem, ext, exact=exact)
-                scored.append((sched.makespan_s, tuple(-1 if c is None else c for c in ext), ext))
+                scored.append((makespan_s(problem, ext, exact=exact), tuple(-1 if c is None else c for c in ext), ext))
         if not scored:
             return None
         scored.sort(key=lambda t: (t[0], t[1]))

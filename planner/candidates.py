@@ -13,7 +13,7 @@ import math
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from itertools import product
 
 from cost_models import CallCost, CostModel
@@ -143,14 +143,16 @@ def mesh_positions(cluster: ClusterSpec, size: int, space: SearchSpace | None = 
 def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) -> list[Layout]:
     """Every valid layout of `size` ranks for `call`: degrees that shard the model, tp inside a
     node, the batch splitting evenly over data-parallel ranks and micro-batches."""
-    spec = decl.spec
+    return list(_layouts_for(call.kind == "train", call.step_seqs, call.seq_len, decl.spec, size, cluster.gpus_per_node))
+
+
+@lru_cache(maxsize=1024)
+def _layouts_for(train: bool, seqs: int, seq_len: int, spec: ModelSpec, size: int, gpus_per_node: int) -> tuple[Layout, ...]:
     out: list[Layout] = []
-    train = call.kind == "train"
-    seqs = call.step_seqs
     cps = [1]
-    if call.seq_len >= LONG_SEQ_TOKENS:  # generation: a context-parallel prefill, then KV-parallel decode
-        cps = [c for c in (1, 2, 4, 8) if call.seq_len % (2 * c) == 0]
-    for tp, pp, cp in product(_divisors(cluster.gpus_per_node), _divisors(size), cps):
+    if seq_len >= LONG_SEQ_TOKENS:  # generation: a context-parallel prefill, then KV-parallel decode
+        cps = [c for c in (1, 2, 4, 8) if seq_len % (2 * c) == 0]
+    for tp, pp, cp in product(_divisors(gpus_per_node), _divisors(size), cps):
         if size % (tp * pp * cp):
             continue
         dp = size // (tp * pp * cp)
@@ -173,7 +175,7 @@ def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) ->
                 mbs = _micro_batch_counts(per_dp)
                 out += [Layout(dp=dp, tp=tp, pp=pp, cp=cp, micro_batches=mb, ep=ep, etp=etp) for mb in mbs
                         if cp == 1 or ep == 1]
-    return out
+    return tuple(out)
 
 
 def expert_degrees(spec: ModelSpec, *, tp: int, stage: int) -> list[tuple[int, int]]:

@@ -83,6 +83,24 @@ def simulate(problem: Problem, choice: Sequence[int | None], order: list[Op] | N
     schedule and those speeds depend on each other, so they are iterated to a fixed point:
     durations from the previous schedule's occupancy, a new schedule from those durations, until
     no end moves (at most `SHARING_ROUNDS` rounds; deterministic either way)."""
+    start, run, end, realloc, dur = _schedule(problem, choice, order, exact)
+    _, peak = problem.memory(choice)
+    makespan = max(end.values(), default=0.0)
+    cap = problem.cluster.usable_mem_bytes
+    return Schedule(start, run, end, realloc, peak, makespan, makespan / problem.unroll,
+                    all(p <= cap for p in peak) and problem.host_fits(choice), dur)
+
+
+def makespan_s(problem: Problem, choice: Sequence[int | None], *, exact: bool = True) -> float:
+    """`simulate(problem, choice, exact=exact).makespan_s`, without the memory it also reports
+    (a search that checked `Problem.fits` already)."""
+    _, _, end, _, _ = _schedule(problem, choice, None, exact)
+    return max(end.values(), default=0.0)
+
+
+def _schedule(problem: Problem, choice: Sequence[int | None], order: list[Op] | None, exact: bool) -> tuple[
+        dict[Op, float], dict[Op, float], dict[Op, float], dict[int, tuple[int, float]], dict[Op, float]]:
+    """(start, run start, end, reallocations, durations) of `simulate`."""
     order = order or default_order(problem)
     steps, realloc = _resolve(problem, choice, order, exact)
     dur = {st.op: st.priced_s for st in steps}
@@ -95,11 +113,7 @@ def simulate(problem: Problem, choice: Sequence[int | None], order: list[Op] | N
             start, run, end = start2, run2, end2
             if moved <= 1e-12:
                 break
-    _, peak = problem.memory(choice)
-    makespan = max(end.values(), default=0.0)
-    cap = problem.cluster.usable_mem_bytes
-    return Schedule(start, run, end, realloc, peak, makespan, makespan / problem.unroll,
-                    all(p <= cap for p in peak) and problem.host_fits(choice), dur)
+    return start, run, end, realloc, dur
 
 
 @dataclass(frozen=True)
