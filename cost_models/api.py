@@ -147,6 +147,7 @@ class CostModel:
         self._reallocs: dict[tuple, ReallocCost] = {}
         self._floors: dict[tuple, float] = {}  # `realloc_floor_s`
         self._states: dict[tuple, dict[str, int]] = {}  # `_state`
+        self._nccl: dict[tuple, int] = {}  # `_outside_tensors`
         self._train_mem: dict[tuple, dict[str, int]] = {}  # `_train_memory_at`
         self._at_busy: dict[int, CostModel] = {}
 
@@ -371,14 +372,14 @@ class CostModel:
         allocator's fragmentation of `mem`'s transient tensors (`cost_models.memory`)."""
         if self.cluster.gpu == "cpu":  # no CUDA context; gloo and malloc: neither buffer pool is there
             return {}
-        out = {"reserve": reserve_bytes(self.cluster.mem_bytes)}
-        kinds = ("tp", "cp", "dpcp") + (("ep", "edp") if moe else ())
-        groups = [topo.group(layout, k) for k in kinds]
-        used = [g for g in groups if g.n > 1]
-        out["nccl"] = nccl_bytes(collectives=len(used), cross_node=sum(g.spans_nodes for g in used),
-                                 p2p_peers=min(2, layout.pp - 1))
-        out["fragmentation"] = fragmentation_bytes(mem)
-        return out
+        key = (layout.tp, layout.cp, layout.dp, layout.ep, layout.etp, layout.pp, topo, moe)
+        nccl = self._nccl.get(key)
+        if nccl is None:
+            kinds = ("tp", "cp", "dpcp") + (("ep", "edp") if moe else ())
+            used = [g for g in (topo.group(layout, k) for k in kinds) if g.n > 1]
+            nccl = self._nccl[key] = nccl_bytes(collectives=len(used), cross_node=sum(g.spans_nodes for g in used),
+                                                p2p_peers=min(2, layout.pp - 1))
+        return {"reserve": reserve_bytes(self.cluster.mem_bytes), "nccl": nccl, "fragmentation": fragmentation_bytes(mem)}
 
     def _zero3_buffer(self, spec: ModelSpec, layout: Layout, *, training: bool = False) -> float:
         """ZeRO-3's gathered layers in flight (`Framework.zero3_gather_layers`) and, in training, the
