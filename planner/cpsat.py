@@ -7,14 +7,18 @@ decoding. The model has exactly the simulator's semantics (`planner.simulate`), 
 - its proven objective bound is a lower bound on any plan in the candidate space, and
 - decoding its schedule as a priority order and simulating it never gives a longer makespan.
 
-Times are integers in ticks (durations rounded up); memory in bytes.
+Times are integers in ticks (durations rounded up); memory in bytes. The objective is the
+makespan in steps of `OBJECTIVE_STEP` ticks (0.1% of the horizon).
 
 Variables, per slot i and candidate k: ``x[i][k]`` (chosen). Per unrolled op (u, i): start
 ``S``, end ``E``; per slot: length ``L = delay + sum_k dur_k x_k`` where ``delay`` is the
-reallocation time from the home placement. Each candidate contributes an optional interval
-``[S, E)`` on the atoms of its mesh, and each home candidate an optional interval
-``[S, S + delay)`` on the atoms of the home mesh the call does not itself occupy (the sending
-side of the reallocation). One NoOverlap per atom.
+reallocation time from the home placement, equal to its table's entry for the chosen pair
+(`Problem.realloc_groups`: one row per group of home candidates that cost alike, one literal per
+group of the call's). Each candidate contributes an optional interval ``[S, E)`` on the atoms of
+its mesh, and each home candidate an optional interval ``[S, S + delay)`` on the atoms of the home
+mesh the call does not itself occupy (the sending side of the reallocation). One NoOverlap per
+atom. Reallocations not yet costed exactly enter at `Problem.realloc_s`'s lower bound, so the
+model's optimum bounds every plan; the search re-solves once the chosen ones are costed.
 """
 
 from __future__ import annotations
@@ -111,11 +115,11 @@ class _Model:
     def _group_lits(self, slot: int, groups: list[int]) -> list[cp_model.IntVar]:
         """One literal per group of `slot`'s candidates: whether the chosen one is in it (its x
         itself for a group of one)."""
-        members: list[list[int]] = [[] for _ in range(max(groups, default=-1) + 1)]
-        for k, g in enumerate(groups):
-            members[g].append(k)
         key = (slot, tuple(groups))
         if key not in self._lits:
+            members: list[list[int]] = [[] for _ in range(max(groups, default=-1) + 1)]
+            for k, g in enumerate(groups):
+                members[g].append(k)
             lits = []
             for g, ks in enumerate(members):
                 if len(ks) == 1:

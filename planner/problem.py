@@ -358,11 +358,11 @@ class Problem:
         """`transfer_groups`'s (producer groups, consumer groups) alone, without costing its table."""
         def make() -> tuple[list[int], list[int]]:
             i, j, _ = self.edges[edge]
-            return (_groups([self._transfer_source(edge, c) for c in self.slots[i].cands])[0],
+            return (_groups([self._transfer_source(c) for c in self.slots[i].cands])[0],
                     _groups([(c.mesh.first, c.mesh.size) for c in self.slots[j].cands])[0])
         return self.cached(f"transfer-groups{edge}", make)
 
-    def _transfer_source(self, edge: int, cand: Candidate) -> tuple:
+    def _transfer_source(self, cand: Candidate) -> tuple[int, int, float]:
         """What a transfer's time depends on at the producer's end: its mesh and, where ranks drift
         apart (`CostModel.drifts`), the producer call's duration, since its ranks met the consumer's."""
         return (cand.mesh.first, cand.mesh.size, cand.time_s if self.cm.drifts else 0.0)
@@ -372,9 +372,10 @@ class Problem:
         src, mj = self.slots[i].cands[ki], self.slots[j].cands[kj].mesh
         if src.mesh == mj or nbytes == 0:
             return 0.0
-        key = (edge, *self._transfer_source(edge, src), mj.first, mj.size)
+        first, size, after_s = self._transfer_source(src)
+        key = (edge, first, size, after_s, mj.first, mj.size)
         if key not in self._transfer:
-            self._transfer[key] = self.cm.data_transfer_s(nbytes, src.mesh, mj, after_s=key[3])
+            self._transfer[key] = self.cm.data_transfer_s(nbytes, src.mesh, mj, after_s=after_s)
         return self._transfer[key]
 
     def realloc_groups(self, slot: int) -> tuple[list[int], list[int], list[tuple[int, int]]]:
