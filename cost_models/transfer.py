@@ -9,6 +9,7 @@ pure-Python plan element for element.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -234,15 +235,44 @@ def _rank_volumes(spec: ModelSpec, head: Head, src: tuple[Mesh, Layout], dst: tu
         if param.layer is not None and param.layer not in reps:
             continue
         scale = reps[param.layer] if param.layer is not None else 1
-        kind = (param.shape, param.tp_dim, param.expert_dim, param_stages(param, spec, src[1]),
-                param_stages(param, spec, dst[1]))
+        # Tensors that both layouts cut evenly the same way move alike, in proportion to their
+        # size: each is costed as the smallest such shape (`_unit`), its elements scaled up.
+        unit = _unit(param, src[1], dst[1])
+        shape, times = (param.shape, 1) if unit is None else (unit, math.prod(param.shape) // math.prod(unit))
+        s_st, d_st = param_stages(param, spec, src[1]), param_stages(param, spec, dst[1])
+        kind = (shape, param.tp_dim, param.expert_dim, s_st, d_st)
         if kind not in seen:
-            seen[kind] = _param_volumes(param, spec, src, dst, gpn, first, span)
+            source = _source(shape, param.tp_dim, s_st, src[1], src[0], gpn, param.expert_dim)
+            needs = _needs(shape, param.tp_dim, d_st, dst[1], dst[0], param.expert_dim)
+            seen[kind] = _volumes(source, needs, src[0], dst[0], gpn, first, span)
         *arrays, kept = seen[kind]
-        for t, a in zip(totals, arrays):
-            t += a * scale
-        local += kept * scale
+        for n, (t, a) in enumerate(zip(totals, arrays)):
+            t += a * (scale * times if n < 4 else scale)  # elements scale with the size; slices do not
+        local += kept * scale * times
     return RankVolumes(first, totals[0], totals[1], totals[2], totals[3], local, totals[4], totals[5], totals[6])
+
+
+def _unit(param: Param, src: Layout, dst: Layout) -> tuple[int, ...] | None:
+    """The smallest shape that both layouts cut as they cut `param`, every split exact (each of
+    its slices then a fixed fraction of the tensor); None where a split of `param` is uneven."""
+    out = []
+    for dim, n in enumerate(param.shape):
+        need = math.lcm(_parts(param, dim, src), _parts(param, dim, dst))
+        if n % need:
+            return None
+        out.append(need)
+    return tuple(out)
+
+
+def _parts(param: Param, dim: int, lay: Layout) -> int:
+    """Into how many parts `lay` cuts `param` along `dim`, splits nested (`_boxes`)."""
+    if param.expert_dim is not None:
+        parts = lay.ep if dim == param.expert_dim else 1
+        if dim == param.tp_dim and lay.etp > 1:
+            parts *= lay.etp
+        return parts * (lay.edp if lay.zero == 3 and dim == 1 else 1)
+    parts = lay.tp if dim == param.tp_dim and lay.tp > 1 else 1
+    return parts * (lay.dp if lay.zero == 3 and dim == 0 else 1)
 
 
 KV_BYTES = 2  # a KV cache element (bf16), as `cost_models.memory.kv_cache_bytes` counts it

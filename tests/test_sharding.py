@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from plans.layout import Layout, Mesh
-from plans.model import PRESETS
+from plans.model import PRESETS, resolve_model
 from plans.sharding import (
     box_numel,
     parameters,
@@ -87,4 +87,35 @@ def test_grouped_volume_equals_explicit_plan(src, dst, offset):
         if t.src != t.dst:
             pairs[(t.src, t.dst)] = pairs.get((t.src, t.dst), 0) + t.numel
     assert vol.by_pair == dict(sorted(pairs.items()))
+    assert vol.local_numel == sum(t.numel for t in plan if t.src == t.dst)
+
+
+EVEN = resolve_model("model_type=llama,hidden_size=64,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2,"
+                     "intermediate_size=128,vocab_size=256")
+
+
+@pytest.mark.parametrize("src,dst", [(Layout(dp=4, zero=3), Layout(tp=2, pp=2)), (Layout(dp=2, tp=2, zero=3), Layout(tp=4)),
+                                     (Layout(tp=2, pp=2), Layout(dp=2, tp=2, zero=3)), (Layout(tp=4), Layout(dp=4))])
+@pytest.mark.parametrize("offset", [0, 2])
+def test_rank_volumes_of_evenly_cut_tensors_equal_the_explicit_plan(src, dst, offset):
+    """Tensors both layouts cut evenly the same way are costed once, at the smallest such shape,
+    and scaled (`cost_models.transfer._unit`): per rank and per link, in elements and in slices,
+    the same as the pure-Python transfer plan."""
+    from cost_models.transfer import _unit, rank_volumes
+
+    a, b = (Mesh.block(0, 4), src), (Mesh.block(offset, 4), dst)
+    assert all(_unit(p, src, dst) is not None for p in parameters(EVEN, head="lm"))  # the scaled path is taken
+    plan = transfer_plan(EVEN, head="lm", src=a, dst=b, gpus_per_node=2)
+    vol = rank_volumes(EVEN, head="lm", src=a, dst=b, gpus_per_node=2)
+    ranks = range(vol.first, vol.first + len(vol.send_intra))
+    moved = [t for t in plan if t.src != t.dst]
+    want = {
+        "send_intra": [sum(t.numel for t in moved if t.src == r and t.dst // 2 == r // 2) for r in ranks],
+        "recv_inter": [sum(t.numel for t in moved if t.dst == r and t.src // 2 != r // 2) for r in ranks],
+        "send_pieces": [sum(t.src == r for t in moved) for r in ranks],
+        "recv_pieces": [sum(t.dst == r for t in moved) for r in ranks],
+        "local_pieces": [sum(t.dst == r and t.src == r for t in plan) for r in ranks],
+    }
+    for name, values in want.items():
+        assert [int(x) for x in getattr(vol, name)] == values, name
     assert vol.local_numel == sum(t.numel for t in plan if t.src == t.dst)
