@@ -237,7 +237,7 @@ def _rank_volumes(spec: ModelSpec, head: Head, src: tuple[Mesh, Layout], dst: tu
         scale = reps[param.layer] if param.layer is not None else 1
         # Tensors that both layouts cut evenly the same way move alike, in proportion to their
         # size: each is costed as the smallest such shape (`_unit`), its elements scaled up.
-        unit = _unit(param, src[1], dst[1])
+        unit = _unit(param.shape, param.tp_dim, param.expert_dim, src[1], dst[1])
         shape, times = (param.shape, 1) if unit is None else (unit, math.prod(param.shape) // math.prod(unit))
         s_st, d_st = param_stages(param, spec, src[1]), param_stages(param, spec, dst[1])
         kind = (shape, param.tp_dim, param.expert_dim, s_st, d_st)
@@ -252,26 +252,27 @@ def _rank_volumes(spec: ModelSpec, head: Head, src: tuple[Mesh, Layout], dst: tu
     return RankVolumes(first, totals[0], totals[1], totals[2], totals[3], local, totals[4], totals[5], totals[6])
 
 
-def _unit(param: Param, src: Layout, dst: Layout) -> tuple[int, ...] | None:
-    """The smallest shape that both layouts cut as they cut `param`, every split exact (each of
-    its slices then a fixed fraction of the tensor); None where a split of `param` is uneven."""
+def _unit(shape: tuple[int, ...], tp_dim: int | None, expert_dim: int | None, src: Layout,
+          dst: Layout) -> tuple[int, ...] | None:
+    """The smallest shape that both layouts cut as they cut a tensor of `shape`, every split
+    exact (each of its slices then a fixed fraction of the tensor); None where a split is uneven."""
     out = []
-    for dim, n in enumerate(param.shape):
-        need = math.lcm(_parts(param, dim, src), _parts(param, dim, dst))
+    for dim, n in enumerate(shape):
+        need = math.lcm(_parts(tp_dim, expert_dim, dim, src), _parts(tp_dim, expert_dim, dim, dst))
         if n % need:
             return None
         out.append(need)
     return tuple(out)
 
 
-def _parts(param: Param, dim: int, lay: Layout) -> int:
-    """Into how many parts `lay` cuts `param` along `dim`, splits nested (`_boxes`)."""
-    if param.expert_dim is not None:
-        parts = lay.ep if dim == param.expert_dim else 1
-        if dim == param.tp_dim and lay.etp > 1:
+def _parts(tp_dim: int | None, expert_dim: int | None, dim: int, lay: Layout) -> int:
+    """Into how many parts `lay` cuts a tensor along `dim`, splits nested (`_boxes`)."""
+    if expert_dim is not None:
+        parts = lay.ep if dim == expert_dim else 1
+        if dim == tp_dim and lay.etp > 1:
             parts *= lay.etp
         return parts * (lay.edp if lay.zero == 3 and dim == 1 else 1)
-    parts = lay.tp if dim == param.tp_dim and lay.tp > 1 else 1
+    parts = lay.tp if dim == tp_dim and lay.tp > 1 else 1
     return parts * (lay.dp if lay.zero == 3 and dim == 0 else 1)
 
 
@@ -376,8 +377,13 @@ def _realloc_floor(spec: ModelSpec, head: Head, src: Layout, dst: Layout) -> Rea
     layers = [(len(ls) - sum(map(spec.is_moe_layer, ls)), sum(map(spec.is_moe_layer, ls)))
               for ls in stage_layers(spec.num_hidden_layers, dst.pp, dst.interleave)]
     ends = {"first": (0,), "last": (dst.pp - 1,), "first+last": tuple(sorted({0, dst.pp - 1}))}
+    one_src, one_dst = _one_stage(src), _one_stage(dst)
     for kind, where, sparse, n in _tensor_kinds(spec, head):
-        parts = _kind_floor(kind, _one_stage(src), _one_stage(dst))
+        shape, tp_dim, expert_dim = kind
+        unit = _unit(shape, tp_dim, expert_dim, one_src, one_dst)  # as `_rank_volumes` scales
+        times = 1 if unit is None else math.prod(shape) // math.prod(unit)
+        parts = _kind_floor(kind if unit is None else (unit, tp_dim, expert_dim), one_src, one_dst)
+        parts = (parts[0] * times, parts[1] * times, parts[2], parts[3])  # elements scale; slices do not
         held = np.zeros(dst.pp, dtype=np.int64)  # tensors of this kind each stage holds
         if where == "layer":
             held[:] = [n * stage[sparse] for stage in layers]

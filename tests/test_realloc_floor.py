@@ -18,7 +18,7 @@ from cost_models.transfer import rank_volumes, realloc_floor
 from plans.cluster import parse_cluster
 from plans.graph import ModelDecl
 from plans.layout import Layout, Mesh
-from plans.model import PRESETS
+from plans.model import PRESETS, resolve_model
 from plans.sharding import box_numel, parameters, shard_box, slices_key, slicing
 
 FOUR = [Layout(dp=4), Layout(tp=4), Layout(pp=4), Layout(dp=2, tp=2), Layout(dp=2, pp=2, interleave=1),
@@ -35,9 +35,16 @@ def _cases(layouts: list[Layout]) -> list[tuple[Layout, Layout]]:
     return list(itertools.product(layouts, repeat=2))
 
 
-@pytest.mark.parametrize("model,layouts", [("tiny-llama", FOUR), ("tiny-gpt", FOUR[:8]), ("tiny-qwen-moe", EXPERTS)])
+# Every tensor cut evenly by every layout above: its floors are costed at the smallest such shape
+# and scaled (`cost_models.transfer._unit`).
+EVEN = ("model_type=llama,hidden_size=64,num_hidden_layers=4,num_attention_heads=4,num_key_value_heads=2,"
+        "intermediate_size=128,vocab_size=256")
+
+
+@pytest.mark.parametrize("model,layouts", [("tiny-llama", FOUR), ("tiny-gpt", FOUR[:8]), ("tiny-qwen-moe", EXPERTS),
+                                           (EVEN, FOUR)])
 def test_pieces_and_needs_equal_the_exact_plan(model, layouts):
-    spec = PRESETS[model]
+    spec = resolve_model(model)
     for src, dst in _cases(layouts):
         floor = realloc_floor(spec, head="lm", src=slicing(src), dst=slicing(dst))
         need = [sum(box_numel(b) for p in parameters(spec, head="lm") if (b := shard_box(p, spec, dst, r)) is not None)

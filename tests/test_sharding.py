@@ -104,7 +104,7 @@ def test_rank_volumes_of_evenly_cut_tensors_equal_the_explicit_plan(src, dst, of
     from cost_models.transfer import _unit, rank_volumes
 
     a, b = (Mesh.block(0, 4), src), (Mesh.block(offset, 4), dst)
-    assert all(_unit(p, src, dst) is not None for p in parameters(EVEN, head="lm"))  # the scaled path is taken
+    assert all(_unit(p.shape, p.tp_dim, p.expert_dim, src, dst) is not None for p in parameters(EVEN, head="lm"))
     plan = transfer_plan(EVEN, head="lm", src=a, dst=b, gpus_per_node=2)
     vol = rank_volumes(EVEN, head="lm", src=a, dst=b, gpus_per_node=2)
     ranks = range(vol.first, vol.first + len(vol.send_intra))
