@@ -12,7 +12,8 @@ Besides the main table (the default space), every instance is searched again in 
 offload (`SearchSpace(offload=False)`: every state on the GPU) and the two plans are printed side
 by side, with the calls whose states the new plan keeps in host memory. Then the instances where
 memory binds (`GALORE_SUITE`) are searched with AdamW only and with a GaLore optimizer allowed,
-and clusters of three nodes (`NODE_RANGE_SUITE`) in the aligned space and in ReaLHF's node ranges.
+and clusters of three nodes (`NODE_RANGE_SUITE`) in the aligned space and in ReaLHF's node ranges
+(the default space there: `planner.candidates.node_ranges_on`).
 
 Suite (batch 512, prompt 1024, generation 1024 unless stated), as in issue 4. Each baseline is
 the best plan its rule allows (`planner.baselines`). Speedup = baseline iteration / plan iteration.
@@ -143,7 +144,8 @@ def node_ranges_row(inst: Instance, *, time_limit_s: float, aligned: dict | None
 
     if aligned is None:
         t0 = time.perf_counter()
-        base = compile_graph(inst.graph, parse_cluster(inst.cluster), time_limit_s=time_limit_s)
+        base = compile_graph(inst.graph, parse_cluster(inst.cluster), time_limit_s=time_limit_s,
+                             space=SearchSpace(node_ranges=False))
         aligned = {"iteration_s": base.estimate.iteration_s, "wall_s": time.perf_counter() - t0,
                    "gap": base.search.gap or 0.0}
     t0 = time.perf_counter()
@@ -152,7 +154,8 @@ def node_ranges_row(inst: Instance, *, time_limit_s: float, aligned: dict | None
     wall = time.perf_counter() - t0
     gain = aligned["iteration_s"] / plan.estimate.iteration_s
     cluster = parse_cluster(inst.cluster)
-    aligned_space = {m for size in mesh_sizes(cluster, SearchSpace()) for m in mesh_positions(cluster, size)}
+    aligned = SearchSpace(node_ranges=False)
+    aligned_space = {m for size in mesh_sizes(cluster, aligned) for m in mesh_positions(cluster, size, aligned)}
     ranges = sorted({c.mesh.short() for c in plan.calls if c.mesh not in aligned_space})
     return (f"{inst.name:<12} aligned {aligned['iteration_s']:>8.2f}s ({aligned['wall_s']:>5.1f}s, gap "
             f"{aligned['gap'] * 100:>4.1f}%)  node ranges {plan.estimate.iteration_s:>8.2f}s ({wall:>5.1f}s, gap "

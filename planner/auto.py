@@ -66,7 +66,8 @@ def model(spec: str | ModelSpec | dict[str, Any], *, trainable: bool = False, he
 
 
 def plan_hash(graph: GraphSpec, *, cluster: ClusterSpec, baseline: str | None = None,
-              calibration_sha256: str | None = None, offload: bool = True, galore: GaLore | None = None) -> str:
+              calibration_sha256: str | None = None, offload: bool = True, galore: GaLore | None = None,
+              node_ranges: bool | None = None) -> str:
     """SHA-256 of canonical JSON of what a plan is compiled from: the graph (models, calls, data
     edges, host steps with their source hashes, algorithm), the cluster and the options that
     change the plan."""
@@ -77,6 +78,8 @@ def plan_hash(graph: GraphSpec, *, cluster: ClusterSpec, baseline: str | None = 
         payload["offload"] = False
     if galore is not None:  # train calls may use a GaLore optimizer (`planner compile --galore-rank`)
         payload["galore"] = galore.model_dump(mode="json")
+    if node_ranges is not None:  # the mesh space chosen (`planner compile --node-ranges/--aligned-meshes`)
+        payload["node_ranges"] = node_ranges
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

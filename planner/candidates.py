@@ -83,8 +83,9 @@ class SearchSpace:
     layout_ok: LayoutFilter | None = None  # applied before pruning
     split_decode: bool = True  # generation may decode with a different layout than it prefills with
     # ReaLHF's mesh space: besides aligned power-of-two blocks, any run of consecutive whole nodes
-    # (3 of 4, 12 of 16) at any node offset, and half nodes on every cluster size.
-    node_ranges: bool = False
+    # (3 of 4, 12 of 16) at any node offset, and half nodes on every cluster size. None: on three
+    # nodes only (`node_ranges_on`).
+    node_ranges: bool | None = None
     # Home calls may also keep states in host memory between calls (`Layout.offload`): a train
     # call's optimizer states, a frozen model's weights when it has no other call.
     offload: bool = True
@@ -110,9 +111,24 @@ def _micro_batch_counts(per_dp: int) -> list[int]:
     return [m for m in MICRO_BATCH_COUNTS if per_dp % m == 0]
 
 
+# Node counts on which node ranges are on by default: three nodes, where the aligned blocks have no
+# mesh between one node and all three, and the runs add two meshes (bench/search.py: GRPO 7B 1.58x,
+# certified in seconds). On 5-7 nodes the blocks have the same hole, but the runs add 10-21 meshes:
+# PPO 13B+7B took 14-22 s there without certifying (gaps 1.5-3.1%) and gained at most 1.3%.
+AUTO_NODE_RANGES_NODES = (3,)
+
+
+def node_ranges_on(space: SearchSpace | None, cluster: ClusterSpec) -> bool:
+    """Whether `space` searches node ranges on `cluster`: as it says, else by default on a cluster
+    of three nodes (`AUTO_NODE_RANGES_NODES`)."""
+    if space is not None and space.node_ranges is not None:
+        return space.node_ranges
+    return cluster.nodes in AUTO_NODE_RANGES_NODES
+
+
 def mesh_sizes(cluster: ClusterSpec, space: SearchSpace) -> list[int]:
     """Mesh sizes: divisors of a node up to one node, then whole-node powers of two (with
-    `space.node_ranges`, every whole-node count, and half a node however large the cluster)."""
+    node ranges (`node_ranges_on`), every whole-node count, and half a node however large the cluster)."""
     gpn, n = cluster.gpus_per_node, cluster.world_size
     sizes = [d for d in _divisors(gpn) if d & (d - 1) == 0 or d == gpn]
     k = 2
@@ -124,7 +140,7 @@ def mesh_sizes(cluster: ClusterSpec, space: SearchSpace) -> list[int]:
         sizes.append(n)
     lo = max(1, n // space.max_blocks)
     sizes = sorted({s for s in sizes if s >= lo or s == n})
-    if space.node_ranges:
+    if node_ranges_on(space, cluster):
         extra = {k * gpn for k in range(1, cluster.nodes + 1)} | ({gpn // 2} if gpn % 2 == 0 else set())
         sizes = sorted(set(sizes) | extra)
     if space.mesh_sizes is not None:
@@ -133,10 +149,10 @@ def mesh_sizes(cluster: ClusterSpec, space: SearchSpace) -> list[int]:
 
 
 def mesh_positions(cluster: ClusterSpec, size: int, space: SearchSpace | None = None) -> list[Mesh]:
-    """Every aligned block of `size` GPUs; with `space.node_ranges`, a mesh of whole nodes starts
-    at any node."""
+    """Every aligned block of `size` GPUs; with node ranges (`node_ranges_on`), a mesh of whole
+    nodes starts at any node."""
     gpn = cluster.gpus_per_node
-    step = gpn if space is not None and space.node_ranges and size % gpn == 0 else size
+    step = gpn if node_ranges_on(space, cluster) and size % gpn == 0 else size
     return [Mesh.block(first, size) for first in range(0, cluster.world_size - size + 1, step)]
 
 

@@ -26,7 +26,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cost_models import CostModel
-from planner.candidates import Candidate, SearchSpace, costed_view, graph_candidates, mesh_positions, placed
+from planner.candidates import (
+    Candidate,
+    SearchSpace,
+    costed_view,
+    graph_candidates,
+    mesh_positions,
+    node_ranges_on,
+    placed,
+)
 from plans.errors import PlannerError
 from plans.graph import Call, Graph
 from plans.layout import Mesh
@@ -447,4 +455,4 @@ def build_problem(graph: Graph, cm: CostModel, space: SearchSpace, *, unroll: in
     # Runs of consecutive nodes are not closed under swapping halves of the cluster (a 3-node mesh
     # straddles them), so the mirror symmetry that pins the first home call to rank 0 is off.
     return Problem(graph, cm, slots, edges, atom_size=math.gcd(*sizes), unroll=unroll,
-                   symmetric=not space.node_ranges)
+                   symmetric=not node_ranges_on(space, cm.cluster))

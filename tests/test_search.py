@@ -6,6 +6,7 @@ tests build problems from hand-set costs with a small table-driven cost model.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
@@ -229,6 +230,26 @@ def test_node_ranges_add_runs_of_consecutive_nodes_and_half_nodes():
     assert [m.first for m in mesh_positions(cl, 16, SearchSpace())] == [0, 16]
     big = parse_cluster("a100-80gb:16x8")
     assert 4 not in mesh_sizes(big, SearchSpace()) and 4 in mesh_sizes(big, SearchSpace(node_ranges=True))
+
+
+def test_node_ranges_are_on_by_default_on_three_nodes_only(cli, tmp_path):  # noqa: ANN001
+    """Three nodes: the aligned blocks have no mesh between one node and all three, so the default
+    space adds the runs of two; elsewhere the wider space is asked for (`--node-ranges`) or not."""
+    from planner.candidates import SearchSpace, mesh_sizes, node_ranges_on
+
+    three, four = parse_cluster("a100-80gb:3x8"), parse_cluster("a100-80gb:4x8")
+    assert node_ranges_on(SearchSpace(), three) and 16 in mesh_sizes(three, SearchSpace())
+    assert not node_ranges_on(SearchSpace(), four) and not node_ranges_on(SearchSpace(node_ranges=False), three)
+    assert node_ranges_on(SearchSpace(node_ranges=True), four)
+    assert 16 not in mesh_sizes(three, SearchSpace(node_ranges=False))
+    graph = ["grpo", "--actor", "tiny-llama", "--batch", "8", "--prompt-len", "8", "--gen-len", "8",
+             "--samples-per-prompt", "2", "--cluster", "cpu:4x1", "--time-limit", "1", "--json"]
+    counts = {}
+    for flag in ("--node-ranges", "--aligned-meshes"):
+        out = cli("compile", *graph, flag)
+        assert out.code == 0, out
+        counts[flag] = json.loads(out.out)["search"]["candidates"]
+    assert counts["--node-ranges"] > counts["--aligned-meshes"]
 
 
 def test_node_ranges_search_starts_from_the_aligned_beam():

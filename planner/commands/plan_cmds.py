@@ -116,14 +116,15 @@ def _galore(rank: int | None, interval: int, scale: float) -> GaLore | None:
     return GaLore(rank=rank, update_interval=interval, scale=scale)
 
 
-def _search_space(*, offload: bool, galore_rank: int | None, galore_interval: int, galore_scale: float) -> SearchSpace | None:
+def _search_space(*, offload: bool, galore_rank: int | None, galore_interval: int, galore_scale: float,
+                  node_ranges: bool | None = None) -> SearchSpace | None:
     """The compile command's search space (None: the default one)."""
     from planner.candidates import SearchSpace  # noqa: F811 (imported here at run time)
 
     galore = _galore(galore_rank, galore_interval, galore_scale)
-    if offload and galore is None:
+    if offload and galore is None and node_ranges is None:
         return None
-    return SearchSpace(offload=offload, galore=galore)
+    return SearchSpace(offload=offload, galore=galore, node_ranges=node_ranges)
 
 
 def compile_cmd(
@@ -137,6 +138,7 @@ def compile_cmd(
     framework: Annotated[str, typer.Option("--framework", help="The stack the plan is costed for: torch (the planner's runtime, which runs the plan), megatron-core (Megatron-Core with Transformer Engine), megatron (Megatron-LM GPT as vTrain measured it), vllm (vLLM generation) or rlhf-engine (verl and OpenRLHF: Megatron-Core training, vLLM rollouts); cost the stack you will run, e.g. megatron-core before `planner export --to megatron`.")] = "torch",
     mem_headroom: Annotated[Optional[float], typer.Option("--mem-headroom", min=0, help="GiB per GPU every call leaves free, beyond what the cost model counts (context, NCCL buffers, fragmentation) [default: 1 GiB + 2.5% of the memory, 3 GiB of an 80 GiB GPU; 0 packs to the edge].")] = None,
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="Let home calls keep states in host memory between calls (a trained model's optimizer states, a frozen model's weights), copied over PCIe for each call, where that makes the iteration faster; --no-offload keeps every state on the GPU.")] = True,
+    node_ranges: Annotated[Optional[bool], typer.Option("--node-ranges/--aligned-meshes", show_default=False, help="Also place calls on any run of consecutive whole nodes (2 of 3 nodes, 12 of 16) and on half nodes, as ReaLHF does, besides aligned power-of-two blocks; --aligned-meshes keeps to the blocks. [default: node ranges on a cluster of three nodes, where the blocks have no mesh between one node and all three; elsewhere the wider space takes several times longer to search and may not certify its plan in --time-limit]")] = None,
     galore_rank: Annotated[Optional[int], typer.Option("--galore-rank", min=1, help="Let train calls use a GaLore optimizer of this rank (Adam states of each decoder matrix's rank-r gradient projection; Zhao et al. 2024) where AdamW's states do not fit: it changes the optimizer, so it is off unless asked. Runs on the planner's runtime with ZeRO 0 or 1 (tensor parallel too); no export engine has it. GaLore's papers use 128-1024 for 60M-7B models.")] = None,
     galore_interval: Annotated[int, typer.Option("--galore-interval", min=1, help="With --galore-rank: optimizer steps between the SVDs that refresh each projection.")] = GALORE_INTERVAL,
     galore_scale: Annotated[float, typer.Option("--galore-scale", min=0, help="With --galore-rank: alpha, the scale of the projected-back update.")] = GALORE_SCALE,
@@ -223,13 +225,13 @@ def compile_cmd(
         plan = compile_graph(graph, cl, time_limit_s=time_limit, baseline=baseline.value if baseline else None,
                              calibration=calib, progress=show, framework=framework,
                              space=_search_space(offload=offload, galore_rank=galore_rank, galore_interval=galore_interval,
-                                                 galore_scale=galore_scale))
+                                                 galore_scale=galore_scale, node_ranges=node_ranges))
     if loaded.auto is not None:  # the loop reuses this plan while it, the cluster and the options are unchanged
         from planner.auto import file_sha256, plan_hash
 
         digest = plan_hash(graph, cluster=cl, baseline=baseline.value if baseline else None,
                            calibration_sha256=file_sha256(calibration), offload=offload,
-                           galore=_galore(galore_rank, galore_interval, galore_scale))
+                           galore=_galore(galore_rank, galore_interval, galore_scale), node_ranges=node_ranges)
         plan = plan.model_copy(update={"source_hash": digest})
     if as_json:
         typer.echo(plan_to_json(plan), nl=False)
