@@ -154,8 +154,8 @@ def node_ranges_row(inst: Instance, *, time_limit_s: float, aligned: dict | None
     wall = time.perf_counter() - t0
     gain = aligned["iteration_s"] / plan.estimate.iteration_s
     cluster = parse_cluster(inst.cluster)
-    aligned = SearchSpace(node_ranges=False)
-    aligned_space = {m for size in mesh_sizes(cluster, aligned) for m in mesh_positions(cluster, size, aligned)}
+    blocks = SearchSpace(node_ranges=False)
+    aligned_space = {m for size in mesh_sizes(cluster, blocks) for m in mesh_positions(cluster, size, blocks)}
     ranges = sorted({c.mesh.short() for c in plan.calls if c.mesh not in aligned_space})
     return (f"{inst.name:<12} aligned {aligned['iteration_s']:>8.2f}s ({aligned['wall_s']:>5.1f}s, gap "
             f"{aligned['gap'] * 100:>4.1f}%)  node ranges {plan.estimate.iteration_s:>8.2f}s ({wall:>5.1f}s, gap "
