@@ -146,6 +146,7 @@ class CostModel:
         self._calls: dict[tuple, CallCost] = {}
         self._reallocs: dict[tuple, ReallocCost] = {}
         self._floors: dict[tuple, float] = {}  # `realloc_floor_s`
+        self._floors_anywhere: dict[tuple, float] = {}  # `realloc_floor_anywhere_s`
         self._states: dict[tuple, dict[str, int]] = {}  # `_state`
         self._nccl: dict[tuple, int] = {}  # `_outside_tensors`
         self._train_mem: dict[tuple, dict[str, int]] = {}  # `_train_memory_at`
@@ -510,6 +511,51 @@ class CostModel:
             return float(lack.max()) * pb / hw.intra_bytes_s + hw.intra_latency_s + host_s
         return (float(lack.max()) * pb / (hw.intra_bytes_s + hw.node_net_bytes_s)
                 + min(hw.intra_latency_s, hw.inter_latency_s) + host_s)
+
+    def realloc_floor_anywhere_s(self, decl: ModelDecl, src: tuple[int, Layout], dst: tuple[int, Layout]) -> float:
+        """A lower bound on `realloc_floor_s` for a mesh of `src[0]` GPUs and one of `dst[0]` GPUs
+        wherever both sit (so on the exact cost too): what a search that has not placed the meshes
+        yet may count (`planner.relax`). Identical slicings on meshes of one size cost nothing (they
+        may be the same mesh).
+
+        `realloc_floor_s` at one placement is the host's piece work plus, unless every destination
+        rank already holds what it needs, the largest shortfall over a link. Over every placement:
+        the fewest slices that cannot be local (the destination ranks inside the source mesh are a
+        run of them, at most as long as the smaller mesh), plus the smaller of the least largest
+        shortfall over any such run (over NVLink alone when both meshes fit in one node, else over
+        both links at once) and the least per-node volume with the meshes apart."""
+        (ssize, slay), (dsize, dlay) = (src[0], slicing(src[1])), (dst[0], slicing(dst[1]))
+        if ssize == dsize and slay == dlay:
+            return 0.0
+        key = (decl.spec, decl.head, slay, dlay, ssize, dsize)
+        hit = self._floors_anywhere.get(key)
+        if hit is None:
+            hit = self._floors_anywhere[key] = self._realloc_floor_anywhere_s(decl, slay, dlay, ssize, dsize)
+        return hit
+
+    def _realloc_floor_anywhere_s(self, decl: ModelDecl, slay: Layout, dlay: Layout, ssize: int, dsize: int) -> float:
+        floor = realloc_floor(decl.spec, head=decl.head, src=slay, dst=dlay)
+        gpn, hw, pb = self.cluster.gpus_per_node, self.hw, self.framework.param_bytes
+        run = min(ssize, dsize)  # the most destination ranks inside the source mesh
+        local = int(np.lib.stride_tricks.sliding_window_view(floor.tensors, run).sum(axis=1).max())
+        moved_pieces = max(0, floor.total_pieces - local)
+        host_s = REALLOC_PIECE_OPS * hw.host_kernel_s * (int(floor.pieces.max(initial=0))
+                                                         + -(-moved_pieces // ssize))
+        need = floor.need.astype(np.float64)
+        short = need - floor.own_max
+        inside = np.lib.stride_tricks.sliding_window_view(short, run).max(axis=1)  # per run start
+        before = np.maximum.accumulate(np.concatenate([[0.0], need]))[: len(inside)]  # ranks before the run
+        after = np.maximum.accumulate(np.concatenate([need, [0.0]])[::-1])[::-1][run:]  # ranks after it
+        lack = float(np.maximum(inside, np.maximum(before, after)).min())
+        if lack <= 0:
+            return host_s
+        if ssize <= gpn and dsize <= gpn:
+            near = lack * pb / hw.intra_bytes_s + hw.intra_latency_s
+        else:
+            near = lack * pb / (hw.intra_bytes_s + hw.node_net_bytes_s) + min(hw.intra_latency_s, hw.inter_latency_s)
+        apart = min(float(np.bincount((offset + np.arange(dsize)) // gpn, weights=need).max())
+                    for offset in range(min(gpn, dsize)))
+        return host_s + min(near, apart * pb / hw.node_net_bytes_s + hw.inter_latency_s)
 
     def kv_reshard_cost(self, decl: ModelDecl, call: Call, mesh: Mesh, prefill: Layout, decode: Layout) -> ReallocCost:
         """Bytes and time to move a generate call's prefilled KV cache (every prompt position but

@@ -371,26 +371,34 @@ def _tensor_kinds(spec: ModelSpec, head: Head) -> tuple[tuple[tuple, str, bool, 
     return tuple((kind, where, sparse, n) for (kind, where, sparse), n in count.items())
 
 
+@lru_cache(maxsize=1024)
+def _stage_counts(spec: ModelSpec, pp: int, interleave: int) -> tuple[tuple[int, int], ...]:
+    """(dense layers, sparse layers) each pipeline stage holds."""
+    return tuple((len(ls) - sum(map(spec.is_moe_layer, ls)), sum(map(spec.is_moe_layer, ls)))
+                 for ls in stage_layers(spec.num_hidden_layers, pp, interleave))
+
+
 @lru_cache(maxsize=65536)
 def _realloc_floor(spec: ModelSpec, head: Head, src: Layout, dst: Layout) -> ReallocFloor:
-    need, own, pieces, tensors = (np.zeros(dst.size, dtype=np.int64) for _ in range(4))
-    layers = [(len(ls) - sum(map(spec.is_moe_layer, ls)), sum(map(spec.is_moe_layer, ls)))
-              for ls in stage_layers(spec.num_hidden_layers, dst.pp, dst.interleave)]
+    layers = _stage_counts(spec, dst.pp, dst.interleave)
     ends = {"first": (0,), "last": (dst.pp - 1,), "first+last": tuple(sorted({0, dst.pp - 1}))}
     one_src, one_dst = _one_stage(src), _one_stage(dst)
-    for kind, where, sparse, n in _tensor_kinds(spec, head):
+    kinds = _tensor_kinds(spec, head)
+    held = np.zeros((len(kinds), dst.pp), dtype=np.int64)  # tensors of each kind each stage holds
+    parts = np.zeros((4, len(kinds), one_dst.size), dtype=np.int64)  # (need, own, pieces, tensors) per kind
+    for n_kind, (kind, where, sparse, n) in enumerate(kinds):
         shape, tp_dim, expert_dim = kind
         unit = _unit(shape, tp_dim, expert_dim, one_src, one_dst)  # as `_rank_volumes` scales
         times = 1 if unit is None else math.prod(shape) // math.prod(unit)
-        parts = _kind_floor(kind if unit is None else (unit, tp_dim, expert_dim), one_src, one_dst)
-        parts = (parts[0] * times, parts[1] * times, parts[2], parts[3])  # elements scale; slices do not
-        held = np.zeros(dst.pp, dtype=np.int64)  # tensors of this kind each stage holds
+        got = _kind_floor(kind if unit is None else (unit, tp_dim, expert_dim), one_src, one_dst)
+        parts[:, n_kind] = got
+        parts[:2, n_kind] *= times  # elements scale; slices do not
         if where == "layer":
-            held[:] = [n * stage[sparse] for stage in layers]
+            held[n_kind] = [n * stage[sparse] for stage in layers]
         else:
-            held[list(ends[where])] = n
-        for total, part in zip((need, own, pieces, tensors), parts):
-            total += np.outer(held, part).reshape(-1)
+            held[n_kind, list(ends[where])] = n
+    # Stage-major, as the destination's ranks are numbered: every stage's ranks hold its tensors.
+    need, own, pieces, tensors = np.einsum("kp,ckr->cpr", held, parts).reshape(4, -1)
     return ReallocFloor(need, own, pieces, tensors)
 
 

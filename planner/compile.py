@@ -9,6 +9,7 @@ same search over a restricted domain.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from cost_models import CostModel
 from cost_models.hardware import core_share
 from planner.baselines import Restriction, baseline_spaces, restriction
-from planner.beam import aligned_only, beam_search, beam_width_for, symmetric_cluster
+from planner.beam import aligned_only, beam_search, beam_width_for, is_aligned, symmetric_cluster
 from planner.candidates import (
     SearchSpace,
     graph_candidates,
@@ -28,6 +29,7 @@ from planner.candidates import (
 from planner.cpsat import solve_cpsat
 from planner.exhaustive import topological_orders
 from planner.problem import Problem, build_problem
+from planner.relax import classes, relaxed_bound
 from planner.simulate import Schedule, simulate
 from plans.cluster import ClusterSpec
 from plans.errors import PlannerError
@@ -48,7 +50,7 @@ from plans.plan import (
 class SearchProgress:
     """Where the search is, for a progress display; reporting it never changes what is found."""
 
-    phase: str  # "costing", "beam", "cpsat", "polish"
+    phase: str  # "costing", "beam", "relaxed", "cpsat", "polish"
     detail: str = ""
     candidates: int | None = None  # placed (call, candidate) pairs in the search
     best_s: float | None = None  # iteration time of the best plan found so far (exact simulation)
@@ -56,7 +58,8 @@ class SearchProgress:
     solver_s: float | None = None  # CP-SAT's incumbent (durations rounded up to ticks), not yet re-simulated
 
     def __str__(self) -> str:
-        words = {"costing": "costing layouts", "beam": "beam search", "cpsat": "CP-SAT", "polish": "polishing"}
+        words = {"costing": "costing layouts", "beam": "beam search", "cpsat": "CP-SAT", "polish": "polishing",
+                 "relaxed": "CP-SAT without positions"}
         parts = [words.get(self.phase, self.phase) + (f" {self.detail}" if self.detail else "")]
         if self.candidates is not None:
             parts.append(f"{self.candidates} candidates")
@@ -94,6 +97,12 @@ MAX_TIME_LIMIT_S = 86_400.0
 # consumer candidates). Past this many entries building the model alone takes minutes, so the
 # beam-search plan is kept and the plan says CP-SAT did not run.
 CPSAT_TABLE_LIMIT = 2_000_000
+# Past this many entries in a space with runs of consecutive nodes (where positions multiply: a
+# 16-node cluster has 738,000 for a PPO 70B), the search decomposes: mesh sizes first, with a
+# bound on the whole space (`planner.relax`), then positions of the chosen sizes
+# (`_search_decomposed`). Below it the placed model proves its optimum within the budget.
+DECOMPOSE_TABLE_SIZE = 15_000
+RELAXED_WORK_SHARE = 0.5  # of --time-limit, as CP-SAT deterministic time for the position-free model
 
 
 def headroom_words(cl: ClusterSpec) -> str:
@@ -287,6 +296,9 @@ def search(problem: Problem, *, rule: Restriction | None = None, time_limit_s: f
         deadline = time.perf_counter() + WALL_SAFETY_FACTOR * time_limit_s + WALL_SAFETY_S
     say = say or (lambda _p: None)
     tables = cpsat_table_size(problem)
+    if rule is None and time_limit_s > 0 and not problem.symmetric and tables > DECOMPOSE_TABLE_SIZE:
+        return _search_decomposed(problem, time_limit_s=time_limit_s, deadline=deadline, beam_width=beam_width,
+                                  workers=workers, say=say)
     use_cpsat = time_limit_s > 0 and tables <= CPSAT_TABLE_LIMIT
     width = beam_width_for(problem, beam_width)
     n_cands = sum(len(s.cands) for s in problem.slots)
@@ -306,7 +318,28 @@ def search(problem: Problem, *, rule: Restriction | None = None, time_limit_s: f
     if time_limit_s > 0 and not use_cpsat:
         status = f"NOT_RUN: {tables:,} pairwise costs exceed the {CPSAT_TABLE_LIMIT:,} it builds"
         say(SearchProgress("cpsat", detail=f"not run: {tables:,} pairwise costs exceed {CPSAT_TABLE_LIMIT:,}"))
-    while use_cpsat and rounds < MAX_CPSAT_ROUNDS:
+    if use_cpsat:
+        choice, sched, bound, status, rounds = _cpsat_rounds(problem, choice, sched, bound, rule=rule,
+                                                             time_limit_s=time_limit_s, deadline=deadline,
+                                                             workers=workers, say=say)
+    if choice is None or sched is None:
+        return None
+    if rounds and time.perf_counter() < deadline and sched.iteration_s > bound * (1 + POLISH_GAP):
+        say(SearchProgress("polish", candidates=n_cands, best_s=sched.iteration_s,
+                           bound_s=min(bound, sched.iteration_s)))
+        choice, sched = polish(problem, choice, sched, rule=rule, deadline=deadline)
+    return choice, sched, min(bound, sched.iteration_s), status, rounds > 0
+
+
+def _cpsat_rounds(problem: Problem, choice: list[int] | None, sched: Schedule | None, bound: float, *,
+                  rule: Restriction | None, time_limit_s: float, deadline: float, workers: int, say: Progress,
+                  ) -> tuple[list[int] | None, Schedule | None, float, str | None, int]:
+    """CP-SAT from the incumbent, solved again (at most `MAX_CPSAT_ROUNDS` times) while its answer
+    leans on reallocations it knew only as lower bounds: (assignment, its exact schedule, the bound
+    proven on `problem`, the last status, rounds run)."""
+    n_cands = sum(len(s.cands) for s in problem.slots)
+    status, rounds = None, 0
+    while rounds < MAX_CPSAT_ROUNDS:
         left = deadline - time.perf_counter()
         rounds += 1
         heard = _cpsat_listener(say, detail=f"round {rounds}", candidates=n_cands,
@@ -327,13 +360,83 @@ def search(problem: Problem, *, rule: Restriction | None = None, time_limit_s: f
             choice, sched = result.choice, cp_sched
         if assumed_exact:
             break
+    return choice, sched, bound, status, rounds
+
+
+def _search_decomposed(problem: Problem, *, time_limit_s: float, deadline: float, beam_width: int, workers: int,
+                       say: Progress) -> tuple[list[int], Schedule, float, str | None, bool] | None:
+    """`search` where meshes sit on runs of consecutive nodes and the placed CP-SAT model would be
+    too large to prove anything in time (`DECOMPOSE_TABLE_SIZE`): sizes first, positions second.
+
+    1. A beam over the aligned blocks alone gives an incumbent.
+    2. The position-free model (`planner.relax`) proves a bound on every plan of the whole space
+       and answers with a mesh size and layout per call, placed.
+    3. The placed CP-SAT model, built for those classes (and the incumbent's) at every position,
+       finds where they go with exact reallocation costs; a local search polishes that.
+    The bound reported is the position-free model's (or the trivial one): it holds for the whole space."""
+    n_cands = sum(len(s.cands) for s in problem.slots)
+    bound = trivial_lower_bound(problem)
+    say(SearchProgress("beam", detail="(aligned blocks)", candidates=n_cands, bound_s=bound))
+    aligned = [[k for k, c in enumerate(s.cands) if is_aligned(c.mesh)] for s in problem.slots]
+    choice: list[int] | None = None
+    sched: Schedule | None = None
+    if all(aligned):
+        blocks = problem.subset(aligned)
+        found = beam_search(blocks, width=beam_width_for(blocks, beam_width))
+        problem.realloc_work = blocks.realloc_work
+        if found is not None:
+            choice = [aligned[i][k] for i, k in enumerate(found)]
+            sched = simulate(problem, choice)
+    say(SearchProgress("relaxed", detail="mesh sizes, positions left out", candidates=n_cands,
+                       best_s=sched.iteration_s if sched else None, bound_s=bound))
+    relaxed = relaxed_bound(problem, incumbent_s=sched.iteration_s if sched is not None else None,
+                            work_budget=RELAXED_WORK_SHARE * time_limit_s,
+                            time_limit_s=max(deadline - time.perf_counter(), 0.5), known_bound_s=bound,
+                            hint=choice, hint_starts=sched.start if sched is not None else None)
+    status = f"relaxed {relaxed.status}"
+    if relaxed.status == "INFEASIBLE":
+        # Nothing shorter than the incumbent (which the model holds, so no plan at all without one).
+        if sched is None:
+            return None
+        bound = sched.iteration_s
+    else:
+        bound = max(bound, relaxed.lower_bound_s)
+    if relaxed.choice is not None:
+        trial = simulate(problem, relaxed.choice, relaxed.order)
+        if trial.mem_ok and (sched is None or trial.makespan_s < sched.makespan_s):
+            choice, sched = relaxed.choice, trial
     if choice is None or sched is None:
         return None
-    if rounds and time.perf_counter() < deadline and sched.iteration_s > bound * (1 + POLISH_GAP):
-        say(SearchProgress("polish", candidates=n_cands, best_s=sched.iteration_s,
-                           bound_s=min(bound, sched.iteration_s)))
-        choice, sched = polish(problem, choice, sched, rule=rule, deadline=deadline)
-    return choice, sched, min(bound, sched.iteration_s), status, rounds > 0
+    if bound > sched.iteration_s * (1 + 1e-9):  # a bound above a plan in hand is a solver fault
+        bound, status = trivial_lower_bound(problem), f"{status} (its bound, above a plan found, discarded)"
+    if sched.iteration_s > bound * (1 + POLISH_GAP):
+        # Where the chosen classes go, with exact reallocation costs: every position of them.
+        answers = [choice] + ([relaxed.choice] if relaxed.choice is not None else [])
+        wanted = [{classes(problem, i).of[a[i]] for a in answers} for i in range(len(problem.slots))]
+        keep = [[k for k, q in enumerate(classes(problem, i).of) if q in wanted[i]] for i in range(len(problem.slots))]
+        placed = problem.subset(keep)
+        local = [keep[i].index(k) for i, k in enumerate(choice)]
+        whole = bound  # the bound on the whole space; CP-SAT's here holds only for these classes
+
+        def placing(pr: SearchProgress) -> None:
+            say(dataclasses.replace(pr, detail=f"{pr.detail} (positions)", bound_s=whole))
+
+        got, got_sched, _, cp_status, _ = _cpsat_rounds(placed, local, simulate(placed, local), bound, rule=None,
+                                                        time_limit_s=time_limit_s, deadline=deadline, workers=workers,
+                                                        say=placing)
+        assert got is not None and got_sched is not None  # it starts from a plan
+        if time.perf_counter() < deadline and got_sched.iteration_s > bound * (1 + POLISH_GAP):
+            say(SearchProgress("polish", candidates=sum(map(len, keep)), best_s=got_sched.iteration_s, bound_s=bound))
+            got, got_sched = polish(placed, got, got_sched, rule=None, deadline=deadline)
+        problem.realloc_work = placed.realloc_work
+        mapped = [keep[i][k] for i, k in enumerate(got)]
+        exact = simulate(problem, mapped, sorted(got_sched.start, key=lambda op: (got_sched.start[op], op)))
+        if exact.mem_ok and exact.makespan_s < sched.makespan_s:
+            choice, sched = mapped, exact
+        status = f"{status}, placed {cp_status}"
+    if bound > sched.iteration_s * (1 + 1e-9):
+        bound, status = trivial_lower_bound(problem), f"{status} (its bound, above a plan found, discarded)"
+    return choice, sched, min(bound, sched.iteration_s), status, True
 
 
 def _cpsat_listener(say: Progress, *, detail: str, candidates: int, best_s: float | None,

@@ -361,12 +361,7 @@ def solve_cpsat(problem: Problem, *, hint: list[int] | None, time_limit_s: float
         sched = simulate(problem, hint, exact=False)
         horizon = sched.makespan_s * 1.0001 + 1e-9
     else:  # no plan to start from: everything one after another bounds any sensible schedule
-        worst = sum(max(c.time_s for c in s.cands) for s in problem.slots)
-        realloc = sum(max(problem.realloc_s(s.index, h, k) for h in range(len(problem.slots[s.home].cands))
-                          for k in range(len(s.cands))) for s in problem.slots if s.home is not None)
-        transfer = sum(max(problem.transfer(e, a, b) for a in range(len(problem.slots[i].cands))
-                           for b in range(len(problem.slots[j].cands))) for e, (i, j, _) in enumerate(problem.edges))
-        horizon = (worst + realloc + transfer) * problem.unroll * 1.0001 + 1e-9
+        horizon = problem.serial_makespan_s() * 1.0001 + 1e-9
     model = _Model(problem, horizon_s=horizon, allowed=allowed)
     model.start_from(known_bound_s)
     if hint is not None:

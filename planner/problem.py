@@ -201,6 +201,24 @@ class Problem:
             del self._cache[key]
         return len(self.slots[slot].cands) - 1
 
+    def subset(self, keep: Sequence[Sequence[int]]) -> Problem:
+        """The same problem with only candidates `keep[slot]` (in that order) of each slot; the
+        costs it has computed, kept by what they depend on rather than by index, are shared."""
+        slots = [Slot(s.index, s.call, [s.cands[k] for k in ks], s.home) for s, ks in zip(self.slots, keep)]
+        return Problem(self.graph, self.cm, slots, self.edges, self.atom_size, self.unroll, self.symmetric,
+                       self.realloc_work, _realloc=self._realloc, _transfer=self._transfer, _floor=self._floor,
+                       _busy=self._busy, _per_node=self._per_node)
+
+    def serial_makespan_s(self) -> float:
+        """A makespan every sensible schedule stays within: every op one after another at its
+        slowest candidate, after the slowest reallocation and transfer."""
+        worst = sum(max(c.time_s for c in s.cands) for s in self.slots)
+        realloc = sum(max(self.realloc_s(s.index, h, k) for h in range(len(self.slots[s.home].cands))
+                          for k in range(len(s.cands))) for s in self.slots if s.home is not None)
+        transfer = sum(max(self.transfer(e, a, b) for a in range(len(self.slots[i].cands))
+                           for b in range(len(self.slots[j].cands))) for e, (i, j, _) in enumerate(self.edges))
+        return (worst + realloc + transfer) * self.unroll
+
     def home_choice(self, slot: int, choice: Sequence[int | None]) -> int | None:
         """The candidate `choice` gives the home of `slot` (None for a home slot or an unassigned home)."""
         home = self.slots[slot].home

@@ -24,6 +24,7 @@ from plans.errors import PlannerError
 from plans.graph import Call, Graph, ModelDecl
 from plans.layout import Layout, Mesh
 from plans.model import PRESETS
+from plans.sharding import slicing
 
 GIB = 1024**3
 
@@ -43,6 +44,10 @@ class TableCosts:
 
     def realloc_floor_s(self, decl, src, dst) -> float:  # noqa: ANN001 - the weakest lower bound, always valid
         return 0.0
+
+    def realloc_floor_anywhere_s(self, decl, src, dst) -> float:  # noqa: ANN001
+        """Every non-twin pair costs `realloc_s`; a twin needs the same mesh size and slices."""
+        return 0.0 if src[0] == dst[0] and slicing(src[1]) == slicing(dst[1]) else self.realloc_s
 
     def data_transfer_s(self, nbytes, src, dst, *, after_s=0.0) -> float:  # noqa: ANN001
         return self.transfer_s
