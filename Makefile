@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check test-engines bench bench-smoke timelines venv clean
+.PHONY: demo test test-solver check test-engines bench bench-smoke timelines venv clean
 
 venv: $(STAMP)
 
@@ -22,7 +22,12 @@ demo: $(STAMP)
 	$(VENV)/bin/planner validate plans/ppo_llama7b.json
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not bench"
+	$(PY) -m pytest -q -m "not bench and not solver"
+
+# Checks of the CP-SAT models against the solver without presolve on full-size instances (tens of
+# seconds each; CI runs them after make test, which stays under 15 minutes).
+test-solver: $(STAMP)
+	$(PY) -m pytest -q -m solver
 
 # Every benchmark script run to its end in a tiny mode (tests/test_bench_smoke.py; CI runs it
 # after make test): a broken benchmark is a red check, and make test stays under 15 minutes.

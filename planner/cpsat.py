@@ -38,6 +38,21 @@ HORIZON_TICKS = 100_000  # the horizon (the hint's makespan) in integer time ste
 OBJECTIVE_STEP = 100  # ticks per step of the objective: 0.1% of the horizon
 
 
+def time_grid(horizon_s: float, n_ops: int) -> tuple[float, int]:
+    """(seconds per tick, the horizon in ticks) of a model whose schedules end by `horizon_s`:
+    `HORIZON_TICKS` over the horizon, plus room for each op's durations rounded up."""
+    tick_s = max(horizon_s, 1e-9) / HORIZON_TICKS
+    return tick_s, int(math.ceil(horizon_s / tick_s)) + 4 * n_ops + 1
+
+
+def steps_bound_s(best_steps: float, *, n_ops: int, tick_s: float, unroll: int) -> float:
+    """A solver's bound on the objective (whole steps of `OBJECTIVE_STEP` ticks) as a bound on
+    the exact iteration time: a makespan in step B may be one step short of B steps, and
+    durations were rounded up, each op on a chain by up to three ticks (duration, reallocation
+    delay, transfer lag)."""
+    return max(0.0, (best_steps - 1) * OBJECTIVE_STEP - 3 * n_ops) * tick_s / unroll
+
+
 class _Incumbents(cp_model.CpSolverSolutionCallback):
     """Reports each solution CP-SAT finds (its objective and bound, in seconds per iteration)."""
 
@@ -73,8 +88,7 @@ class _Model:
         self.p = problem
         self.allowed = allowed
         n_ops = len(problem.slots) * problem.unroll
-        self.tick_s = max(horizon_s, 1e-9) / HORIZON_TICKS
-        self.horizon = int(math.ceil(horizon_s / self.tick_s)) + 4 * n_ops + 1
+        self.tick_s, self.horizon = time_grid(horizon_s, n_ops)
         self.m = cp_model.CpModel()
         self._variables()
         self._choice_constraints()
@@ -339,10 +353,7 @@ class _Model:
         return CpsatResult(choice, order, name, bound, solver.value(self.makespan) * self.tick_s / self.p.unroll)
 
     def _bound_s(self, best_steps: float, n_ops: int) -> float:
-        """The solver's bound on the objective (whole steps) as a bound on the exact iteration
-        time: a makespan in step B may be one step short of B steps, and durations were rounded
-        up, each op on a chain by up to three ticks (duration, reallocation delay, transfer lag)."""
-        return max(0.0, (best_steps - 1) * OBJECTIVE_STEP - 3 * n_ops) * self.tick_s / self.p.unroll
+        return steps_bound_s(best_steps, n_ops=n_ops, tick_s=self.tick_s, unroll=self.p.unroll)
 
 
 def solve_cpsat(problem: Problem, *, hint: list[int] | None, time_limit_s: float, work_budget: float | None = None,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from planner.beam import assignment_order
-from planner.cpsat import HORIZON_TICKS, OBJECTIVE_STEP
+from planner.cpsat import OBJECTIVE_STEP, steps_bound_s, time_grid
 from planner.problem import Problem
 from planner.simulate import precedences
 from plans.sharding import slicing
@@ -170,8 +170,7 @@ class _Compact:
         self.m = cp_model.CpModel()
         self.keep = keep
         self.n_ops = len(p.slots) * p.unroll
-        self.tick = max(horizon_s, 1e-9) / HORIZON_TICKS
-        self.horizon = int(math.ceil(horizon_s / self.tick)) + 4 * self.n_ops + 1
+        self.tick, self.horizon = time_grid(horizon_s, self.n_ops)
         self.cls = [classes(p, s.index) for s in p.slots]
         # The model's atom: the coarsest block every kept class's mesh is made of, wherever it sits
         # (a whole node when no kept class is smaller or starts mid-node): per-atom rules hold alike
@@ -432,10 +431,7 @@ class _Compact:
         name = solver.status_name(status)
         if status == cp_model.INFEASIBLE:
             return RelaxedResult(name, math.inf, None)
-        # As `planner.cpsat._Model._bound_s`: one step short, and each op on a chain rounded up by
-        # up to three ticks.
-        steps = solver.best_objective_bound
-        bound = max(0.0, (steps - 1) * OBJECTIVE_STEP - 3 * self.n_ops) * self.tick / self.p.unroll
+        bound = steps_bound_s(solver.best_objective_bound, n_ops=self.n_ops, tick_s=self.tick, unroll=self.p.unroll)
         choice = order = None
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             choice = []

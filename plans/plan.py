@@ -99,7 +99,8 @@ class SearchInfo(Strict):
     lower_bound_s: float | None = Field(None, ge=0, description="Proven lower bound on iteration_s, when known.")
     gap: float | None = Field(None, ge=0, description="(iteration_s - lower_bound_s) / iteration_s, when known.")
     candidates: int | None = Field(None, ge=0, description="(call, candidate) pairs considered.")
-    status: str | None = Field(None, description="Solver status, e.g. OPTIMAL or FEASIBLE.")
+    status: str | None = Field(None, description="Solver status, e.g. OPTIMAL or FEASIBLE; \"relaxed S, placed S\" "
+                               "when the search placed mesh sizes first, then positions.")
 
 
 class Plan(Strict):
