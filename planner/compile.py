@@ -386,7 +386,10 @@ def _search_decomposed(problem: Problem, *, time_limit_s: float, deadline: float
         problem.realloc_work = blocks.realloc_work
         if found is not None:
             choice = [aligned[i][k] for i, k in enumerate(found)]
-            sched = simulate(problem, choice)
+    if choice is None:  # nothing fits on the aligned blocks alone: a beam over the whole space
+        choice = beam_search(problem, width=beam_width_for(problem, beam_width))
+    if choice is not None:
+        sched = simulate(problem, choice)
     say(SearchProgress("relaxed", detail="mesh sizes, positions left out", candidates=n_cands,
                        best_s=sched.iteration_s if sched else None, bound_s=bound))
     relaxed = relaxed_bound(problem, incumbent_s=sched.iteration_s if sched is not None else None,

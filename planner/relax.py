@@ -150,8 +150,16 @@ def relaxed_bound(problem: Problem, *, incumbent_s: float | None, work_budget: f
                 keep[i] = sorted([*keep[i], q])
     if not all(keep):
         return RelaxedResult("INFEASIBLE", math.inf, None)
-    horizon_s = (incumbent_s * problem.unroll * 1.0001 + 1e-9 if incumbent_s is not None
-                 else problem.serial_makespan_s() * 1.0001 + 1e-9)
+    if incumbent_s is not None:
+        horizon_s = incumbent_s * problem.unroll * 1.0001 + 1e-9
+    else:  # every op one after another at its slowest kept class, after its longest relaxed reallocation
+        serial = 0.0
+        for s in problem.slots:
+            fast = class_fastest_s(problem, s.index)
+            serial += max(fast[q] for q in keep[s.index])
+            if s.home is not None:
+                serial += max(max(row) for row in class_realloc_s(problem, s.index, keep[s.home], keep[s.index]))
+        horizon_s = serial * problem.unroll * 1.0001 + 1e-9
     model = _Compact(problem, keep, horizon_s=horizon_s)
     model.start_from(known_bound_s)
     if hint is not None:
