@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-solver check test-engines bench bench-smoke timelines venv clean
+.PHONY: demo test test-heavy test-solver check test-engines bench bench-smoke timelines venv clean
 
 venv: $(STAMP)
 
@@ -22,7 +22,12 @@ demo: $(STAMP)
 	$(VENV)/bin/planner validate plans/ppo_llama7b.json
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not bench and not solver"
+	$(PY) -m pytest -q -m "not bench and not solver and not heavy"
+
+# The longest four-rank runs against their single-process references (30-70 s each, about six
+# minutes together): CI runs them after make test, which stays under 15 minutes.
+test-heavy: $(STAMP)
+	$(PY) -m pytest -q -m heavy
 
 # Checks of the CP-SAT models against the solver without presolve on full-size instances (tens of
 # seconds each; CI runs them after make test, which stays under 15 minutes).

@@ -307,6 +307,7 @@ def _check_model(rank: int, groups: Groups, spec, cases: list) -> tuple[list[str
     return problems, checks
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_galore_runtime_matches_single_process_reference(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)

@@ -66,6 +66,7 @@ def test_a_rank_killed_mid_step_recovers_under_torchrun_restarts_bitwise(uninter
     assert _values(_metrics(tmp_path / "m.jsonl")) == _values(_metrics(uninterrupted / "metrics.jsonl"))
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_a_bit_flipped_newest_checkpoint_is_skipped_and_the_run_recovers_bitwise(uninterrupted: Path,
                                                                                   tmp_path: Path) -> None:
@@ -88,6 +89,7 @@ def test_a_bit_flipped_newest_checkpoint_is_skipped_and_the_run_recovers_bitwise
     assert got.keys() == want.keys() and [k for k in want if not torch.equal(got[k], want[k])] == []
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_a_four_rank_checkpoint_resumes_on_two_ranks_under_a_replanned_layout(tmp_path: Path) -> None:
     four = tmp_path / "four.json"

@@ -41,6 +41,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     run_layouts(rank, port, out_dir, models, CASES, _state, pad=torch.tensor([0, 3, 0, 1, 2, 0, 0, 5]))
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_context_parallel_layouts_match_single_process_reference(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)

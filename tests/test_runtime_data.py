@@ -194,6 +194,7 @@ def _plans(assets: Path, tmp_path: Path) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_grpo_sft_and_dpo_on_the_dataset_match_the_reference_on_four_ranks(assets: Path, tmp_path: Path) -> None:
     env = {"PYTHONPATH": f"{ROOT}:{EXAMPLE}"}

@@ -185,6 +185,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_every_algorithm_plan_matches_the_reference(tmp_path: Path) -> None:
     with socket.socket() as s:

@@ -52,6 +52,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     run_layouts(rank, port, out_dir, [(name, spec, "lm") for name, spec in SPECS.items()], CASES, _state)
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_every_expert_layout_matches_single_process_reference(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
