@@ -410,8 +410,7 @@ def _search_decomposed(problem: Problem, *, time_limit_s: float, deadline: float
             choice, sched = relaxed.choice, trial
     if choice is None or sched is None:
         return None
-    if bound > sched.iteration_s * (1 + 1e-9):  # a bound above a plan in hand is a solver fault
-        bound, status = trivial_lower_bound(problem), f"{status} (its bound, above a plan found, discarded)"
+    bound, status = _sane_bound(problem, bound, sched, status)
     if sched.iteration_s > bound * (1 + POLISH_GAP):
         # Where the chosen classes go, with exact reallocation costs: every position of them.
         answers = [choice] + ([relaxed.choice] if relaxed.choice is not None else [])
@@ -437,9 +436,16 @@ def _search_decomposed(problem: Problem, *, time_limit_s: float, deadline: float
         if exact.mem_ok and exact.makespan_s < sched.makespan_s:
             choice, sched = mapped, exact
         status = f"{status}, placed {cp_status}"
-    if bound > sched.iteration_s * (1 + 1e-9):
-        bound, status = trivial_lower_bound(problem), f"{status} (its bound, above a plan found, discarded)"
+    bound, status = _sane_bound(problem, bound, sched, status)
     return choice, sched, min(bound, sched.iteration_s), status, True
+
+
+def _sane_bound(problem: Problem, bound: float, sched: Schedule, status: str) -> tuple[float, str]:
+    """The bound and status, unless the bound is above a plan in hand (a solver fault): then the
+    trivial bound, and a status that says so."""
+    if bound > sched.iteration_s * (1 + 1e-9):
+        return trivial_lower_bound(problem), f"{status} (its bound, above a plan found, discarded)"
+    return bound, status
 
 
 def _cpsat_listener(say: Progress, *, detail: str, candidates: int, best_s: float | None,

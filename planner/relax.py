@@ -125,7 +125,6 @@ class RelaxedResult:
     lower_bound_s: float  # on iteration_s over every plan of the space
     choice: list[int] | None  # a candidate per slot (the relaxed optimum, placed), when CP-SAT found one
     order: list | None = None  # its ops by start time
-    classes_kept: int = 0  # classes in the model, after those no plan faster than the incumbent can use
 
 
 def relaxed_bound(problem: Problem, *, incumbent_s: float | None, work_budget: float, time_limit_s: float,
@@ -164,9 +163,7 @@ def relaxed_bound(problem: Problem, *, incumbent_s: float | None, work_budget: f
     model.start_from(known_bound_s)
     if hint is not None:
         model.hint(hint, hint_starts or {})
-    result = model.solve(work_budget=work_budget, time_limit_s=time_limit_s, known_bound_s=known_bound_s)
-    result.classes_kept = sum(map(len, keep))
-    return result
+    return model.solve(work_budget=work_budget, time_limit_s=time_limit_s, known_bound_s=known_bound_s)
 
 
 class _Compact:
