@@ -130,6 +130,15 @@ def _peak_stage_candidates(counts: tuple[tuple[int, int], ...]) -> list[int]:
     return out + ([pp - 1] if pp > 1 else [])
 
 
+def _window_max(values: np.ndarray, width: int) -> np.ndarray:
+    """The largest of every `width` consecutive `values` (one per window start), by doubling."""
+    out, span = values, 1
+    while 2 * span <= width:
+        out = np.maximum(out[:-span], out[span:])
+        span *= 2
+    return np.maximum(out[: len(values) - width + 1], out[width - span: width - span + len(values) - width + 1])
+
+
 class CostModel:
     """Estimates over one cluster with one calibration and one framework's kernels."""
 
@@ -537,13 +546,13 @@ class CostModel:
         floor = realloc_floor(decl.spec, head=decl.head, src=slay, dst=dlay)
         gpn, hw, pb = self.cluster.gpus_per_node, self.hw, self.framework.param_bytes
         run = min(ssize, dsize)  # the most destination ranks inside the source mesh
-        local = int(np.lib.stride_tricks.sliding_window_view(floor.tensors, run).sum(axis=1).max())
+        ends = np.concatenate([[0], np.cumsum(floor.tensors)])
+        local = int((ends[run:] - ends[:-run]).max())
         moved_pieces = max(0, floor.total_pieces - local)
         host_s = REALLOC_PIECE_OPS * hw.host_kernel_s * (int(floor.pieces.max(initial=0))
                                                          + -(-moved_pieces // ssize))
         need = floor.need.astype(np.float64)
-        short = need - floor.own_max
-        inside = np.lib.stride_tricks.sliding_window_view(short, run).max(axis=1)  # per run start
+        inside = _window_max(need - floor.own_max, run)  # per run start
         before = np.maximum.accumulate(np.concatenate([[0.0], need]))[: len(inside)]  # ranks before the run
         after = np.maximum.accumulate(np.concatenate([need, [0.0]])[::-1])[::-1][run:]  # ranks after it
         lack = float(np.maximum(inside, np.maximum(before, after)).min())
@@ -553,8 +562,12 @@ class CostModel:
             near = lack * pb / hw.intra_bytes_s + hw.intra_latency_s
         else:
             near = lack * pb / (hw.intra_bytes_s + hw.node_net_bytes_s) + min(hw.intra_latency_s, hw.inter_latency_s)
-        apart = min(float(np.bincount((offset + np.arange(dsize)) // gpn, weights=need).max())
-                    for offset in range(min(gpn, dsize)))
+        # Apart: the busiest node's need, for the destination's first rank at each offset in a node.
+        offsets = np.arange(min(gpn, dsize))
+        bins = (gpn - 1 + dsize) // gpn + 1
+        node = (offsets[:, None] + np.arange(dsize)[None, :]) // gpn + bins * offsets[:, None]
+        per_node = np.bincount(node.ravel(), weights=np.broadcast_to(need, node.shape).ravel(), minlength=bins * len(offsets))
+        apart = float(per_node.reshape(len(offsets), bins).max(axis=1).min())
         return host_s + min(near, apart * pb / hw.node_net_bytes_s + hw.inter_latency_s)
 
     def kv_reshard_cost(self, decl: ModelDecl, call: Call, mesh: Mesh, prefill: Layout, decode: Layout) -> ReallocCost:

@@ -351,6 +351,7 @@ def realloc_floor(spec: ModelSpec, *, head: Head, src: Layout, dst: Layout) -> R
     return _realloc_floor(spec, head, src, dst)
 
 
+@lru_cache(maxsize=4096)
 def _one_stage(lay: Layout) -> Layout:
     """One pipeline stage of `lay`: every stage cuts a tensor it holds into the same slices."""
     return lay if lay.pp == 1 else lay.model_copy(update={"pp": 1, "interleave": 1})
@@ -380,26 +381,44 @@ def _stage_counts(spec: ModelSpec, pp: int, interleave: int) -> tuple[tuple[int,
 
 @lru_cache(maxsize=65536)
 def _realloc_floor(spec: ModelSpec, head: Head, src: Layout, dst: Layout) -> ReallocFloor:
-    layers = _stage_counts(spec, dst.pp, dst.interleave)
-    ends = {"first": (0,), "last": (dst.pp - 1,), "first+last": tuple(sorted({0, dst.pp - 1}))}
-    one_src, one_dst = _one_stage(src), _one_stage(dst)
+    # Stage-major, as the destination's ranks are numbered: every stage's ranks hold its tensors.
+    held = _stage_holdings(spec, head, dst.pp, dst.interleave)
+    parts = _stage_parts(spec, head, _one_stage(src), _one_stage(dst))
+    need, own, pieces, tensors = np.einsum("kp,ckr->cpr", held, parts).reshape(4, -1)
+    return ReallocFloor(need, own, pieces, tensors)
+
+
+@lru_cache(maxsize=1024)
+def _stage_holdings(spec: ModelSpec, head: Head, pp: int, interleave: int) -> np.ndarray:
+    """[kind, stage] tensors of each kind (`_tensor_kinds`) each pipeline stage holds."""
+    layers = _stage_counts(spec, pp, interleave)
+    ends = {"first": (0,), "last": (pp - 1,), "first+last": tuple(sorted({0, pp - 1}))}
     kinds = _tensor_kinds(spec, head)
-    held = np.zeros((len(kinds), dst.pp), dtype=np.int64)  # tensors of each kind each stage holds
-    parts = np.zeros((4, len(kinds), one_dst.size), dtype=np.int64)  # (need, own, pieces, tensors) per kind
-    for n_kind, (kind, where, sparse, n) in enumerate(kinds):
-        shape, tp_dim, expert_dim = kind
-        unit = _unit(shape, tp_dim, expert_dim, one_src, one_dst)  # as `_rank_volumes` scales
-        times = 1 if unit is None else math.prod(shape) // math.prod(unit)
-        got = _kind_floor(kind if unit is None else (unit, tp_dim, expert_dim), one_src, one_dst)
-        parts[:, n_kind] = got
-        parts[:2, n_kind] *= times  # elements scale; slices do not
+    held = np.zeros((len(kinds), pp), dtype=np.int64)
+    for n_kind, (_kind, where, sparse, n) in enumerate(kinds):
         if where == "layer":
             held[n_kind] = [n * stage[sparse] for stage in layers]
         else:
             held[n_kind, list(ends[where])] = n
-    # Stage-major, as the destination's ranks are numbered: every stage's ranks hold its tensors.
-    need, own, pieces, tensors = np.einsum("kp,ckr->cpr", held, parts).reshape(4, -1)
-    return ReallocFloor(need, own, pieces, tensors)
+    held.flags.writeable = False
+    return held
+
+
+@lru_cache(maxsize=16384)
+def _stage_parts(spec: ModelSpec, head: Head, one_src: Layout, one_dst: Layout) -> np.ndarray:
+    """[(need, own, pieces, tensors), kind, rank] of one tensor of each kind per rank of one stage
+    of `one_dst`, from one stage of `one_src` (both with pp = 1): a pipeline split changes which
+    tensors a stage holds, not how a stage cuts them."""
+    kinds = _tensor_kinds(spec, head)
+    parts = np.zeros((4, len(kinds), one_dst.size), dtype=np.int64)
+    for n_kind, (kind, _where, _sparse, _n) in enumerate(kinds):
+        shape, tp_dim, expert_dim = kind
+        unit = _unit(shape, tp_dim, expert_dim, one_src, one_dst)  # as `_rank_volumes` scales
+        times = 1 if unit is None else math.prod(shape) // math.prod(unit)
+        parts[:, n_kind] = _kind_floor(kind if unit is None else (unit, tp_dim, expert_dim), one_src, one_dst)
+        parts[:2, n_kind] *= times  # elements scale; slices do not
+    parts.flags.writeable = False
+    return parts
 
 
 @lru_cache(maxsize=65536)

@@ -325,16 +325,27 @@ def _split_decode(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, prefil
     for dec in layouts:
         plain = cm.call_cost(call, view, mesh, dec)
         decode_s[dec] = plain.time_s - plain.breakdown_s.get("prefill", 0.0)
+    # Tried by their decode alone, fastest first, so a good split is priced early and bounds the
+    # rest; the answer is the one a walk in `layouts`' order keeps (the fastest, the first of equals).
+    order = sorted(range(len(layouts)), key=lambda j: (decode_s[layouts[j]], j))
     for pre in prefills:
-        best, best_s = pre, math.inf if must_split else pre.time_s
-        for dec in layouts:
-            if dec == pre.layout or decode_s[dec] >= best_s:
+        best, best_s, best_j = pre, math.inf if must_split else pre.time_s, -1
+        for j in order:
+            dec = layouts[j]
+            if decode_s[dec] >= best_s:
+                break
+            if dec == pre.layout:
                 continue
-            if cm.split_floor_s(call, view, mesh, pre.layout, dec) >= best_s:  # loses before the move is priced
+            # Loses before the move is priced: its prefill and decode alone, then with the weights'
+            # move at its floor (`CostModel.realloc_floor_s`, a fraction of the exact move's price).
+            floor_s = cm.split_floor_s(call, view, mesh, pre.layout, dec)
+            floor_s += cm.realloc_floor_s(view, (mesh, pre.layout), (mesh, dec))
+            if floor_s > best_s or (floor_s == best_s and j > best_j):
                 continue
             cost = cm.call_cost(call, view, mesh, pre.layout, decode_layout=dec)
-            if cost.peak_mem_bytes <= cm.cluster.usable_mem_bytes and cost.time_s < best_s:
-                best, best_s = Candidate(mesh, pre.layout, cost, decode_layout=dec), cost.time_s
+            if cost.peak_mem_bytes <= cm.cluster.usable_mem_bytes and (
+                    cost.time_s < best_s or (cost.time_s == best_s and j < best_j)):
+                best, best_s, best_j = Candidate(mesh, pre.layout, cost, decode_layout=dec), cost.time_s, j
         if best is not pre:
             out.append(best)
     return out

@@ -93,3 +93,15 @@ def test_layouts_holding_the_same_slices_cost_the_same():
     # ZeRO-3 over data-parallel ranks is a different slicing (and context-parallel ranks then matter)
     assert slicing(Layout(dp=4, zero=3)) != slicing(plain)
     assert slicing(Layout(dp=2, cp=2, zero=3)) != slicing(Layout(dp=4, zero=3))
+
+
+def test_window_max_is_the_largest_of_every_window() -> None:
+    """The anywhere floor's sliding maximum (by doubling) against the plain one, every width."""
+    from cost_models.api import _window_max
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 7, 8, 16, 33):
+        values = rng.integers(-50, 50, size=n).astype(np.float64)
+        for width in range(1, n + 1):
+            want = [values[i:i + width].max() for i in range(n - width + 1)]
+            assert _window_max(values, width).tolist() == want, (n, width)
