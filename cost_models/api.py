@@ -346,8 +346,13 @@ class CostModel:
 
         kinds = [False] + ([True] if moe is not None else [])
         per_layer = {k: act(layout.recompute, k) for k in kinds}
-        working = max({"full": act("none", k), "selective": act("none", k) - act("selective", k)}.get(layout.recompute, 0.0)
-                      for k in kinds)
+        # Recomputing a layer makes what it did not keep again, one layer at a time.
+        if layout.recompute == "full":
+            working = max(act("none", k) for k in kinds)
+        elif layout.recompute == "selective":
+            working = max(act("none", k) - per_layer[k] for k in kinds)
+        else:
+            working = 0.0
         counts = stage_layer_counts(spec, pp, layout.interleave)
         act_bytes = 2.0 * b * s_loc * spec.hidden_size / tp
         best: dict[str, int] = {}

@@ -275,14 +275,18 @@ def microbatch_size(seqs: int, layout: Layout) -> int:
     return max(1, -(-seqs // (layout.dp * layout.micro_batches)))
 
 
-@lru_cache(maxsize=65536)
 def stage_param_counts(spec: ModelSpec, head: Head, layout: Layout) -> tuple[tuple[float, float], ...]:
     """(dense, routed-expert) parameters one rank of each pipeline stage holds."""
-    pp, tp = layout.pp, layout.tp
+    return _stage_param_counts(spec, head, layout.tp, layout.pp, layout.interleave, layout.ep, layout.etp)
+
+
+@lru_cache(maxsize=16384)
+def _stage_param_counts(spec: ModelSpec, head: Head, tp: int, pp: int, interleave: int, ep: int,
+                        etp: int) -> tuple[tuple[float, float], ...]:
     dense_lp, sparse_lp = layer_params_per_rank(spec, tp), layer_params_per_rank(spec, tp, sparse=True)
-    experts = expert_params_per_rank(spec, layout.ep, layout.etp) if spec.moe_layers else 0.0
+    experts = expert_params_per_rank(spec, ep, etp) if spec.moe_layers else 0.0
     out = []
-    for i, (nd, ns) in enumerate(stage_layer_counts(spec, pp, layout.interleave)):
+    for i, (nd, ns) in enumerate(stage_layer_counts(spec, pp, interleave)):
         dense = stage_params(spec, head=head, layers=nd + ns, first=i == 0, last=i == pp - 1, tp=tp,
                              layer_params=(nd * dense_lp + ns * sparse_lp) / max(1, nd + ns))
         out.append((dense, ns * experts))
