@@ -272,3 +272,39 @@ def test_node_ranges_search_starts_from_the_aligned_beam():
     wide = compile_graph(graph, cl, time_limit_s=2, space=SearchSpace(node_ranges=True, offload=False))
     assert wide.estimate.iteration_s <= aligned.estimate.iteration_s * (1 + 1e-9)
     assert wide.search.candidates > aligned.search.candidates
+
+
+@pytest.mark.solver
+@pytest.mark.parametrize("cluster,node_ranges", [("a100-80gb:2x8", False), ("a100-80gb:4x8", False),
+                                                  ("a100-80gb:3x8", True)])
+def test_the_placed_optimum_does_not_depend_on_cp_sat_presolve(cluster, node_ranges):
+    """The placed model's per-atom memory rows hold candidate literals, the form whose presolve
+    CP-SAT 9.15 got wrong in the position-free model (`tests/test_relax.py`): on full-size PPO
+    instances its optimum must equal the one found without any presolve."""
+    from ortools.sat.python import cp_model
+
+    from cost_models import CostModel
+    from planner.algorithms import ppo
+    from planner.beam import beam_width_for
+    from planner.candidates import SearchSpace
+    from planner.cpsat import solve_cpsat
+    from planner.problem import build_problem
+
+    graph = ppo("llama-2-13b", critic="llama-2-7b", reward="llama-2-7b", batch=512, prompt_len=1024, gen_len=1024,
+                ppo_minibatches=4)
+    p = build_problem(graph, CostModel(parse_cluster(cluster)), SearchSpace(node_ranges=node_ranges))
+    hint = beam_search(p, width=beam_width_for(p, 16))
+    with_presolve = solve_cpsat(p, hint=hint, time_limit_s=300, work_budget=60)
+    solve = cp_model.CpSolver.solve
+
+    def bare(self, model, *args):  # noqa: ANN001, ANN202
+        self.parameters.cp_model_presolve = False
+        return solve(self, model, *args)
+
+    cp_model.CpSolver.solve = bare  # type: ignore[method-assign]
+    try:
+        without = solve_cpsat(p, hint=hint, time_limit_s=300, work_budget=60)
+    finally:
+        cp_model.CpSolver.solve = solve  # type: ignore[method-assign]
+    assert with_presolve.status == without.status == "OPTIMAL"
+    assert with_presolve.lower_bound_s == pytest.approx(without.lower_bound_s, rel=1e-9)
