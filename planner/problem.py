@@ -21,6 +21,7 @@ keyed by relative position so symmetric pairs share one cost evaluation.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -268,9 +269,29 @@ class Problem:
 
     def fits(self, choice: Sequence[int | None]) -> bool:
         """Whether a (possibly partial) assignment fits: every atom's peak within the usable GPU
-        memory (`memory`) and its offloaded states within the host memory (`host_fits`)."""
-        _, peak = self.memory(choice)
-        return max(peak) <= self.cluster.usable_mem_bytes and self.host_fits(choice)
+        memory (`memory`) and its offloaded states within the host memory (`host_fits`).
+
+        `memory`'s rule without its per-atom lists (the beam asks this of every extension): the
+        states as a difference array over the atoms, then each op's need over its own run of them."""
+        ops, cap = self.ops, self.cluster.usable_mem_bytes
+        diff = [0] * (self.n_atoms + 1)
+        chosen = []
+        for s in self.slots:
+            k = choice[s.index]
+            if k is None:
+                continue
+            op = ops[s.index][k]
+            chosen.append((s.index, op))
+            if op.resident_bytes:
+                diff[op.atoms.start] += op.resident_bytes
+                diff[op.atoms.stop] -= op.resident_bytes
+        resident = list(itertools.accumulate(diff[:-1]))
+        if max(resident, default=0) > cap:
+            return False
+        for i, op in chosen:
+            if max(resident[op.atoms.start:op.atoms.stop]) + op.need_bytes(self.home_choice(i, choice)) > cap:
+                return False
+        return self.host_fits(choice)
 
     def call_peak_bytes(self, resident: Sequence[int], slot: int, choice: Sequence[int | None]) -> int:
         """The peak per GPU of the call in `slot` while it runs (`memory`'s rule, for that call alone)."""

@@ -308,3 +308,16 @@ def test_the_placed_optimum_does_not_depend_on_cp_sat_presolve(cluster, node_ran
         cp_model.CpSolver.solve = solve  # type: ignore[method-assign]
     assert with_presolve.status == without.status == "OPTIMAL"
     assert with_presolve.lower_bound_s == pytest.approx(without.lower_bound_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_fits_is_the_per_atom_memory_rule(seed):
+    """`Problem.fits` (a difference array, the beam's hot path) says exactly what `Problem.memory`'s
+    per-atom peaks and the host rule say, on partial and complete assignments."""
+    rng = random.Random(seed)
+    p = random_problem(rng)
+    cap = p.cluster.usable_mem_bytes
+    for _ in range(30):
+        choice = [rng.randrange(len(s.cands)) if rng.random() < 0.7 else None for s in p.slots]
+        _, peak = p.memory(choice)
+        assert p.fits(choice) == (max(peak) <= cap and p.host_fits(choice))
