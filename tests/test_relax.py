@@ -26,7 +26,7 @@ from plans.graph import ModelDecl
 from plans.layout import Layout, Mesh
 from plans.model import PRESETS
 from plans.sharding import slicing
-from tests.test_search import random_problem
+from tests.test_search import random_problem, without_presolve
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -99,26 +99,14 @@ def test_the_bound_does_not_depend_on_cp_sat_presolve():
     """CP-SAT 9.15's presolve once proved a wrong optimum on this model (PPO 13B + 7B on six nodes:
     above a schedule the model holds); `planner.relax` turns the faulty reduction off. The optimum
     must equal the one found without any presolve."""
-    from ortools.sat.python import cp_model
-
-    import planner.relax as relax
     from planner.algorithms import ppo
 
     graph = ppo("llama-2-13b", critic="llama-2-7b", reward="llama-2-7b", batch=512, prompt_len=1024, gen_len=1024,
                 ppo_minibatches=4)
     p = build_problem(graph, CostModel(parse_cluster("a100-80gb:6x8")), SearchSpace(node_ranges=True))
     with_presolve = relaxed_bound(p, incumbent_s=53.0, work_budget=20, time_limit_s=120)
-    solve = cp_model.CpSolver.solve
-
-    def bare(self, model, *args):  # noqa: ANN001, ANN202
-        self.parameters.cp_model_presolve = False
-        return solve(self, model, *args)
-
-    cp_model.CpSolver.solve = bare  # type: ignore[method-assign]
-    try:
-        without = relax.relaxed_bound(p, incumbent_s=53.0, work_budget=20, time_limit_s=120)
-    finally:
-        cp_model.CpSolver.solve = solve  # type: ignore[method-assign]
+    with without_presolve():
+        without = relaxed_bound(p, incumbent_s=53.0, work_budget=20, time_limit_s=120)
     assert with_presolve.status == without.status == "OPTIMAL"
     assert with_presolve.lower_bound_s == pytest.approx(without.lower_bound_s, rel=1e-6)
 

@@ -6,8 +6,10 @@ tests build problems from hand-set costs with a small table-driven cost model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -274,6 +276,24 @@ def test_node_ranges_search_starts_from_the_aligned_beam():
     assert wide.search.candidates > aligned.search.candidates
 
 
+@contextlib.contextmanager
+def without_presolve() -> Iterator[None]:
+    """Every CP-SAT solve inside runs without presolve (what the solver checks compare against)."""
+    from ortools.sat.python import cp_model
+
+    solve = cp_model.CpSolver.solve
+
+    def bare(self, model, *args):  # noqa: ANN001, ANN202
+        self.parameters.cp_model_presolve = False
+        return solve(self, model, *args)
+
+    cp_model.CpSolver.solve = bare  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cp_model.CpSolver.solve = solve  # type: ignore[method-assign]
+
+
 @pytest.mark.solver
 @pytest.mark.parametrize("cluster,node_ranges", [("a100-80gb:2x8", False), ("a100-80gb:4x8", False),
                                                   ("a100-80gb:3x8", True)])
@@ -281,8 +301,6 @@ def test_the_placed_optimum_does_not_depend_on_cp_sat_presolve(cluster, node_ran
     """The placed model's per-atom memory rows hold candidate literals, the form whose presolve
     CP-SAT 9.15 got wrong in the position-free model (`tests/test_relax.py`): on full-size PPO
     instances its optimum must equal the one found without any presolve."""
-    from ortools.sat.python import cp_model
-
     from cost_models import CostModel
     from planner.algorithms import ppo
     from planner.beam import beam_width_for
@@ -295,17 +313,8 @@ def test_the_placed_optimum_does_not_depend_on_cp_sat_presolve(cluster, node_ran
     p = build_problem(graph, CostModel(parse_cluster(cluster)), SearchSpace(node_ranges=node_ranges))
     hint = beam_search(p, width=beam_width_for(p, 16))
     with_presolve = solve_cpsat(p, hint=hint, time_limit_s=300, work_budget=60)
-    solve = cp_model.CpSolver.solve
-
-    def bare(self, model, *args):  # noqa: ANN001, ANN202
-        self.parameters.cp_model_presolve = False
-        return solve(self, model, *args)
-
-    cp_model.CpSolver.solve = bare  # type: ignore[method-assign]
-    try:
+    with without_presolve():
         without = solve_cpsat(p, hint=hint, time_limit_s=300, work_budget=60)
-    finally:
-        cp_model.CpSolver.solve = solve  # type: ignore[method-assign]
     assert with_presolve.status == without.status == "OPTIMAL"
     assert with_presolve.lower_bound_s == pytest.approx(without.lower_bound_s, rel=1e-9)
 
