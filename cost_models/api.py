@@ -159,6 +159,7 @@ class CostModel:
         self._states: dict[tuple, dict[str, int]] = {}  # `_state`
         self._nccl: dict[tuple, int] = {}  # `_outside_tensors`
         self._train_mem: dict[tuple, dict[str, int]] = {}  # `_train_memory_at`
+        self._train_live: dict[tuple, tuple] = {}  # `_train_transients`
         self._at_busy: dict[int, CostModel] = {}
 
     @property
@@ -335,6 +336,34 @@ class CostModel:
         return expert_load(decl.spec, layout, tokens=tokens, load_cv=decl.expert_load_cv) if decl.spec.moe_layers else None
 
     def _train_memory(self, decl: ModelDecl, layout: Layout, topo: Topology, *, seqs: int, seq_len: int) -> dict[str, int]:
+        spec = decl.spec
+        zero3 = self._zero3_buffer(spec, layout, training=True)
+        best: dict[str, int] = {}
+        for st, activations, logits, buffers in self._train_transients(decl, layout, seqs=seqs, seq_len=seq_len):
+            mem = self._state(decl, layout, st)
+            mem["activations"] = activations
+            if logits is not None:
+                mem["logits"] = logits
+            mem["buffers"] = int(buffers + zero3)
+            mem = self._compute_dtype(mem)
+            mem.update(self._outside_tensors(layout, mem, topo, moe=spec.is_moe))
+            if sum(mem.values()) > sum(best.values()):
+                best = mem
+        return best
+
+    def _train_transients(self, decl: ModelDecl, layout: Layout, *, seqs: int,
+                          seq_len: int) -> tuple[tuple[int, int, int | None, float], ...]:
+        """Per stage that may hold a train call's peak (`_peak_stage_candidates`): (stage, its
+        activations, its logits or None, its pipeline buffers before ZeRO-3's), which the ZeRO
+        stage does not change (cached without it)."""
+        key = (decl, layout.model_copy(update={"zero": 0}) if layout.zero else layout, seqs, seq_len)
+        hit = self._train_live.get(key)
+        if hit is None:
+            hit = self._train_live[key] = self._train_transients_of(decl, key[1], seqs=seqs, seq_len=seq_len)
+        return hit
+
+    def _train_transients_of(self, decl: ModelDecl, layout: Layout, *, seqs: int,
+                             seq_len: int) -> tuple[tuple[int, int, int | None, float], ...]:
         spec, fw = decl.spec, self.framework
         b, m, tp, pp = microbatch_size(seqs, layout), layout.micro_batches, layout.tp, layout.pp
         s_loc = seq_len // layout.cp
@@ -355,20 +384,15 @@ class CostModel:
             working = 0.0
         counts = stage_layer_counts(spec, pp, layout.interleave)
         act_bytes = 2.0 * b * s_loc * spec.hidden_size / tp
-        best: dict[str, int] = {}
+        out = []
         for st in _peak_stage_candidates(counts):
             nd, ns = counts[st]
-            mem = self._state(decl, layout, st)
             kept = nd * per_layer[False] + (ns * per_layer[True] if ns else 0.0)
-            mem["activations"] = int(kept * in_flight_microbatches(layout, st, m) + working)
-            if st == pp - 1 and decl.head == "lm":
-                mem["logits"] = self._logits_bytes(LOGIT_TRAIN_BYTES, b * s_loc * spec.vocab_size / tp)
-            mem["buffers"] = int((4 * act_bytes if pp > 1 else 0) + self._zero3_buffer(spec, layout, training=True))
-            mem = self._compute_dtype(mem)
-            mem.update(self._outside_tensors(layout, mem, topo, moe=spec.is_moe))
-            if sum(mem.values()) > sum(best.values()):
-                best = mem
-        return best
+            logits = self._logits_bytes(LOGIT_TRAIN_BYTES, b * s_loc * spec.vocab_size / tp) \
+                if st == pp - 1 and decl.head == "lm" else None
+            out.append((st, int(kept * in_flight_microbatches(layout, st, m) + working), logits,
+                        4 * act_bytes if pp > 1 else 0))
+        return tuple(out)
 
     def _logits_bytes(self, per_logit: int, logits: float) -> int:
         """The head's live logits: all of them, or one chunk where the framework makes them in chunks."""
