@@ -4,7 +4,7 @@
     python bench/search.py --only ppo-7b    # one instance
     python bench/search.py --exhaustive     # also check enumerable instances against brute force
     python bench/search.py --node-ranges    # also search ReaLHF's wider mesh space, side by side
-                                            # (the three-node instances are searched in both always)
+                                            # (the 3-, 6- and 12-node instances are searched in both always)
     python bench/search.py --no-old-space   # skip the search in the space before offload
     python bench/search.py --only grpo-7b-1gpu   # one of the GaLore instances (AdamW beside GaLore)
 
@@ -12,8 +12,8 @@ Besides the main table (the default space), every instance is searched again in 
 offload (`SearchSpace(offload=False)`: every state on the GPU) and the two plans are printed side
 by side, with the calls whose states the new plan keeps in host memory. Then the instances where
 memory binds (`GALORE_SUITE`) are searched with AdamW only and with a GaLore optimizer allowed,
-and clusters of three nodes (`NODE_RANGE_SUITE`) in the aligned space and in ReaLHF's node ranges
-(the default space there: `planner.candidates.node_ranges_on`).
+and clusters whose node count is no power of two (`NODE_RANGE_SUITE`: 3, 6, 12 nodes) in the aligned
+space and in ReaLHF's node ranges (the default space there: `planner.candidates.node_ranges_on`).
 
 Suite (batch 512, prompt 1024, generation 1024 unless stated), as in issue 4. Each baseline is
 the best plan its rule allows (`planner.baselines`). Speedup = baseline iteration / plan iteration.
@@ -63,14 +63,19 @@ SUITE = [
     Instance("sft-405b", "h100-sxm:128x8", sft("llama-3-405b", batch=512, seq_len=4096, name="sft_405b"), False, 60),
 ]
 
-# Clusters whose node count is no power of two: the aligned space has no mesh between one node and
-# all of them, ReaLHF's (`SearchSpace.node_ranges`) places calls on 2 of 3 nodes too.
+# Clusters whose node count is no power of two: the aligned space has holes there (no mesh between
+# one node and all three), ReaLHF's (`SearchSpace.node_ranges`, on by default on these) places calls
+# on 2 of 3 nodes, 4 of 6, 7 of 12 too.
 NODE_RANGE_SUITE = [
     Instance("grpo-7b-3node", "a100-80gb:3x8",
              grpo("llama-2-7b", batch=512, prompt_len=1024, gen_len=1024, samples_per_prompt=8, ppo_minibatches=4,
                   name="grpo_7b_3node"), True, 10),
     Instance("ppo-7b-3node", "a100-80gb:3x8", ppo("llama-2-7b", reward="llama-2-7b", name="ppo_7b_3node", **PPO),
              True, 10),
+    Instance("ppo-70b-6node", "a100-80gb:6x8", ppo("llama-2-70b", reward="llama-2-70b", name="ppo_70b_6node", **PPO),
+             True, 10),
+    Instance("ppo-13b-12node", "a100-80gb:12x8",
+             ppo("llama-2-13b", critic="llama-2-7b", reward="llama-2-7b", name="ppo_13b_12node", **PPO), True, 10),
 ]
 
 # Where memory binds: AdamW's states against a GaLore optimizer's (`--galore-rank 512`), the space
@@ -259,7 +264,7 @@ def main() -> None:
         for inst, r in zip(chosen, rows):
             limit = args.time_limit if args.time_limit is not None else inst.limit_s
             print(node_ranges_row(inst, time_limit_s=limit, aligned=r), flush=True)
-    for inst in extra:  # clusters of three nodes, searched in both spaces here
+    for inst in extra:  # node counts that are no power of two, searched in both spaces here
         limit = args.time_limit if args.time_limit is not None else inst.limit_s
         print(node_ranges_row(inst, time_limit_s=limit), flush=True)
     if args.exhaustive:

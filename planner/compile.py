@@ -25,6 +25,7 @@ from planner.candidates import (
     merge_candidates,
     mesh_sizes,
     min_memory_needed,
+    node_ranges_on,
 )
 from planner.cpsat import solve_cpsat
 from planner.exhaustive import topological_orders
@@ -220,9 +221,11 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
     per_size = graph_candidates(graph, cm, space,
                                 progress=lambda n, name: say(SearchProgress("costing", detail=f"{name} ({n}/{len(graph.calls)})")))
     if rule is None:
-        # The search space holds every baseline's, so a plan is never slower than a baseline.
+        # The search space holds every baseline's, so a plan is never slower than a baseline; their
+        # meshes sit where this space's do (aligned blocks, or runs of nodes too).
+        ranges = node_ranges_on(space, cluster)
         for other in baseline_spaces(graph, cm):
-            merge_candidates(per_size, graph_candidates(graph, cm, other))
+            merge_candidates(per_size, graph_candidates(graph, cm, dataclasses.replace(other, node_ranges=ranges)))
     for name, sizes in per_size.items():
         if not sizes:
             raise _no_fit_error(graph, cm, name, space, baseline)

@@ -239,11 +239,14 @@ def test_node_ranges_add_runs_of_consecutive_nodes_and_half_nodes():
     assert 4 not in mesh_sizes(big, SearchSpace()) and 4 in mesh_sizes(big, SearchSpace(node_ranges=True))
 
 
-def test_node_ranges_are_on_by_default_on_three_nodes_only(cli, tmp_path):  # noqa: ANN001
-    """Three nodes: the aligned blocks have no mesh between one node and all three, so the default
-    space adds the runs of two; elsewhere the wider space is asked for (`--node-ranges`) or not."""
-    from planner.candidates import SearchSpace, mesh_sizes, node_ranges_on
+def test_node_ranges_are_on_by_default_where_the_blocks_have_holes(cli, tmp_path):  # noqa: ANN001
+    """A node count that is no power of two, up to 12 nodes: the aligned blocks have holes (none
+    between one node and all three), so the default space adds the runs; elsewhere the wider space
+    is asked for (`--node-ranges`) or not."""
+    from planner.candidates import AUTO_NODE_RANGES_MAX_NODES, SearchSpace, mesh_sizes, node_ranges_on
 
+    on = [n for n in range(1, 33) if node_ranges_on(SearchSpace(), parse_cluster(f"a100-80gb:{n}x8"))]
+    assert on == [3, 5, 6, 7, 9, 10, 11, 12] and AUTO_NODE_RANGES_MAX_NODES == 12
     three, four = parse_cluster("a100-80gb:3x8"), parse_cluster("a100-80gb:4x8")
     assert node_ranges_on(SearchSpace(), three) and 16 in mesh_sizes(three, SearchSpace())
     assert not node_ranges_on(SearchSpace(), four) and not node_ranges_on(SearchSpace(node_ranges=False), three)
@@ -330,3 +333,29 @@ def test_fits_is_the_per_atom_memory_rule(seed):
         choice = [rng.randrange(len(s.cands)) if rng.random() < 0.7 else None for s in p.slots]
         _, peak = p.memory(choice)
         assert p.fits(choice) == (max(peak) <= cap and p.host_fits(choice))
+
+
+def test_an_aligned_search_merges_the_baselines_candidates_on_aligned_blocks_only(monkeypatch):
+    """The search space holds every baseline's; on six nodes node ranges are on by default, so the
+    baselines' candidates must take the searched space's setting, or an aligned search
+    (`--aligned-meshes`) would place calls on runs of three nodes."""
+    import planner.compile as compile_mod
+    from planner.algorithms import ppo
+    from planner.beam import is_aligned
+    from planner.candidates import SearchSpace
+
+    seen = []
+    build = compile_mod.build_problem
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        problem = build(*args, **kwargs)
+        seen.append({c.mesh for s in problem.slots for c in s.cands})
+        return problem
+
+    monkeypatch.setattr(compile_mod, "build_problem", spy)
+    graph = ppo("tiny-llama", batch=64, prompt_len=64, gen_len=64)
+    cluster = parse_cluster("a100-80gb:6x8")
+    compile_graph(graph, cluster, time_limit_s=1, space=SearchSpace(node_ranges=False))
+    assert seen and all(is_aligned(m) or m.size == cluster.world_size for m in seen[-1])
+    compile_graph(graph, cluster, time_limit_s=1)  # the default on six nodes: runs of nodes too
+    assert any(not is_aligned(m) and m.size < cluster.world_size for m in seen[-1])
