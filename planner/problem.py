@@ -228,24 +228,28 @@ class Problem:
     def memory(self, choice: Sequence[int | None]) -> tuple[list[int], list[int]]:
         """(resident bytes per atom, peak bytes per atom) for a (possibly partial) assignment: the
         states homed on each atom, plus the largest need of any op that runs there."""
-        ops = self.ops
-        resident = [0] * self.n_atoms
-        for s in self.slots:
-            k = choice[s.index]
-            if k is not None and ops[s.index][k].resident_bytes:
-                op = ops[s.index][k]
-                for a in op.atoms:
-                    resident[a] += op.resident_bytes
+        resident = self._resident(choice)
         peak = list(resident)
         for s in self.slots:
             k = choice[s.index]
             if k is None:
                 continue
-            op = ops[s.index][k]
+            op = self.ops[s.index][k]
             need = op.need_bytes(self.home_choice(s.index, choice))
             for a in op.atoms:
                 peak[a] = max(peak[a], resident[a] + need)
         return resident, peak
+
+    def _resident(self, choice: Sequence[int | None]) -> list[int]:
+        """The states homed on each atom (a difference array over the atoms' runs)."""
+        diff = [0] * (self.n_atoms + 1)
+        for s in self.slots:
+            k = choice[s.index]
+            if k is not None and self.ops[s.index][k].resident_bytes:
+                op = self.ops[s.index][k]
+                diff[op.atoms.start] += op.resident_bytes
+                diff[op.atoms.stop] -= op.resident_bytes
+        return list(itertools.accumulate(diff[:-1]))
 
     @property
     def host_cap_bytes(self) -> int:
@@ -269,36 +273,22 @@ class Problem:
 
     def fits(self, choice: Sequence[int | None]) -> bool:
         """Whether a (possibly partial) assignment fits: every atom's peak within the usable GPU
-        memory (`memory`) and its offloaded states within the host memory (`host_fits`).
-
-        `memory`'s rule without its per-atom lists (the beam asks this of every extension): the
-        states as a difference array over the atoms, then each op's need over its own run of them."""
-        ops, cap = self.ops, self.cluster.usable_mem_bytes
-        diff = [0] * (self.n_atoms + 1)
-        chosen = []
-        for s in self.slots:
-            k = choice[s.index]
-            if k is None:
-                continue
-            op = ops[s.index][k]
-            chosen.append((s.index, op))
-            if op.resident_bytes:
-                diff[op.atoms.start] += op.resident_bytes
-                diff[op.atoms.stop] -= op.resident_bytes
-        resident = list(itertools.accumulate(diff[:-1]))
+        memory (`memory`) and its offloaded states within the host memory (`host_fits`). The beam
+        asks this of every extension, so it checks each call's peak (`call_peak_bytes`) rather than
+        building the per-atom peaks."""
+        cap = self.cluster.usable_mem_bytes
+        resident = self._resident(choice)
         if max(resident, default=0) > cap:
             return False
-        for i, op in chosen:
-            if max(resident[op.atoms.start:op.atoms.stop]) + op.need_bytes(self.home_choice(i, choice)) > cap:
-                return False
-        return self.host_fits(choice)
+        return all(self.call_peak_bytes(resident, s.index, choice) <= cap for s in self.slots
+                   if choice[s.index] is not None) and self.host_fits(choice)
 
     def call_peak_bytes(self, resident: Sequence[int], slot: int, choice: Sequence[int | None]) -> int:
         """The peak per GPU of the call in `slot` while it runs (`memory`'s rule, for that call alone)."""
         k = choice[slot]
         assert k is not None
         op = self.ops[slot][k]
-        return max(resident[a] for a in op.atoms) + op.need_bytes(self.home_choice(slot, choice))
+        return max(resident[op.atoms.start:op.atoms.stop]) + op.need_bytes(self.home_choice(slot, choice))
 
     def twins(self, slot: int, k: int) -> list[int]:
         """Home candidates holding exactly the slices candidate k of `slot` needs (no copy, no
