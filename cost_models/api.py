@@ -161,6 +161,17 @@ class CostModel:
         self._train_mem: dict[tuple, dict[str, int]] = {}  # `_train_memory_at`
         self._train_live: dict[tuple, tuple] = {}  # `_train_transients`
         self._at_busy: dict[int, CostModel] = {}
+        self._decl_ids: dict[int, tuple[ModelDecl, int]] = {}  # `_decl_key`
+        self._decl_keys: dict[ModelDecl, int] = {}
+
+    def _decl_key(self, decl: ModelDecl) -> int:
+        """A small integer for `decl` in the caches' keys, the same for equal declarations: hashing
+        a declaration hashes its whole `ModelSpec`, and the candidate search looks up tens of
+        thousands of keys. Found by identity first (each object is kept, so its id stays its own)."""
+        hit = self._decl_ids.get(id(decl))
+        if hit is None or hit[0] is not decl:
+            hit = self._decl_ids[id(decl)] = (decl, self._decl_keys.setdefault(decl, len(self._decl_keys)))
+        return hit[1]
 
     @property
     def shares_cores(self) -> bool:
@@ -207,7 +218,8 @@ class CostModel:
         # An inference call's cost reads only whether it returns per-token log-probs (scores and
         # values cost alike).
         returns = call.returns == "logprobs" if call.kind == "inference" else call.returns
-        key = (call.kind, call.seqs, call.seq_len, call.gen_len, call.response_len, call.minibatches, returns, decl,
+        key = (call.kind, call.seqs, call.seq_len, call.gen_len, call.response_len, call.minibatches, returns,
+               self._decl_key(decl),
                mesh.first % gpn if mesh.size < gpn else 0, mesh.size, layout, decode_layout)
         hit = self._calls.get(key)
         if hit is None:
@@ -265,7 +277,7 @@ class CostModel:
 
     def _train_memory_at(self, call: Call, decl: ModelDecl, mesh: Mesh, layout: Layout) -> dict[str, int]:
         topo = Topology(mesh.first, mesh.size, self.cluster.gpus_per_node)
-        key = (call.step_seqs, call.seq_len, decl, topo.first % topo.gpus_per_node if mesh.size < topo.gpus_per_node else 0,
+        key = (call.step_seqs, call.seq_len, self._decl_key(decl), topo.first % topo.gpus_per_node if mesh.size < topo.gpus_per_node else 0,
                mesh.size, layout)
         hit = self._train_mem.get(key)
         if hit is None:
@@ -313,7 +325,7 @@ class CostModel:
         """Model states of one rank of `stage` (None: of the stage holding the most); a new dict
         (callers add to it)."""
         # What the states read of the layout: how it splits parameters and shards states.
-        key = (decl, layout.tp, layout.pp, layout.interleave, layout.dp, layout.cp, layout.zero, layout.ep, layout.etp,
+        key = (self._decl_key(decl), layout.tp, layout.pp, layout.interleave, layout.dp, layout.cp, layout.zero, layout.ep, layout.etp,
                layout.galore, stage)
         hit = self._states.get(key)
         if hit is None:
@@ -339,6 +351,7 @@ class CostModel:
         spec = decl.spec
         zero3 = self._zero3_buffer(spec, layout, training=True)
         best: dict[str, int] = {}
+        best_s = -1
         for st, activations, logits, buffers in self._train_transients(decl, layout, seqs=seqs, seq_len=seq_len):
             mem = self._state(decl, layout, st)
             mem["activations"] = activations
@@ -346,9 +359,12 @@ class CostModel:
                 mem["logits"] = logits
             mem["buffers"] = int(buffers + zero3)
             mem = self._compute_dtype(mem)
-            mem.update(self._outside_tensors(layout, mem, topo, moe=spec.is_moe))
-            if sum(mem.values()) > sum(best.values()):
-                best = mem
+            # The stage with the most, outside tensors included; of those only the fragmentation
+            # differs between stages (`_outside_tensors`), so the rest is added to the winner alone.
+            total = sum(mem.values()) + (fragmentation_bytes(mem) if self.cluster.gpu != "cpu" else 0)
+            if total > best_s:
+                best, best_s = mem, total
+        best.update(self._outside_tensors(layout, best, topo, moe=spec.is_moe))
         return best
 
     def _train_transients(self, decl: ModelDecl, layout: Layout, *, seqs: int,
@@ -356,7 +372,7 @@ class CostModel:
         """Per stage that may hold a train call's peak (`_peak_stage_candidates`): (stage, its
         activations, its logits or None, its pipeline buffers before ZeRO-3's), which the ZeRO
         stage does not change (cached without it)."""
-        key = (decl, layout.model_copy(update={"zero": 0}) if layout.zero else layout, seqs, seq_len)
+        key = (self._decl_key(decl), layout.model_copy(update={"zero": 0}) if layout.zero else layout, seqs, seq_len)
         hit = self._train_live.get(key)
         if hit is None:
             hit = self._train_live[key] = self._train_transients_of(decl, key[1], seqs=seqs, seq_len=seq_len)

@@ -182,8 +182,15 @@ def expert_load(spec: ModelSpec, layout: Layout, *, tokens: int, load_cv: float 
 
     With the ``deepep`` dispatch a token goes once to each rank holding any of its experts and,
     across the `ep_nodes` nodes of the expert-parallel group, once to each other node holding any."""
-    e, k, ep = spec.experts, spec.num_experts_per_tok, layout.ep
-    routed = max(1, tokens // layout.tp) if layout.etp == 1 and layout.tp > 1 else tokens
+    return expert_load_at(spec, tp=layout.tp, ep=layout.ep, etp=layout.etp, tokens=tokens, load_cv=load_cv,
+                          dispatch=dispatch, ep_nodes=ep_nodes)
+
+
+def expert_load_at(spec: ModelSpec, *, tp: int, ep: int, etp: int, tokens: int, load_cv: float = 0.0,
+                   dispatch: MoeDispatch = "alltoall", ep_nodes: int = 1) -> ExpertLoad:
+    """`expert_load` from the only degrees it reads: tp, ep and etp."""
+    e, k = spec.experts, spec.num_experts_per_tok
+    routed = max(1, tokens // tp) if etp == 1 and tp > 1 else tokens
     group_tokens = ep * routed
     p = k / e
     local = e // ep
@@ -204,7 +211,7 @@ def expert_load(spec: ModelSpec, layout: Layout, *, tokens: int, load_cv: float 
             leaving = token * groups_hit(e, k, ep_nodes) * (ep_nodes - 1) / ep_nodes
     else:
         a2a = token * k
-    return ExpertLoad(routed, active, rows, spec.expert_ffn // layout.etp, skew, a2a, leaving)
+    return ExpertLoad(routed, active, rows, spec.expert_ffn // etp, skew, a2a, leaving)
 
 
 def _attention(spec: ModelSpec, fw: Framework, *, b: int, s_q: int, s_k: int, tp: int, causal: bool) -> tuple[

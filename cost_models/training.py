@@ -32,7 +32,7 @@ from cost_models.ops import (
     Comm,
     Kernel,
     embedding_work,
-    expert_load,
+    expert_load_at,
     expert_params_per_rank,
     head_work,
     layer_params_per_rank,
@@ -211,19 +211,23 @@ def stage_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, to
 
 def layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, b: int, s: int,
                 training: bool, sparse: bool = False, load_cv: float = 0.0) -> LayerTimes:
-    """Per-layer, per-micro-batch stretches on one rank (of a sparse layer with `sparse`); the
-    ZeRO stage and the micro-batch count do not change them (cached without)."""
-    key = layout.model_copy(update={"zero": 0, "micro_batches": 1}) if layout.zero or layout.micro_batches > 1 else layout
-    return _layer_times(spec, fw, hw, key, topo, b=b, s=s, training=training, sparse=sparse, load_cv=load_cv)
+    """Per-layer, per-micro-batch stretches on one rank (of a sparse layer with `sparse`), cached
+    by what they read: the degrees that split a layer (tp, cp, ep, etp), sequence parallel, the
+    recompute mode and where the tp, cp and ep groups sit; not the pipeline, the data-parallel
+    degree, the ZeRO stage, the micro-batch count or the mesh's size."""
+    return _layer_times(spec, fw, hw, layout.tp, layout.cp, layout.ep, layout.etp, layout.sequence_parallel,
+                        layout.recompute, topo.group(layout, "tp"), topo.group(layout, "cp"), topo.group(layout, "ep"),
+                        b=b, s=s, training=training, sparse=sparse, load_cv=load_cv)
 
 
 @lru_cache(maxsize=16384)
-def _layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, b: int, s: int,
+def _layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, tp: int, cp: int, ep: int, etp: int, sp: bool,
+                 recompute: str, tp_group: comm.Group, cp_group: comm.Group, ep_group: comm.Group, *, b: int, s: int,
                  training: bool, sparse: bool, load_cv: float) -> LayerTimes:
-    groups = {"tp": topo.group(layout, "tp"), "cp": topo.group(layout, "cp"), "ep": topo.group(layout, "ep")}
-    moe = expert_load(spec, layout, tokens=b * (s // layout.cp), load_cv=load_cv, dispatch=fw.moe_dispatch,
-                      ep_nodes=groups["ep"].nodes) if sparse else None
-    w = layer_work(spec, fw, b=b, s=s, tp=layout.tp, cp=layout.cp, sp=layout.sequence_parallel, moe=moe)
+    groups = {"tp": tp_group, "cp": cp_group, "ep": ep_group}
+    moe = expert_load_at(spec, tp=tp, ep=ep, etp=etp, tokens=b * (s // cp), load_cv=load_cv, dispatch=fw.moe_dispatch,
+                         ep_nodes=ep_group.nodes) if sparse else None
+    w = layer_work(spec, fw, b=b, s=s, tp=tp, cp=cp, sp=sp, moe=moe)
     attn_fwd = kernels_time_s(w.attn_core, hw)
     hidden = "cp" if fw.cp_comm == "ring" else None  # ring attention overlaps its exchange; a gather does not
     fwd = stretch_of(w.fwd, w.fwd_comm, groups, hw, hidden_comm=hidden, hide_under=attn_fwd)
@@ -231,9 +235,9 @@ def _layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
         return LayerTimes(fwd, Stretch(), fwd)
     bwd = stretch_of(w.bwd, w.bwd_comm, groups, hw, hidden_comm=hidden, hide_under=2 * attn_fwd)
     accum = Stretch(kernels_time_s((w.grad_accum,), hw), 0.0, w.grad_tensors * hw.host_kernel_s)
-    if layout.recompute == "full":
+    if recompute == "full":
         rec = fwd
-    elif layout.recompute == "selective":
+    elif recompute == "selective":
         rec = stretch_of(w.attn_core, (), groups, hw)
     else:
         rec = Stretch()
@@ -242,15 +246,22 @@ def _layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
 
 def _ends(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head, b: int, s: int,
           loss: bool, head_tokens: int | None = None) -> tuple[Stretch, Stretch, Stretch, Stretch]:
-    """Embedding forward/backward (first stage) and head forward/backward (last stage).
+    """Embedding forward/backward (first stage) and head forward/backward (last stage), cached by
+    what they read (tp, cp, sequence parallel and where the tp group sits).
 
     `head_tokens` limits the head to the last positions of each sequence (prefill needs one).
     """
-    tp, cp, sp = layout.tp, layout.cp, layout.sequence_parallel
+    return _ends_of(spec, fw, hw, layout.tp, layout.cp, layout.sequence_parallel, topo.group(layout, "tp"), head=head,
+                    b=b, s=s, loss=loss, head_tokens=head_tokens)
+
+
+@lru_cache(maxsize=16384)
+def _ends_of(spec: ModelSpec, fw: Framework, hw: Hardware, tp: int, cp: int, sp: bool, tp_group: comm.Group, *,
+             head: Head, b: int, s: int, loss: bool, head_tokens: int | None) -> tuple[Stretch, Stretch, Stretch, Stretch]:
     ef, eb = embedding_work(spec, fw, b=b, s=s, tp=tp, cp=cp)
     hs = s if head_tokens is None else head_tokens * cp
     hf, hb = head_work(spec, fw, head=head, b=b, s=hs, tp=tp, cp=cp, sp=sp and head_tokens is None, loss=loss)
-    g = {"tp": topo.group(layout, "tp")}
+    g = {"tp": tp_group}
     act = 2.0 * b * (s // cp) * spec.hidden_size
     emb_comm = (Comm("all_reduce", act, "tp"),) if tp > 1 else ()  # vocab-parallel lookup
     return (stretch_of(ef, emb_comm, g, hw), stretch_of(eb, (), g, hw), stretch_of(hf, (), g, hw),
