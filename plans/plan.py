@@ -100,7 +100,8 @@ class SearchInfo(Strict):
     gap: float | None = Field(None, ge=0, description="(iteration_s - lower_bound_s) / iteration_s, when known.")
     candidates: int | None = Field(None, ge=0, description="(call, candidate) pairs considered.")
     status: str | None = Field(None, description="Solver status, e.g. OPTIMAL or FEASIBLE; \"relaxed S, placed S\" "
-                               "when the search placed mesh sizes first, then positions.")
+                               "when the search placed mesh sizes first, then positions; BOUND_MET when the beam "
+                               "search's plan already met the lower bound (optimal; CP-SAT not run).")
 
 
 class Plan(Strict):

@@ -359,3 +359,33 @@ def test_an_aligned_search_merges_the_baselines_candidates_on_aligned_blocks_onl
     assert seen and all(is_aligned(m) or m.size == cluster.world_size for m in seen[-1])
     compile_graph(graph, cluster, time_limit_s=1)  # the default on six nodes: runs of nodes too
     assert any(not is_aligned(m) and m.size < cluster.world_size for m in seen[-1])
+
+
+def test_a_beam_plan_that_meets_the_bound_is_kept_without_cp_sat(monkeypatch):
+    # One train call: its fastest candidate is the optimum and the lower bound at once. The search
+    # says so (BOUND_MET) instead of building CP-SAT's model of every position (20 s for SFT 405B on
+    # 1,024 GPUs with node ranges), and keeps the plan CP-SAT would have kept.
+    import planner.compile
+    from planner.algorithms import sft
+
+    graph = sft("llama-2-7b", batch=64, seq_len=2048)
+    cluster = parse_cluster("a100-80gb:2x8")
+    solved: list[int] = []
+    real = planner.compile.solve_cpsat
+    monkeypatch.setattr(planner.compile, "solve_cpsat", lambda *a, **k: solved.append(1) or real(*a, **k))
+    plan = compile_graph(graph, cluster, time_limit_s=2)
+    assert not solved
+    assert plan.search.status == "BOUND_MET" and plan.search.method == "beam" and plan.search.gap == 0.0
+    # Told the bound is lower, the search runs CP-SAT, and it finds nothing faster.
+    monkeypatch.setattr(planner.compile, "trivial_lower_bound", lambda p: 0.0)
+    proven = compile_graph(graph, cluster, time_limit_s=2)
+    assert solved and proven.search.method == "beam+cpsat"
+    assert proven.estimate.iteration_s == plan.estimate.iteration_s
+    assert [c.layout for c in proven.calls] == [c.layout for c in plan.calls]
+    # Where calls overlap and share GPUs the bound is not met and CP-SAT runs as before.
+    solved.clear()
+    monkeypatch.undo()
+    monkeypatch.setattr(planner.compile, "solve_cpsat", lambda *a, **k: solved.append(1) or real(*a, **k))
+    from planner.algorithms import ppo
+    ppo_plan = compile_graph(ppo("llama-2-7b", batch=64, prompt_len=256, gen_len=256), cluster, time_limit_s=2)
+    assert solved and ppo_plan.search.status != "BOUND_MET"
