@@ -42,6 +42,7 @@ from cost_models.training import (
     Topology,
     forward_pass,
     microbatch_size,
+    pipeline_parts,
     stage_layer_counts,
     stage_param_counts,
     train_step,
@@ -128,6 +129,11 @@ def _peak_stage_candidates(counts: tuple[tuple[int, int], ...]) -> list[int]:
             seen.add(counts[st])
             out.append(st)
     return out + ([pp - 1] if pp > 1 else [])
+
+
+def _state_bytes(mem: dict[str, int]) -> int:
+    """The model states of a call's memory (what stays resident between calls)."""
+    return sum(v for k, v in mem.items() if k in ("params", "grads", "optimizer"))
 
 
 def _window_max(values: np.ndarray, width: int) -> np.ndarray:
@@ -259,7 +265,7 @@ class CostModel:
                 times["reshard"] = (times.get("reshard", 0.0) + self.realloc_cost(decl, (mesh, layout), (mesh, dec)).time_s
                                     + self.kv_reshard_cost(decl, call, mesh, layout, dec).time_s)
             mem = self._generate_memory(decl, layout, dec, call, topo)
-        state = sum(v for k, v in mem.items() if k in ("params", "grads", "optimizer"))
+        state = _state_bytes(mem)
         return CallCost(
             time_s=sum(times.values()),
             state_mem_bytes=state,
@@ -274,6 +280,22 @@ class CostModel:
         on the GPU, without pricing its time: the candidate search skips the time of layouts that
         do not fit (about half of a large model's)."""
         return sum(self._train_memory_at(call, decl, mesh, layout).values())
+
+    def train_state_bytes(self, call: Call, decl: ModelDecl, mesh: Mesh, layout: Layout) -> int:
+        """`call_cost(...).state_mem_bytes` of a train call whose states stay on the GPU, without
+        pricing its time."""
+        return _state_bytes(self._train_memory_at(call, decl, mesh, layout))
+
+    def train_time_floor_s(self, call: Call, decl: ModelDecl, mesh: Mesh, layout: Layout) -> float:
+        """A lower bound on `call_cost(call, decl, mesh, layout).time_s` of a train call with AdamW
+        and its states on the GPU: the step's pipeline part alone (compute, the collectives inside
+        the pipeline, the bubble), which its ZeRO stages share (`training.train_step`); the gradient
+        reduction, optimizer and step overhead only add to it. Summed in the same order as the
+        call's time, so it is no larger in floating point either."""
+        topo = Topology(mesh.first, mesh.size, self.cluster.gpus_per_node)
+        parts = pipeline_parts(decl.spec, self.framework, self.hw, layout, topo, head=decl.head, seqs=call.step_seqs,
+                               seq_len=call.seq_len, load_cv=decl.expert_load_cv)
+        return sum(v * call.minibatches for _, v in parts)
 
     def _train_memory_at(self, call: Call, decl: ModelDecl, mesh: Mesh, layout: Layout) -> dict[str, int]:
         topo = Topology(mesh.first, mesh.size, self.cluster.gpus_per_node)

@@ -321,8 +321,7 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
                seqs: int, seq_len: int, load_cv: float = 0.0) -> StepTimes:
     """Wall time of one optimizer step over `seqs` sequences of `seq_len` tokens, by kind."""
     pp, tp, m = layout.pp, layout.tp, layout.micro_batches
-    bare = layout if layout.zero == 0 and layout.galore is None else layout.model_copy(update={"zero": 0, "galore": None})
-    pipe = _pipeline(spec, fw, hw, bare, topo, head=head, seqs=seqs, seq_len=seq_len, load_cv=load_cv)
+    pipe = _bare_pipeline(spec, fw, hw, layout, topo, head=head, seqs=seqs, seq_len=seq_len, load_cv=load_cv)
     out = StepTimes(dict(pipe.parts))
     layers, cross = pipe.layers, pipe.cross
 
@@ -356,6 +355,20 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
         out.add("pp_comm", comm.all_reduce_s(rows * fw.grad_bytes, comm.Group(2, 1, 1) if cross else comm.Group(2, 2, 1), hw))
     out.add("overhead", hw.step_overhead_s)
     return out
+
+
+def pipeline_parts(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head,
+                   seqs: int, seq_len: int, load_cv: float = 0.0) -> tuple[tuple[str, float], ...]:
+    """The parts of `train_step` that its pipeline makes (compute, the collectives inside the
+    pipeline, overhead per micro-batch, the bubble), in `train_step`'s order: the rest of a step
+    (gradient reduction, optimizer, step overhead) only adds to these."""
+    return _bare_pipeline(spec, fw, hw, layout, topo, head=head, seqs=seqs, seq_len=seq_len, load_cv=load_cv).parts
+
+
+def _bare_pipeline(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head,
+                   seqs: int, seq_len: int, load_cv: float) -> _Pipeline:
+    bare = layout if layout.zero == 0 and layout.galore is None else layout.model_copy(update={"zero": 0, "galore": None})
+    return _pipeline(spec, fw, hw, bare, topo, head=head, seqs=seqs, seq_len=seq_len, load_cv=load_cv)
 
 
 @lru_cache(maxsize=16384)

@@ -259,12 +259,16 @@ def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpa
                    if (space.layout_ok is None or space.layout_ok(call, decl, lay))
                    and not (runtime and expert_layout_problems(decl.spec, lay))]
         valid = [lay for lay in allowed if cm.state_floor_bytes(view, lay) <= cap]
-        for lay in valid:
-            if call.kind == "train" and cm.train_peak_bytes(call, view, mesh, lay) > cap:
-                continue  # does not fit: its time need not be priced
-            cost = cm.call_cost(call, view, mesh, lay)
-            if cost.peak_mem_bytes <= cap:
-                costed.append(Candidate(mesh, lay, cost))
+        if call.kind == "train":
+            # Layouts that do not fit need no time; without GaLore, only those that can be kept.
+            fits = [lay for lay in valid if cm.train_peak_bytes(call, view, mesh, lay) <= cap]
+            costed = _train_candidates(call, view, cm, mesh, fits, space.keep_per_size) if space.galore is None \
+                else [Candidate(mesh, lay, cm.call_cost(call, view, mesh, lay)) for lay in fits]
+        else:
+            for lay in valid:
+                cost = cm.call_cost(call, view, mesh, lay)
+                if cost.peak_mem_bytes <= cap:
+                    costed.append(Candidate(mesh, lay, cost))
         # Memory binds the call on this mesh size where some layout does not fit: only then are
         # GaLore variants considered (GaLore changes the optimizer; where AdamW fits every way
         # the plan stays AdamW's).
@@ -281,6 +285,46 @@ def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpa
             if galore:
                 _add_galore(call, view, cm, space, out[size], costed)
     return out
+
+
+def _train_candidates(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, fits: list[Layout],
+                      keep: int) -> list[Candidate]:
+    """Enough of the train layouts `fits` (each fits, states on the GPU, AdamW) costed that
+    `diverse(pareto(...), keep)` of them is that of all of them, pricing the rest only as far as
+    a bound on their time (`CostModel.train_time_floor_s`, the step's pipeline part, which its
+    ZeRO stages share): on PPO 70B's sixteen nodes with node ranges about one in ten.
+
+    Exact: `diverse` keeps the leanest in state and in peak memory (known before pricing, so all
+    layouts of that least state or peak are priced) and then the fastest of the front. A layout
+    whose bound is at least F is no faster than F, so it can neither join nor reshape the front
+    below F; once `keep` front members are faster than the smallest bound left unpriced, the
+    front's fastest `keep` are final."""
+    if len(fits) <= keep:
+        return [Candidate(mesh, lay, cm.call_cost(call, view, mesh, lay)) for lay in fits]
+    states = [cm.train_state_bytes(call, view, mesh, lay) for lay in fits]
+    peaks = [cm.train_peak_bytes(call, view, mesh, lay) for lay in fits]
+    least_state, least_peak = min(states), min(peaks)
+    floors = [cm.train_time_floor_s(call, view, mesh, lay) for lay in fits]
+    priced: dict[int, Candidate] = {}
+
+    def price(i: int) -> None:
+        if i not in priced:
+            priced[i] = Candidate(mesh, fits[i], cm.call_cost(call, view, mesh, fits[i]))
+
+    for i in range(len(fits)):
+        if states[i] == least_state or peaks[i] == least_peak:
+            price(i)
+    order = sorted(range(len(fits)), key=lambda i: (floors[i], i))
+    at, batch = 0, keep
+    while at < len(order):
+        for i in order[at:at + batch]:
+            price(i)
+        at += batch
+        batch *= 2  # the front is rebuilt per batch: doubling keeps that to a log of the layouts
+        bound = floors[order[at]] if at < len(order) else math.inf
+        if sum(c.time_s < bound for c in pareto(list(priced.values()))) >= keep:
+            break
+    return list(priced.values())
 
 
 def _galore_variants(call: Call, view: ModelDecl, cm: CostModel, mesh: Mesh, space: SearchSpace,

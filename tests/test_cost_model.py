@@ -387,3 +387,34 @@ def test_the_floors_that_skip_costing_never_exceed_the_cost() -> None:
                 assert cm.split_floor_s(call, view, mesh, pre, dec) <= split.time_s
                 assert split.breakdown_s.get("reshard", 0) > 0
     assert checked > 20
+
+
+@pytest.mark.parametrize("keep", [1, 2, 4, 7])
+def test_train_candidates_priced_lazily_are_those_pricing_every_layout_keeps(keep: int) -> None:
+    """`call_candidates` prices a train layout's time only as far as its pipeline bound
+    (`CostModel.train_time_floor_s`) when it could still be kept: the kept candidates equal those
+    of pricing every layout that fits, and the bound never exceeds the time."""
+    from planner.algorithms import ppo as ppo_graph
+    from planner.candidates import Candidate, _train_candidates, costed_view, diverse, layouts_for, pareto
+
+    cluster = parse_cluster("a100-80gb:3x8")
+    cm = CostModel(cluster)
+    graph = ppo_graph("llama-2-13b", critic="llama-2-7b", batch=256, prompt_len=512, gen_len=512, ppo_minibatches=2)
+    cap = cluster.usable_mem_bytes
+    compared = priced_fewer = 0
+    for call in (c for c in graph.calls if c.kind == "train"):
+        view = costed_view(call, graph.models[call.model])
+        for size in (8, 16, 24):
+            mesh = Mesh.block(0, size)
+            fits = [lay for lay in layouts_for(call, view, size, cluster) if cm.train_peak_bytes(call, view, mesh, lay) <= cap]
+            every = []
+            for lay in fits:
+                cost = cm.call_cost(call, view, mesh, lay)
+                assert cm.train_time_floor_s(call, view, mesh, lay) <= cost.time_s
+                assert cm.train_state_bytes(call, view, mesh, lay) == cost.state_mem_bytes
+                every.append(Candidate(mesh, lay, cost))
+            lazy = _train_candidates(call, view, cm, mesh, fits, keep)
+            assert diverse(pareto(lazy), keep) == diverse(pareto(every), keep)
+            compared += 1
+            priced_fewer += len(lazy) < len(every)
+    assert compared == 6 and priced_fewer >= 4  # and the bound saves work
