@@ -38,6 +38,11 @@ from planner.simulate import precedences
 from plans.sharding import slicing
 
 
+# Of the position-free model's work budget, the most its first solve (the hint's classes alone,
+# scheduled: `relaxed_bound`) may take; a handful of classes, it takes a hundredth of it.
+HINT_WORK_SHARE = 0.1
+
+
 @dataclass(frozen=True)
 class Classes:
     """A slot's candidates by class (mesh size and everything costed, not the position)."""
@@ -125,6 +130,8 @@ class RelaxedResult:
     lower_bound_s: float  # on iteration_s over every plan of the space
     choice: list[int] | None  # a candidate per slot (the relaxed optimum, placed), when CP-SAT found one
     order: list | None = None  # its ops by start time
+    starts_s: dict | None = None  # its ops' starts, seconds
+    makespan_s: float | None = None  # its schedule's makespan in the model (all unrolled iterations), seconds
 
 
 def relaxed_bound(problem: Problem, *, incumbent_s: float | None, work_budget: float, time_limit_s: float,
@@ -159,6 +166,18 @@ def relaxed_bound(problem: Problem, *, incumbent_s: float | None, work_budget: f
             if s.home is not None:
                 serial += max(max(row) for row in class_realloc_s(problem, s.index, keep[s.home], keep[s.index]))
         horizon_s = serial * problem.unroll * 1.0001 + 1e-9
+    if hint is not None:
+        # The hint's own classes alone, scheduled by this model first: the hint's schedule then
+        # has the model's durations (its own pays exact reallocations, longer than the model's
+        # floors), and CP-SAT starts from that objective, not the incumbent's. It improves on it
+        # far sooner: PPO 70B on 11 nodes 1.51 -> 0.48 of CP-SAT's deterministic time, on 16
+        # nodes 0.58 -> 0.48; the same bound.
+        own = [[classes(problem, i).of[k]] for i, k in enumerate(hint)]
+        first = _Compact(problem, own, horizon_s=horizon_s)
+        first.hint(hint, hint_starts or {})
+        tight = first.solve(work_budget=HINT_WORK_SHARE * work_budget, time_limit_s=time_limit_s, known_bound_s=0.0)
+        if tight.choice is not None:
+            hint, hint_starts = tight.choice, tight.starts_s
     model = _Compact(problem, keep, horizon_s=horizon_s)
     model.start_from(known_bound_s)
     if hint is not None:
@@ -445,4 +464,6 @@ class _Compact:
                 choice.append(self.at[i][q, solver.value(self.pos[i])])  # in the model's atoms
             starts = {op: solver.value(v) for op, v in self.S.items()}
             order = sorted(starts, key=lambda op: (starts[op], op))
+            return RelaxedResult(name, max(bound, known_bound_s), choice, order,
+                                 {op: t * self.tick for op, t in starts.items()}, solver.value(self.makespan) * self.tick)
         return RelaxedResult(name, max(bound, known_bound_s), choice, order)
