@@ -37,7 +37,6 @@ from planner.problem import Problem
 from planner.simulate import precedences
 from plans.sharding import slicing
 
-
 # Of the position-free model's work budget, the most its first solve (the hint's classes alone,
 # scheduled: `relaxed_bound`) may take; a handful of classes, it takes a hundredth of it.
 HINT_WORK_SHARE = 0.1
