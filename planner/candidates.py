@@ -115,8 +115,8 @@ def _micro_batch_counts(per_dp: int) -> list[int]:
 # power of two (no block between the largest power of two and all the nodes, e.g. none between one
 # node and all three), up to `AUTO_NODE_RANGES_MAX_NODES`. Measured on this project's 2-core VM
 # (PPO 13B+7B and PPO 70B, batch 512, prompt and generation 1024; GRPO 7B on three nodes): on 3-12
-# nodes the runs give plans 1.00-1.58x faster (1.10-1.22x on 6, 10 and 12 nodes), certified within
-# 2.2% in 1.7-9.6 s; on 14-15 nodes 1.06-1.19x but in 7-10 s, at the 10 s aim, so there (and past)
+# nodes the runs give plans 1.00-1.58x faster (1.06-1.22x on 6 and 10-12 nodes), certified within
+# 2.2% in 1.6-8.8 s; on 13-15 nodes 1.06-1.42x but in 6-10 s, at the 10 s aim, so there (and past)
 # they stay opt-in (`--node-ranges`), as on a power of two, where the blocks hold the halves,
 # quarters, ... already (`bench/search.py --node-ranges`).
 AUTO_NODE_RANGES_MAX_NODES = 12
