@@ -37,6 +37,7 @@ from plans.errors import PlannerError
 from plans.graph import Graph
 from plans.hardware import GIB
 from plans.plan import (
+    BOUND_MET,
     PLAN_VERSION,
     DataTransfer,
     Estimate,
@@ -104,9 +105,6 @@ CPSAT_TABLE_LIMIT = 2_000_000
 # (`_search_decomposed`). Below it the placed model proves its optimum within the budget.
 DECOMPOSE_TABLE_SIZE = 15_000
 RELAXED_WORK_SHARE = 0.5  # of --time-limit, as CP-SAT deterministic time for the position-free model
-# The status of a search whose beam plan already meets the proven lower bound (`trivial_lower_bound`):
-# optimal, and CP-SAT is not run.
-BOUND_MET = "BOUND_MET"
 
 
 def headroom_words(cl: ClusterSpec) -> str:

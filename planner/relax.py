@@ -455,14 +455,12 @@ class _Compact:
         if status == cp_model.INFEASIBLE:
             return RelaxedResult(name, math.inf, None)
         bound = steps_bound_s(solver.best_objective_bound, n_ops=self.n_ops, tick_s=self.tick, unroll=self.p.unroll)
-        choice = order = None
-        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            choice = []
-            for i, xs in enumerate(self.x):
-                q = next(q for q, v in zip(self.keep[i], xs) if solver.value(v))
-                choice.append(self.at[i][q, solver.value(self.pos[i])])  # in the model's atoms
-            starts = {op: solver.value(v) for op, v in self.S.items()}
-            order = sorted(starts, key=lambda op: (starts[op], op))
-            return RelaxedResult(name, max(bound, known_bound_s), choice, order,
-                                 {op: t * self.tick for op, t in starts.items()}, solver.value(self.makespan) * self.tick)
-        return RelaxedResult(name, max(bound, known_bound_s), choice, order)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return RelaxedResult(name, max(bound, known_bound_s), None)
+        choice = []
+        for i, xs in enumerate(self.x):
+            q = next(q for q, v in zip(self.keep[i], xs) if solver.value(v))
+            choice.append(self.at[i][q, solver.value(self.pos[i])])  # in the model's atoms
+        starts = {op: solver.value(v) for op, v in self.S.items()}
+        return RelaxedResult(name, max(bound, known_bound_s), choice, sorted(starts, key=lambda op: (starts[op], op)),
+                             {op: t * self.tick for op, t in starts.items()}, solver.value(self.makespan) * self.tick)

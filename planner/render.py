@@ -7,7 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from plans.hardware import GIB
-from plans.plan import Plan, PlanCall
+from plans.plan import BOUND_MET, Plan, PlanCall
 
 
 def make_console(*, stderr: bool = False) -> Console:
@@ -81,7 +81,7 @@ def estimate_lines(plan: Plan) -> list[str]:
         # CP-SAT solved its model, a relaxation (durations in ticks, reallocations at their least,
         # calls at their fastest on shared cores): the bound is that model's optimum.
         found += " (CP-SAT OPTIMAL: the bound is the optimum of its relaxed model)"
-    elif s.status == "BOUND_MET":  # `planner.compile.BOUND_MET`
+    elif s.status == BOUND_MET:
         found += " (the plan meets the lower bound: optimal, CP-SAT not needed)"
     elif s.status and s.status.startswith("relaxed"):  # `planner.compile._search_decomposed`
         found += f" (mesh sizes first, then positions; the bound is the position-free model's: CP-SAT {s.status})"

@@ -91,6 +91,11 @@ class Estimate(Strict):
                                             "planner's runtime.")
 
 
+# `SearchInfo.status` of a search whose beam-search plan already met its proven lower bound:
+# optimal, and CP-SAT was not run (`planner.compile.search`).
+BOUND_MET = "BOUND_MET"
+
+
 class SearchInfo(Strict):
     """How the plan was found."""
 
