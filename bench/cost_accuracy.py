@@ -57,7 +57,12 @@
    Both MoE sources ran DeepEP, so both are costed with ``moe_dispatch="deepep"`` (one copy per
    rank, and per node across nodes, that holds a token's experts). That trait was added after
    seeing the first ModelZoo row's all-to-all take 15 of a predicted 26 s; it is the dispatcher's
-   published behaviour, not a fitted factor.
+   published behaviour, not a fitted factor. Likewise ``expert_gemms="per_expert"`` of the
+   ``megatron-core`` stack (Transformer Engine's grouped linear, which Megatron-core's
+   TEGroupedMLP runs, issues one cuBLASLt GEMM per local expert, each priced at the host time per
+   launch fitted on the vTrain rows; no new coefficient) was added after seeing the tp 4 row 66%
+   slower than predicted: there each rank routes 1,024 tokens per micro-batch to 16 local
+   experts, so the host issuing 96 expert GEMMs per layer takes longer than the GPU runs them.
 
 3. Out of sample on the vTrain rows (``--cross-validate``): leave one model size out. For each
    size, the coefficients are fitted again, from the same fixed start as `planner calibrate`, on

@@ -35,17 +35,20 @@ def wave_efficiency(m: int, n: int, batch: int, sm_count: int | None) -> float:
 
 def kernel_time_s(k: Kernel, hw: Hardware) -> float:
     """Device time of one kernel on `hw`."""
+    latency = k.launches * hw.kernel_latency_s
     if k.kind == "mem":
-        return k.bytes / hw.elementwise_bytes_s + hw.kernel_latency_s
+        return k.bytes / hw.elementwise_bytes_s + latency
     if k.kind == "gemm":
-        rate = hw.gemm_flops * wave_efficiency(k.m, k.n, k.batch, hw.sm_count)
-        return max(k.flops / rate, k.bytes / hw.mem_bytes_s) + hw.kernel_latency_s
+        # Launches run one after another fill the SMs with their own share of the batch each.
+        batch = max(1, k.batch // k.launches) if k.serial else k.batch
+        rate = hw.gemm_flops * wave_efficiency(k.m, k.n, batch, hw.sm_count)
+        return max(k.flops / rate, k.bytes / hw.mem_bytes_s) + latency
     # Fused attention: one tile per (head, query block); the key loop is the reduction. Where the
     # online softmax is not hidden under the matmuls (a CPU core runs them in turn), each
     # (sequence, head) pair adds its setup and each score its exponential, in every pass.
     rate = hw.attn_flops * wave_efficiency(k.m, 64, k.batch, hw.sm_count)
     softmax_s = k.passes * (k.batch * hw.attn_head_s + k.scores * hw.attn_score_s)
-    return max(k.flops / rate, k.bytes / hw.mem_bytes_s) + softmax_s + hw.kernel_latency_s
+    return max(k.flops / rate, k.bytes / hw.mem_bytes_s) + softmax_s + latency
 
 
 def kernels_time_s(kernels: tuple[Kernel, ...], hw: Hardware) -> float:

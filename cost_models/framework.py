@@ -17,7 +17,8 @@ kernels a training step launches and which bytes it keeps. Five presets:
   autocast, so every matmul weight is cast to bf16 on each forward pass and every weight gradient
   cast back and accumulated in fp32; the residual stream stays fp32, and RMSNorm, rotary
   embedding and residual adds run as separate eager kernels (`runtime/model.py`); gradients are
-  reduced in fp32 buckets during the last backward and ZeRO-3 gathers one use ahead. Not yet
+  reduced in fp32 buckets during the last backward and ZeRO-3 gathers one use ahead; a rank's
+  routed experts run one by one in a Python loop (`expert_gemms="loop"`). Not yet
   calibrated on a GPU (`bench/gpu_check.sh` measures it): its GEMM and bandwidth efficiencies
   are those fitted on Megatron-LM runs, its attention is timed at FlashAttention-2's low end
   (`UNCALIBRATED_ATTENTION_SHARE`), and the kernels are its own.
@@ -41,6 +42,7 @@ from plans.errors import PlannerError
 
 AttentionImpl = Literal["flash", "materialized"]
 MoeDispatch = Literal["alltoall", "deepep"]
+ExpertGemms = Literal["grouped", "per_expert", "loop"]
 CpComm = Literal["ring", "all_gather"]
 
 
@@ -107,6 +109,17 @@ class Framework:
     # (DeepEP's dispatch and combine, DeepSeek-V3 report section 3.2.2; Megatron-core's flex
     # dispatcher).
     moe_dispatch: MoeDispatch = "alltoall"
+    # How the host issues a rank's routed experts. "grouped": one kernel per expert GEMM kind for
+    # all local experts (vLLM's fused MoE kernel). "per_expert": one GEMM launch per local expert
+    # and GEMM, the launches spread over streams that fill the GPU together (Transformer Engine's
+    # GroupedLinear, which Megatron-core's TEGroupedMLP runs: a cuBLASLt call per expert on 4
+    # streams, TransformerEngine PR #853, `multi_streams.h`; forward fc1 and fc2, backward their
+    # data and weight gradients). "loop": a Python loop over the experts with tokens, each running
+    # its gate, up and down projections and SwiGLU's kernels one after another (the planner's
+    # runtime, `runtime/model._experts`).
+    expert_gemms: ExpertGemms = "grouped"
+    # The same for generate calls where they run on another engine (None: as `expert_gemms`).
+    rollout_expert_gemms: ExpertGemms | None = None
     # How context-parallel ranks share keys and values. "ring": each passes its chunk around the
     # ring while attention runs on the one it holds (ring attention; Transformer Engine's p2p, what
     # Megatron-core runs), hidden under that attention; "all_gather": every chunk is all-gathered
@@ -136,6 +149,7 @@ FRAMEWORKS: dict[str, Framework] = {
     "megatron-core": Framework(
         name="megatron-core", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
+        expert_gemms="per_expert",
     ),
     # verl and OpenRLHF as they run a PPO/GRPO step: training on Megatron-Core or FSDP/DeepSpeed
     # with bf16 weights beside fp32 master weights and overlapped communication, rollouts on vLLM
@@ -143,7 +157,7 @@ FRAMEWORKS: dict[str, Framework] = {
     "rlhf-engine": Framework(
         name="rlhf-engine", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
-        decode_cuda_graphs=True, decode_drops_finished=True,
+        decode_cuda_graphs=True, decode_drops_finished=True, expert_gemms="per_expert", rollout_expert_gemms="grouped",
     ),
     # vLLM as verl and OpenRLHF run it for rollouts: bf16 weights, fused kernels, decode steps
     # replayed as CUDA graphs (its generate calls; it does not train).
@@ -162,7 +176,7 @@ FRAMEWORKS: dict[str, Framework] = {
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), attn_out_copy=True,
         weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26, decode_cuda_graphs=True,
         windowed_attention=False, cp_comm="all_gather", cp_overlaps_grad_reduce=False,
-        grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0,
+        grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0, expert_gemms="loop",
     ),
 }
 

@@ -34,7 +34,7 @@ from cost_models.framework import Framework
 from cost_models.hardware import Hardware
 from cost_models.lengths import LengthDist, decode_segments
 from cost_models.memory import kv_cache_bytes
-from cost_models.ops import embedding_work, expert_load, gemm, layer_work, mean_layer_params, mem
+from cost_models.ops import embedding_work, expert_load, gemm, host_launches, layer_work, mean_layer_params, mem
 from cost_models.training import StepTimes, Stretch, Topology, forward_pass, stage_layer_counts, stretch_of
 from plans.layout import Layout
 from plans.model import ModelSpec
@@ -88,7 +88,7 @@ def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, 
     dense_layer, sparse_layer = one(False), (one(True) if spec.moe_layers else Stretch())
     ef, _ = embedding_work(spec, fw, b=b, s=1, tp=tp, cp=1)
     head = (gemm(b, -(-spec.vocab_size // tp), spec.hidden_size), mem(SAMPLE_BYTES * b * spec.vocab_size / tp))
-    ends = Stretch(kernels_time_s(ef + head, hw), 0.0, (len(ef) + len(head)) * hw.host_kernel_s)
+    ends = Stretch(kernels_time_s(ef + head, hw), 0.0, host_launches(ef + head) * hw.host_kernel_s)
     if fw.decode_cuda_graphs and hw.sm_count is not None:  # one launch for the whole step
         ends = dataclasses.replace(ends, host_s=hw.host_kernel_s)
     counts = stage_layer_counts(spec, pp, layout.interleave)
@@ -110,6 +110,8 @@ def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout,
     the responses really are (`cost_models.lengths`; None: all run to `gen_len`)."""
     out = StepTimes()
     split = decode_split(seqs, decode)
+    if fw.rollout_expert_gemms is not None:  # the rollouts' engine runs the experts its own way
+        fw = dataclasses.replace(fw, expert_gemms=fw.rollout_expert_gemms)
     if fw.weight_cast_bytes:  # the weights are cast once for the call, not on each step
         lp = mean_layer_params(spec, decode.tp) * spec.num_hidden_layers / decode.pp / \
             (decode.ep if spec.is_moe else 1)

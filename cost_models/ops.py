@@ -26,11 +26,14 @@ a rank routes, a top-k softmax, a permutation of the T*k token copies into exper
 GEMMs of the experts a rank holds (each at the rows it really receives: `ExpertLoad`), the
 un-permutation and weighted sum, and an all-to-all over the expert-parallel group before and
 after the experts (dispatch and combine; the backward runs both again). A shared expert is a
-dense SwiGLU MLP beside them.
+dense SwiGLU MLP beside them. The experts' GEMMs are launched as the stack launches them
+(`Framework.expert_gemms`: one grouped kernel, one per expert, or a loop over the experts), and
+the host pays each launch (`Kernel.launches`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -66,6 +69,12 @@ class Kernel:
     batch: int = 1
     scores: float = 0.0
     passes: float = 1.0
+    # Kernels the host launches for this entry (each paying the host's issue time and the device's
+    # launch latency): more than one where a stack runs a grouped operation expert by expert.
+    # `serial`: those launches run one after another, each on its share of `batch` (a Python loop);
+    # otherwise they fill the GPU together, as one grouped kernel would (streams running concurrently).
+    launches: int = 1
+    serial: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,12 +106,23 @@ def gemm(m: int, n: int, k: int, batch: int = 1) -> Kernel:
 
 
 def gemm_bwd(g: Kernel) -> tuple[Kernel, Kernel]:
-    """Gradients of A (m, k, n) and of B (k, n, m) for a forward GEMM `g`."""
-    return gemm(g.m, g.k, g.n, g.batch), gemm(g.k, g.n, g.m, g.batch)
+    """Gradients of A (m, k, n) and of B (k, n, m) for a forward GEMM `g`, launched as `g` is."""
+    return (launched(gemm(g.m, g.k, g.n, g.batch), g.launches, g.serial),
+            launched(gemm(g.k, g.n, g.m, g.batch), g.launches, g.serial))
 
 
-def mem(nbytes: float) -> Kernel:
-    return Kernel("mem", 0.0, float(nbytes))
+def mem(nbytes: float, launches: int = 1) -> Kernel:
+    return Kernel("mem", 0.0, float(nbytes), launches=launches)
+
+
+def launched(g: Kernel, launches: int, serial: bool) -> Kernel:
+    """`g` issued as `launches` kernels (see `Kernel.launches`)."""
+    return dataclasses.replace(g, launches=launches, serial=serial)
+
+
+def host_launches(kernels: tuple[Kernel, ...] | list[Kernel]) -> int:
+    """Kernels the host issues for `kernels`."""
+    return sum(k.launches for k in kernels)
 
 
 def layer_params_per_rank(spec: ModelSpec, tp: int, *, sparse: bool = False) -> float:
@@ -303,7 +323,8 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     mats = (qkv, out, *ups) + ((down,) if down is not None else ())
     casts = [mem(fw.weight_cast_bytes * g.k * g.n) for g in mats] if fw.weight_cast_bytes else []
     if moe is not None and fw.weight_cast_bytes:
-        casts.append(mem(fw.weight_cast_bytes * moe.active * 3 * h * moe.width))
+        casts.append(mem(fw.weight_cast_bytes * moe.active * 3 * h * moe.width,
+                         3 * moe.active if fw.expert_gemms == "loop" else 1))  # one cast per matrix used
     copy = [mem(4.0 * m * a * d / tp)] if fw.attn_out_copy and fw.attention == "flash" else []
     mlp_f = (*ups, *act_fwd) + ((down,) if down is not None else ())
     fwd = (*casts, *norm_f, qkv, *rope_f, *att_f, *copy, out, *add_f, *norm_f, *mlp_f, *add_f)
@@ -377,13 +398,23 @@ def sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLo
     t = moe.routed
     copies = float(t) * k * h
     router = gemm(t, e, h)
-    up = gemm(moe.rows, 2 * moe.width, h, moe.active)
-    down = gemm(moe.rows, h, moe.width, moe.active)
-    cells = float(moe.rows) * moe.active * moe.width
-    fwd: list[Kernel] = [router, mem(10.0 * t * e), mem(4.0 * copies), up,
-                         *[mem(x * cells) for x in fw.swiglu_fwd or (6.0,)], down, mem(2.0 * copies + 2.0 * t * h)]
-    bwd: list[Kernel] = [mem(2.0 * copies + 4.0 * t * h), *gemm_bwd(down), *[mem(x * cells) for x in fw.swiglu_bwd or (10.0,)],
-                         *gemm_bwd(up), mem(4.0 * copies), mem(10.0 * t * e), *gemm_bwd(router)]
+    n = moe.active
+    down = gemm(moe.rows, h, moe.width, n)
+    cells = float(moe.rows) * n * moe.width
+    act_launches = 1
+    if fw.expert_gemms == "loop":  # gate and up apart, every kernel once per expert, in turn
+        ups = [launched(gemm(moe.rows, moe.width, h, n), n, True) for _ in range(2)]
+        down, act_launches = launched(down, n, True), n
+    elif fw.expert_gemms == "per_expert":
+        ups, down = [launched(gemm(moe.rows, 2 * moe.width, h, n), n, False)], launched(down, n, False)
+    else:
+        ups = [gemm(moe.rows, 2 * moe.width, h, n)]
+    fwd: list[Kernel] = [router, mem(10.0 * t * e), mem(4.0 * copies), *ups,
+                         *[mem(x * cells, act_launches) for x in fw.swiglu_fwd or (6.0,)], down,
+                         mem(2.0 * copies + 2.0 * t * h)]
+    bwd: list[Kernel] = [mem(2.0 * copies + 4.0 * t * h), *gemm_bwd(down),
+                         *[mem(x * cells, act_launches) for x in fw.swiglu_bwd or (10.0,)],
+                         *[g for u in ups for g in gemm_bwd(u)], mem(4.0 * copies), mem(10.0 * t * e), *gemm_bwd(router)]
     fs = spec.shared_expert_intermediate_size
     if fs:
         s_up, s_down = gemm(m, 2 * fs // tp, h), gemm(m, h, fs // tp)

@@ -35,6 +35,7 @@ from cost_models.ops import (
     expert_load_at,
     expert_params_per_rank,
     head_work,
+    host_launches,
     layer_params_per_rank,
     layer_work,
 )
@@ -135,7 +136,7 @@ def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dic
     """
     dev = kernels_time_s(kernels, hw)
     t_comm = host = t_cp = t_ep = 0.0
-    between = (dev + len(kernels) * hw.host_kernel_s) / max(1, len(comms))  # work before each collective
+    between = (dev + host_launches(kernels) * hw.host_kernel_s) / max(1, len(comms))  # work before each collective
     for c in comms:
         g = groups[c.group]
         t = comm_time_s(c, g, hw) + comm.skew_wait_s(between, g.n, hw)
@@ -149,7 +150,7 @@ def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dic
         # Issuing a collective waits for the group's ranks to meet (a tree rendezvous), so its host
         # cost grows with the tree's depth, log2 of the group.
         host += hw.host_collective_s * math.log2(max(2, g.n))
-    return Stretch(dev, t_comm, len(kernels) * hw.host_kernel_s + host, t_cp, t_ep)
+    return Stretch(dev, t_comm, host_launches(kernels) * hw.host_kernel_s + host, t_cp, t_ep)
 
 
 @dataclass(frozen=True)

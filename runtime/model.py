@@ -508,12 +508,10 @@ def _experts(shard: Shard, w: dict[str, Tensor], x: Tensor, top_i: Tensor, top_w
         back = None
     counts = torch.bincount(ids, minlength=local).tolist()
     gate, up, down = w["experts.gate_proj.weight"], w["experts.up_proj.weight"], w["experts.down_proj.weight"]
-    outs, start = [], 0
-    for j, n in enumerate(counts):
-        if n:
-            r = rows[start:start + n]
-            outs.append(F.linear(F.silu(F.linear(r, gate[j])) * F.linear(r, up[j]), down[j]))
-        start += n
+    # unbind and split, not indexing: their backward stacks (concatenates) the pieces' gradients in
+    # one kernel, where indexing adds a zero-filled copy of the whole stacked tensor per expert.
+    outs = [F.linear(F.silu(F.linear(r, g)) * F.linear(r, u), d)
+            for r, g, u, d, n in zip(rows.split(counts), gate.unbind(0), up.unbind(0), down.unbind(0), counts) if n]
     # With no copies here, the (empty) output still depends on the rows and weights, so backward
     # runs this rank's side of both exchanges, as every rank of the group must.
     y = torch.cat(outs) if outs else rows.new_zeros((0, x.shape[1])) + 0 * (down.sum() + rows.sum())

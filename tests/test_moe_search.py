@@ -84,6 +84,56 @@ def test_deepep_sends_a_token_once_per_rank_and_node() -> None:
     assert across.a2a_leaving < across.a2a_bytes
 
 
+def test_stacks_issue_the_experts_as_they_run_them() -> None:
+    """Transformer Engine's grouped linear launches one GEMM per local expert (forward fc1 and
+    fc2, backward each one's two gradients); the planner's runtime loops over its experts in
+    Python; vLLM runs one fused kernel. The host issues every launch."""
+    from cost_models.ops import host_launches, layer_work
+
+    load = expert_load(QWEN, Layout(dp=8, ep=8), tokens=4096)
+    n = load.active
+    assert n == QWEN.experts // 8
+
+    def work(fw: str, **traits):
+        stack = dataclasses.replace(resolve_framework(fw), **traits)
+        return layer_work(QWEN, stack, b=1, s=4096, tp=1, cp=1, sp=False, moe=load)
+
+    grouped = work("megatron-core", expert_gemms="grouped")
+    te, loop = work("megatron-core"), work("torch")
+    assert host_launches(te.fwd) - host_launches(grouped.fwd) == 2 * (n - 1)
+    assert host_launches(te.bwd) - host_launches(grouped.bwd) == 4 * (n - 1)
+    assert len(te.fwd) == len(grouped.fwd)  # the same kernels, issued expert by expert
+    same_kernels = work("torch", expert_gemms="grouped")
+    # per expert: gate, up, down, SwiGLU's two kernels and three weight casts (8 n launches), where
+    # the grouped kernels are one fused gate/up GEMM, SwiGLU's two, one down and one cast (5)
+    assert host_launches(loop.fwd) - host_launches(same_kernels.fwd) == 8 * n - 5
+    # on the device, experts run one after another fill fewer SMs than one grouped GEMM
+    hw = CostModel(parse_cluster("h100-sxm:1x8")).hw
+    from cost_models.compute import kernels_time_s
+    assert kernels_time_s(loop.fwd, hw) > kernels_time_s(same_kernels.fwd, hw)
+    # verl / OpenRLHF exports: Megatron-core's training, vLLM's fused experts in the rollouts
+    assert resolve_framework("rlhf-engine").expert_gemms == "per_expert"
+    assert resolve_framework("rlhf-engine").rollout_expert_gemms == resolve_framework("vllm").expert_gemms == "grouped"
+
+
+def test_per_expert_launches_bind_small_micro_batches_of_many_local_experts() -> None:
+    """With few tokens per rank the host issuing 16 experts' GEMMs one by one takes longer than the
+    GPU runs them (the regime of the Megatron-MoE-ModelZoo tp 4 row); with many tokens it hides."""
+    cm = {g: CostModel(parse_cluster("h100-sxm:4x8"),
+                       framework=dataclasses.replace(resolve_framework("megatron-core"), expert_gemms=g))
+          for g in ("grouped", "per_expert")}
+    decl = ModelDecl(spec=QWEN, trainable=True)
+
+    def step(g: str, seqs: int, micro: int) -> float:
+        call = TRAIN.model_copy(update={"seqs": seqs})
+        return cm[g].call_cost(call, decl, Mesh.block(0, 8), Layout(dp=8, ep=8, zero=1, micro_batches=micro)).time_s
+
+    small = step("per_expert", 64, 8) / step("grouped", 64, 8)  # 1 sequence per micro-batch
+    assert small > 1.2
+    large = step("per_expert", 64, 1) / step("grouped", 64, 1)  # 8 sequences per micro-batch
+    assert 1.0 <= large < small
+
+
 def test_few_decode_tokens_activate_few_experts() -> None:
     one = expert_load(QWEN, Layout(), tokens=1)
     assert one.active == QWEN.num_experts_per_tok and one.rows == 1
