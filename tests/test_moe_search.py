@@ -9,8 +9,9 @@ import itertools
 import pytest
 
 from cost_models import CostModel
+from cost_models.compute import kernels_time_s
 from cost_models.framework import resolve_framework
-from cost_models.ops import expert_load, groups_hit
+from cost_models.ops import expert_load, groups_hit, host_launches, layer_work
 from planner.algorithms import grpo
 from planner.compile import compile_graph
 from planner.explain import explain_plan
@@ -88,8 +89,6 @@ def test_stacks_issue_the_experts_as_they_run_them() -> None:
     """Transformer Engine's grouped linear launches one GEMM per local expert (forward fc1 and
     fc2, backward each one's two gradients); the planner's runtime loops over its experts in
     Python; vLLM runs one fused kernel. The host issues every launch."""
-    from cost_models.ops import host_launches, layer_work
-
     load = expert_load(QWEN, Layout(dp=8, ep=8), tokens=4096)
     n = load.active
     assert n == QWEN.experts // 8
@@ -109,7 +108,6 @@ def test_stacks_issue_the_experts_as_they_run_them() -> None:
     assert host_launches(loop.fwd) - host_launches(same_kernels.fwd) == 8 * n - 5
     # on the device, experts run one after another fill fewer SMs than one grouped GEMM
     hw = CostModel(parse_cluster("h100-sxm:1x8")).hw
-    from cost_models.compute import kernels_time_s
     assert kernels_time_s(loop.fwd, hw) > kernels_time_s(same_kernels.fwd, hw)
     # verl / OpenRLHF exports: Megatron-core's training, vLLM's fused experts in the rollouts
     assert resolve_framework("rlhf-engine").expert_gemms == "per_expert"
