@@ -1,8 +1,10 @@
-"""Shared fixtures: the repository root and a runner for the `planner` CLI in-process."""
+"""Shared fixtures: the repository root, a runner for the `planner` CLI in-process, and
+`bench/cost_accuracy.py` imported as a module."""
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,3 +45,13 @@ def cli(capsys, monkeypatch):
         return CliResult(code, captured.out, captured.err)
 
     return run
+
+
+@pytest.fixture()
+def bench(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """`bench/cost_accuracy.py` as a module (its tables and functions), unloaded afterwards."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import cost_accuracy
+
+    yield cost_accuracy
+    sys.modules.pop("cost_accuracy", None)

@@ -7,29 +7,16 @@ size, and the table reports in-sample and out-of-sample errors with their signs.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-
-import pytest
 
 from cost_models.calibration import default_calibration
 from cost_models.measured import read_measured
-from tests.conftest import ROOT
 
 HEADER = "params_b,gpus,global_batch,micro_batch,hidden_size,num_attention_heads,num_hidden_layers,seq_len,tp,dp,pp,iteration_ms\n"
 ROWS = [  # two sizes, two layouts each
     "1.3,8,64,2,2048,16,24,2048,1,8,1,{t}", "1.3,8,64,2,2048,16,24,2048,1,4,2,{t}",
     "2.7,8,64,2,2560,32,32,2048,1,8,1,{t}", "2.7,8,64,1,2560,32,32,2048,2,4,1,{t}",
 ]
-
-
-@pytest.fixture()
-def bench(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    import cost_accuracy
-
-    yield cost_accuracy
-    sys.modules.pop("cost_accuracy", None)
 
 
 def test_leave_one_size_out_predicts_every_row_from_a_fit_without_its_size(bench, tmp_path: Path, monkeypatch,

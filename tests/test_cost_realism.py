@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from cost_models import CostModel
+from cost_models.calibration import default_calibration
 from cost_models.estimate import estimate_training, training_layout
 from planner.algorithms import ppo
 from planner.compile import compile_graph
@@ -139,3 +140,17 @@ def test_a_plan_costed_for_another_stack_keeps_it_for_every_later_estimate() -> 
     assert torch_plan.estimate.framework is None and "not yet calibrated on a GPU" in (torch_plan.estimate.costed_for or "")
     assert plan.estimate.iteration_s != torch_plan.estimate.iteration_s
     assert explain_plan(plan).notes == [] and memory_problems(plan) == []
+
+
+def test_megatron_table1_runs_as_configured_fit_and_are_priced_near_published(bench) -> None:
+    """Narayanan et al. 2021, Table 1, each row as Megatron-LM's examples/sc21/run_table_1.sh ran it
+    (micro-batch, layers per virtual stage, DDP) on 80 GB A100s: the memory model must let every
+    one of those runs fit, the interleaved rows get the script's chunks per stage, and each
+    predicted throughput must stay within 15% of the published one (the bench prints the errors)."""
+    rows = bench.megatron_table1(default_calibration("a100-80gb"))
+    assert len(rows) == 10
+    assert [lay.interleave for _, lay, *_ in rows] == [1, 1, 1, 1, 1, 3, 2, 2, 3, 1]
+    assert [lay.micro_batches for _, lay, *_ in rows] == [1, 1, 1, 4, 12, 28, 48, 144, 280, 512]
+    for row, lay, tflops, peak, fits in rows:
+        assert fits, f"{row[0]}B {lay.short()} ran on 80 GB A100s but is costed at {peak / GIB:.0f} GiB"
+        assert abs(tflops / row[8] - 1) < 0.15, (row[0], tflops, row[8])
