@@ -37,7 +37,7 @@
    refit moves every cost-model figure the README quotes, so it waits for a recalibration that
    re-derives them.
 
-   Three configurations were run on both clusters: 3.6B tp 2 dp 32 micro-batch 16 (vTrain 3.94 s,
+   Three configurations were run on both clusters (the bench prints them): 3.6B tp 2 dp 32 micro-batch 16 (vTrain 3.94 s,
    Selene 3.70 s: Table 1's 138 TFLOP/s), 18.4B tp 8 dp 32 micro-batch 8 (9.60 s, 9.40 s) and
    39.1B tp 8 pp 2 dp 32 micro-batch 4 (14.76 s, 14.45 s). Selene is 6.2%, 2.1% and 2.1% faster
    (twice the network per node; PyTorch DDP for the first two). The model is too fast on both
@@ -268,6 +268,25 @@ def report_megatron(cal: Calibration) -> float:
     return m
 
 
+def report_both_clusters(cal: Calibration, runs: list[MeasuredRun], setup: Setup) -> None:
+    """The Table 1 configurations that vTrain's multi-node rows also ran (same model, degrees,
+    micro-batch and global batch): both clusters' measured step, and the model's error on each."""
+    print("\nrun on both clusters (vTrain's multi-node rows and Table 1's Selene), time per step:")
+    table = megatron_table1(cal)
+    for r, pred in zip(runs, predict(runs, cal, setup)):
+        lay = r.layout
+        mb = r.global_batch // (lay.dp * lay.micro_batches)
+        for row, sel, tflops, _, _ in table:
+            h, layers, batch, published = row[2], row[3], row[7], row[8]
+            if (r.spec.hidden_size, r.spec.num_hidden_layers, r.global_batch, mb, lay.tp, lay.pp, lay.dp) != \
+                    (h, layers, batch, row[9], sel.tp, sel.pp, sel.dp):
+                continue
+            selene = megatron_flops(batch, 2048, layers, h, 51200) / (published * 1e12 * sel.size)
+            print(f"  {row[0]:6.1f}B tp{lay.tp} pp{lay.pp} dp{lay.dp} mb{mb:<3d} measured vTrain {r.iteration_s:6.2f} s, "
+                  f"Selene {selene:6.2f} s; predicted {pred:6.2f} s ({pct(pred, r.iteration_s):+5.1f}%), "
+                  f"{selene * published / tflops:6.2f} s ({pct(published / tflops, 1.0):+5.1f}%)")
+
+
 def report_llama3(cal: Calibration) -> float:
     print("\nheld out: Llama 3 405B on H100 (Llama 3 Herd, Table 4), BF16 MFU")
     spec = resolve_model("llama-3-405b")
@@ -380,11 +399,12 @@ def main() -> None:
     print(f"calibration: {args.calibration or 'shipped default'} ({cal.source or 'no source recorded'})")
     data = data_dir()
     vtrain = data / "vtrain" if data else None
+    files: dict[str, list[MeasuredRun]] = {}
+    setup = dataclasses.replace(VTRAIN, intra_node_gbps=args.vtrain_intra_gbps)
     if vtrain is None or not vtrain.is_dir():
         print("vTrain data not found (looked for ../shared/data/vtrain; set PLANNER_DATA_DIR): skipping measured rows")
     else:
-        results, files = {}, {}
-        setup = dataclasses.replace(VTRAIN, intra_node_gbps=args.vtrain_intra_gbps)
+        results = {}
         for csv in sorted(vtrain.glob("*.csv")):
             try:
                 runs = read_measured(csv)
@@ -401,6 +421,8 @@ def main() -> None:
                 raise SystemExit(f"--cv-file {args.cv_file!r}: not one of {sorted(files)}")
             cross_validate(files, cal, setup, args.sweeps, args.cv_file)
     report_megatron(cal)
+    if "ground_truth_multi.csv" in files:
+        report_both_clusters(cal, files["ground_truth_multi.csv"], setup)
     report_llama3(cal)
     report_moe(cal)
 

@@ -10,6 +10,7 @@ import pytest
 from cost_models import CostModel
 from cost_models.calibration import default_calibration
 from cost_models.estimate import estimate_training, training_layout
+from cost_models.measured import read_measured
 from planner.algorithms import ppo
 from planner.compile import compile_graph
 from plans import Layout, Mesh, parse_cluster, resolve_model
@@ -154,3 +155,16 @@ def test_megatron_table1_runs_as_configured_fit_and_are_priced_near_published(be
     for row, lay, tflops, peak, fits in rows:
         assert fits, f"{row[0]}B {lay.short()} ran on 80 GB A100s but is costed at {peak / GIB:.0f} GiB"
         assert abs(tflops / row[8] - 1) < 0.15, (row[0], tflops, row[8])
+
+
+def test_table1_configurations_run_on_vtrains_cluster_too_are_paired(bench, tmp_path, capsys) -> None:
+    """A measured row of the same model, degrees, micro-batch and global batch as a Table 1 run is
+    printed beside Selene's step (Table 1's TFLOP/s turned back into seconds by Eq. 3); a row that
+    differs in its micro-batch is not."""
+    header = "params_b,gpus,global_batch,micro_batch,hidden_size,num_attention_heads,num_hidden_layers,seq_len,tp,dp,pp,iteration_ms\n"
+    path = tmp_path / "runs.csv"
+    path.write_text(header + "18.4,256,1024,8,6144,48,40,2048,8,32,1,9603.6\n18.4,256,1024,4,6144,48,40,2048,8,32,1,9927.6\n")
+    bench.report_both_clusters(default_calibration("a100-80gb"), read_measured(path), bench.VTRAIN)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "measured vTrain" in ln]
+    assert len(lines) == 1 and "mb8 " in lines[0]
+    assert "vTrain   9.60 s, Selene   9.40 s" in lines[0]  # 135 TFLOP/s on 256 GPUs by Eq. 3
