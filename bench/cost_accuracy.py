@@ -19,7 +19,7 @@
    on average against 6.67%); with 300 GB/s it fits to 0.82, 247 GB/s, within 8% of that
    measured 229. History, said plainly: the choice was first made (an earlier session) while
    looking at Megatron Table 1 below, then under a micro-batch rule; the measured all-reduce
-   table, found this session, supports it without Table 1. Under the 150 GB/s reading Table 1
+   table, found later, supports it without Table 1. Under the 150 GB/s reading Table 1
    (as its run script configures it) is predicted 14.05% too fast and Llama 3 14.6% too fast:
    ``--calibration FILE --vtrain-intra-gbps 1200`` with that refit shows it.
    The same measured table says the model's intra-node all-reduce is still optimistic for small
@@ -37,9 +37,9 @@
    refit moves every cost-model figure the README quotes, so it waits for a recalibration that
    re-derives them.
 
-   Three configurations were run on both clusters (the bench prints them): 3.6B tp 2 dp 32 micro-batch 16 (vTrain 3.94 s,
-   Selene 3.70 s: Table 1's 138 TFLOP/s), 18.4B tp 8 dp 32 micro-batch 8 (9.60 s, 9.40 s) and
-   39.1B tp 8 pp 2 dp 32 micro-batch 4 (14.76 s, 14.45 s). Selene is 6.2%, 2.1% and 2.1% faster
+   Three configurations were run on both clusters (the bench prints them): 3.6B tp 2 dp 32
+   micro-batch 16 (vTrain 3.94 s, Selene 3.70 s: Table 1's 138 TFLOP/s), 18.4B tp 8 dp 32
+   micro-batch 8 (9.60 s, 9.40 s) and 39.1B tp 8 pp 2 dp 32 micro-batch 4 (14.76 s, 14.45 s). Selene is 6.2%, 2.1% and 2.1% faster
    (twice the network per node; PyTorch DDP for the first two). The model is too fast on both
    clusters for every one of them: by 9.9%, 2.4% and 2.6% on the vTrain runs (in sample) and by
    7.2%, 6.7% and 3.4% of the time on Selene's. Two independent measurements of the same job
@@ -57,8 +57,8 @@
      virtual stage for 76.1B, 145.6B, 310.1B and 529.6B (3, 2, 2 and 3 chunks per stage);
      ``--DDP-impl torch`` (PyTorch DDP: gradients all-reduced in buckets during the backward) up
      to 18.4B and ``local`` (one all-reduce after the backward, the ``megatron`` stack's) beyond;
-     fp16, ``--checkpoint-activations``. Until this session the table had no micro-batch or
-     schedule here: first the best predicted micro-batch (2.82% MAPE), then a fixed rule (the
+     fp16, ``--checkpoint-activations``. Earlier versions of this bench had no micro-batch or
+     schedule for the table: first the best predicted micro-batch (2.82% MAPE), then a fixed rule (the
      largest of 1, 2, 4, 8 that fits, 8.23%, throughput -4.61%: the large pipelines' bubbles as
      wide as memory allowed, and no interleaving). The run script was found while looking for
      why those rows leaned slow; it gives the rows' configuration, not a modelling choice, and
@@ -129,27 +129,55 @@ from cost_models.estimate import estimate_training, training_layout  # noqa: E40
 from cost_models.fit import START, Setup, fit, mape, predict  # noqa: E402
 from cost_models.framework import Framework, resolve_framework  # noqa: E402
 from cost_models.measured import MeasuredRun, read_measured  # noqa: E402
+from cost_models.training import microbatch_size  # noqa: E402
 from plans import Layout, Mesh, PlannerError, parse_cluster, resolve_model  # noqa: E402
 from plans.graph import Call, ModelDecl  # noqa: E402
 
 VTRAIN = Setup(gpu="a100-80gb", gpus_per_node=8, intra_node_gbps=None, inter_node_gbps=800, framework="megatron")
 
-# Narayanan et al. 2021, Table 1: (params B, heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s per GPU), and
-# each row's run as Megatron-LM's examples/sc21/run_table_1.sh (commit de7dc40f88, 2021-08-10)
-# gives it: micro-batch, layers per virtual pipeline stage (0: the plain 1F1B schedule) and
-# --DDP-impl ("torch": PyTorch DDP, gradients all-reduced in buckets during the backward; "local":
-# Megatron's own, one all-reduce after the last backward).
+@dataclasses.dataclass(frozen=True)
+class Table1Row:
+    """One row of Narayanan et al. 2021, Table 1 (GPT, vocabulary 51,200, sequence 2048, on
+    Selene), and how Megatron-LM's examples/sc21/run_table_1.sh (commit de7dc40f88, 2021-08-10)
+    ran it."""
+
+    params_b: float
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops: float  # published, per GPU by their Eq. 3
+    mbs: int  # --micro-batch-size
+    layers_per_chunk: int  # --num-layers-per-virtual-pipeline-stage (0: the plain 1F1B schedule)
+    ddp: str  # --DDP-impl: "torch" (PyTorch DDP, bucketed under the backward) or "local" (after it)
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def interleave(self) -> int:
+        return self.layers // (self.pp * self.layers_per_chunk) if self.layers_per_chunk else 1
+
+    def step_s(self) -> float:
+        """The published step time: the TFLOP/s turned back into seconds by Eq. 3."""
+        return megatron_flops(self.batch, 2048, self.layers, self.hidden, 51200) / (self.tflops * 1e12 * self.gpus)
+
+
 MEGATRON_TABLE1 = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, 0, "torch"),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16, 0, "torch"),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16, 0, "torch"),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 0, "torch"),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 0, "local"),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 5, "local"),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 5, "local"),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 3, "local"),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 1, "local"),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 0, "local"),
+    Table1Row(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, 0, "torch"),
+    Table1Row(3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16, 0, "torch"),
+    Table1Row(7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16, 0, "torch"),
+    Table1Row(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 0, "torch"),
+    Table1Row(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 0, "local"),
+    Table1Row(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 5, "local"),
+    Table1Row(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 5, "local"),
+    Table1Row(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 3, "local"),
+    Table1Row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 1, "local"),
+    Table1Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 0, "local"),
 ]
 # Llama 3 Herd, Table 4 (8K rows): (GPUs, TP, PP, DP, seq, sequences per batch, MFU)
 LLAMA3_TABLE4 = [(8192, 8, 16, 64, 8192, 2048, 0.43), (16384, 8, 16, 128, 8192, 2048, 0.41)]
@@ -233,22 +261,21 @@ def megatron_flops(b: int, s: int, l: int, h: int, v: int) -> float:
     return 96.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
 
 
-def megatron_table1(cal: Calibration) -> list[tuple[tuple, Layout, float, float, bool]]:
+def megatron_table1(cal: Calibration) -> list[tuple[Table1Row, Layout, float, float, bool]]:
     """Each Table 1 row as its run script configures it, predicted: (row, layout, predicted
     TFLOP/s per GPU by Eq. 3, peak memory in bytes, whether it fits)."""
     megatron = resolve_framework("megatron")
     stacks = {"local": megatron, "torch": dataclasses.replace(megatron, overlap_grad_reduce=True)}
     out = []
     for row in MEGATRON_TABLE1:
-        params, heads, h, layers, tp, pp, gpus, batch, published, mb, per_chunk, ddp = row
-        spec = resolve_model(dict(model_type="gpt", hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
-                                  vocab_size=51200, max_position_embeddings=2048))
-        cluster = parse_cluster(f"a100-80gb:{gpus // 8}x8")
-        lay = training_layout(spec, cluster, tp=tp, pp=pp, dp=gpus // (tp * pp), micro_batch=mb, global_batch=batch,
-                              seq_len=2048, recompute="full", interleave=layers // (pp * per_chunk) if per_chunk else 1)
-        est = estimate_training(spec, cluster, lay, global_batch=batch, seq_len=2048, calibration=cal,
-                                framework=stacks[ddp])
-        tflops = megatron_flops(batch, 2048, layers, h, 51200) / est.iteration_s / gpus / 1e12
+        spec = resolve_model(dict(model_type="gpt", hidden_size=row.hidden, num_hidden_layers=row.layers,
+                                  num_attention_heads=row.heads, vocab_size=51200, max_position_embeddings=2048))
+        cluster = parse_cluster(f"a100-80gb:{row.gpus // 8}x8")
+        lay = training_layout(spec, cluster, tp=row.tp, pp=row.pp, dp=row.dp, micro_batch=row.mbs,
+                              global_batch=row.batch, seq_len=2048, recompute="full", interleave=row.interleave)
+        est = estimate_training(spec, cluster, lay, global_batch=row.batch, seq_len=2048, calibration=cal,
+                                framework=stacks[row.ddp])
+        tflops = row.step_s() * row.tflops / est.iteration_s
         out.append((row, lay, tflops, est.peak_mem_bytes, est.fits))
     return out
 
@@ -258,10 +285,9 @@ def report_megatron(cal: Calibration) -> float:
           " each row as its run script (examples/sc21/run_table_1.sh) configures it")
     errs = []
     for row, lay, tflops, peak, fits in megatron_table1(cal):
-        params, published, mb, ddp = row[0], row[8], row[9], row[11]
-        errs.append(pct(tflops, published))
-        print(f"  {params:7.1f}B tp{lay.tp} pp{lay.pp:<3d} dp{lay.dp:<4d} mb{mb:<3d}v{lay.interleave} DDP {ddp:5s} "
-              f"published {published:5.0f}  predicted {tflops:6.1f}  {errs[-1]:+6.1f}%, peak memory "
+        errs.append(pct(tflops, row.tflops))
+        print(f"  {row.params_b:7.1f}B tp{lay.tp} pp{lay.pp:<3d} dp{lay.dp:<4d} mb{row.mbs:<3d}v{lay.interleave} "
+              f"DDP {row.ddp:5s} published {row.tflops:5.0f}  predicted {tflops:6.1f}  {errs[-1]:+6.1f}%, peak memory "
               f"{peak / 2**30:.0f} GiB{'' if fits else ' (does not fit)'}")
     m = sum(abs(e) for e in errs) / len(errs)
     print(f"  MAPE {m:.2f}% over {len(errs)} rows; {sign_summary(errs, of='throughput')}")
@@ -274,17 +300,15 @@ def report_both_clusters(cal: Calibration, runs: list[MeasuredRun], setup: Setup
     print("\nrun on both clusters (vTrain's multi-node rows and Table 1's Selene), time per step:")
     table = megatron_table1(cal)
     for r, pred in zip(runs, predict(runs, cal, setup)):
-        lay = r.layout
-        mb = r.global_batch // (lay.dp * lay.micro_batches)
-        for row, sel, tflops, _, _ in table:
-            h, layers, batch, published = row[2], row[3], row[7], row[8]
+        lay, mb = r.layout, microbatch_size(r.global_batch, r.layout)
+        for row, _, tflops, _, _ in table:
             if (r.spec.hidden_size, r.spec.num_hidden_layers, r.global_batch, mb, lay.tp, lay.pp, lay.dp) != \
-                    (h, layers, batch, row[9], sel.tp, sel.pp, sel.dp):
+                    (row.hidden, row.layers, row.batch, row.mbs, row.tp, row.pp, row.dp):
                 continue
-            selene = megatron_flops(batch, 2048, layers, h, 51200) / (published * 1e12 * sel.size)
-            print(f"  {row[0]:6.1f}B tp{lay.tp} pp{lay.pp} dp{lay.dp} mb{mb:<3d} measured vTrain {r.iteration_s:6.2f} s, "
-                  f"Selene {selene:6.2f} s; predicted {pred:6.2f} s ({pct(pred, r.iteration_s):+5.1f}%), "
-                  f"{selene * published / tflops:6.2f} s ({pct(published / tflops, 1.0):+5.1f}%)")
+            selene, predicted = row.step_s(), row.step_s() * row.tflops / tflops
+            print(f"  {row.params_b:6.1f}B tp{lay.tp} pp{lay.pp} dp{lay.dp} mb{mb:<3d} measured vTrain "
+                  f"{r.iteration_s:6.2f} s, Selene {selene:6.2f} s; predicted {pred:6.2f} s "
+                  f"({pct(pred, r.iteration_s):+5.1f}%), {predicted:6.2f} s ({pct(predicted, selene):+5.1f}%)")
 
 
 def report_llama3(cal: Calibration) -> float:

@@ -153,8 +153,8 @@ def test_megatron_table1_runs_as_configured_fit_and_are_priced_near_published(be
     assert [lay.interleave for _, lay, *_ in rows] == [1, 1, 1, 1, 1, 3, 2, 2, 3, 1]
     assert [lay.micro_batches for _, lay, *_ in rows] == [1, 1, 1, 4, 12, 28, 48, 144, 280, 512]
     for row, lay, tflops, peak, fits in rows:
-        assert fits, f"{row[0]}B {lay.short()} ran on 80 GB A100s but is costed at {peak / GIB:.0f} GiB"
-        assert abs(tflops / row[8] - 1) < 0.15, (row[0], tflops, row[8])
+        assert fits, f"{row.params_b}B {lay.short()} ran on 80 GB A100s but is costed at {peak / GIB:.0f} GiB"
+        assert abs(tflops / row.tflops - 1) < 0.15, (row.params_b, tflops, row.tflops)
 
 
 def test_table1_configurations_run_on_vtrains_cluster_too_are_paired(bench, tmp_path, capsys) -> None:
