@@ -168,3 +168,27 @@ def test_table1_configurations_run_on_vtrains_cluster_too_are_paired(bench, tmp_
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "measured vTrain" in ln]
     assert len(lines) == 1 and "mb8 " in lines[0]
     assert "vTrain   9.60 s, Selene   9.40 s" in lines[0]  # 135 TFLOP/s on 256 GPUs by Eq. 3
+
+
+def test_korthikanti_runs_fit_and_are_priced_near_published(bench) -> None:
+    """Korthikanti et al. 2022's four runs (tensor 8, data-parallel size one, sequence parallel,
+    selective recompute) ran on 80 GB A100s, so the memory model must let them fit; the
+    published MFUs, turned back into steps by the paper's model FLOPs, must give its Table 5 steps
+    to within their rounding (a check of the configuration and the formula); and each predicted MFU must stay within 20%
+    of the published one (the bench prints the errors)."""
+    rows = bench.korthikanti_table(default_calibration("a100-80gb"))
+    assert [(lay.tp, lay.pp, lay.dp, lay.micro_batches) for _, lay, *_ in rows] == \
+        [(8, 1, 1, 4), (8, 8, 1, 64), (8, 35, 1, 280), (8, 64, 1, 512)]
+    assert all(lay.recompute == "selective" and lay.sequence_parallel for _, lay, *_ in rows)
+    for (row, lay, mfu, peak, fits), step in zip(rows, [1.10, 13.75, 37.83, 71.49]):
+        assert abs(row.step_s() / step - 1) < 5e-3, (row.params_b, row.step_s(), step)  # both are rounded
+        assert fits, f"{row.params_b}B {lay.short()} ran on 80 GB A100s but is costed at {peak / GIB:.0f} GiB"
+        assert abs(mfu / row.mfu - 1) < 0.20, (row.params_b, mfu, row.mfu)
+
+
+def test_model_flops_are_eq3_less_the_recomputed_forward(bench) -> None:
+    """The paper's model FLOPs are Narayanan et al.'s Eq. 3 (which counts full recompute) less one
+    forward pass of the layers: 24*B*s*l*h^2 for the GEMMs and 4*B*s^2*l*h for attention."""
+    for b, s, l, h, v in [(4, 2048, 48, 6144, 51200), (1, 8192, 2, 128, 1000)]:
+        forward = 24.0 * b * s * l * h * h + 4.0 * b * s * s * l * h
+        assert bench.korthikanti_flops(b, s, l, h, v) == pytest.approx(bench.megatron_flops(b, s, l, h, v) - forward)
