@@ -141,7 +141,7 @@ sys.path.insert(0, str(ROOT))
 
 from cost_models.api import CostModel  # noqa: E402
 from cost_models.calibration import Calibration, default_calibration, load_calibration  # noqa: E402
-from cost_models.estimate import estimate_training, training_layout  # noqa: E402
+from cost_models.estimate import TrainingEstimate, estimate_training, training_layout  # noqa: E402
 from cost_models.fit import START, Setup, fit, mape, predict  # noqa: E402
 from cost_models.framework import Framework, resolve_framework  # noqa: E402
 from cost_models.measured import MeasuredRun, read_measured  # noqa: E402
@@ -313,6 +313,28 @@ def korthikanti_flops(b: int, s: int, l: int, h: int, v: int) -> float:
     return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
 
 
+def summarize_throughput(errs: list[float]) -> float:
+    """Print a held-out table's MAPE and where its throughput errors lean; return the MAPE."""
+    m = sum(abs(e) for e in errs) / len(errs)
+    print(f"  MAPE {m:.2f}% over {len(errs)} rows; {sign_summary(errs, of='throughput')}")
+    return m
+
+
+def estimate_selene(row: Table1Row | SelectiveRow, cal: Calibration, *, micro_batch: int, recompute: str,
+                    framework: str | Framework, sequence_parallel: bool = False,
+                    interleave: int = 1) -> tuple[Layout, TrainingEstimate]:
+    """A run of the Selene papers (Megatron-LM GPT, vocabulary 51,200, sequence 2048, DGX A100 80GB
+    nodes): its layout, the data-parallel size the GPUs left, and its estimate."""
+    spec = resolve_model(dict(model_type="gpt", hidden_size=row.hidden, num_hidden_layers=row.layers,
+                              num_attention_heads=row.heads, vocab_size=51200, max_position_embeddings=2048))
+    cluster = parse_cluster(f"a100-80gb:{row.gpus // 8}x8")
+    lay = training_layout(spec, cluster, tp=row.tp, pp=row.pp, dp=row.gpus // (row.tp * row.pp), micro_batch=micro_batch,
+                          global_batch=row.batch, seq_len=2048, recompute=recompute,
+                          sequence_parallel=sequence_parallel, interleave=interleave)
+    est = estimate_training(spec, cluster, lay, global_batch=row.batch, seq_len=2048, calibration=cal, framework=framework)
+    return lay, est
+
+
 def megatron_table1(cal: Calibration) -> list[tuple[Table1Row, Layout, float, float, bool]]:
     """Each Table 1 row as its run script configures it, predicted: (row, layout, predicted
     TFLOP/s per GPU by Eq. 3, peak memory in bytes, whether it fits)."""
@@ -320,13 +342,8 @@ def megatron_table1(cal: Calibration) -> list[tuple[Table1Row, Layout, float, fl
     stacks = {"local": megatron, "torch": dataclasses.replace(megatron, overlap_grad_reduce=True)}
     out = []
     for row in MEGATRON_TABLE1:
-        spec = resolve_model(dict(model_type="gpt", hidden_size=row.hidden, num_hidden_layers=row.layers,
-                                  num_attention_heads=row.heads, vocab_size=51200, max_position_embeddings=2048))
-        cluster = parse_cluster(f"a100-80gb:{row.gpus // 8}x8")
-        lay = training_layout(spec, cluster, tp=row.tp, pp=row.pp, dp=row.dp, micro_batch=row.mbs,
-                              global_batch=row.batch, seq_len=2048, recompute="full", interleave=row.interleave)
-        est = estimate_training(spec, cluster, lay, global_batch=row.batch, seq_len=2048, calibration=cal,
-                                framework=stacks[row.ddp])
+        lay, est = estimate_selene(row, cal, micro_batch=row.mbs, recompute="full", framework=stacks[row.ddp],
+                                   interleave=row.interleave)
         tflops = row.step_s() * row.tflops / est.iteration_s
         out.append((row, lay, tflops, est.peak_mem_bytes, est.fits))
     return out
@@ -341,9 +358,7 @@ def report_megatron(cal: Calibration) -> float:
         print(f"  {row.params_b:7.1f}B tp{lay.tp} pp{lay.pp:<3d} dp{lay.dp:<4d} mb{row.mbs:<3d}v{lay.interleave} "
               f"DDP {row.ddp:5s} published {row.tflops:5.0f}  predicted {tflops:6.1f}  {errs[-1]:+6.1f}%, peak memory "
               f"{peak / 2**30:.0f} GiB{'' if fits else ' (does not fit)'}")
-    m = sum(abs(e) for e in errs) / len(errs)
-    print(f"  MAPE {m:.2f}% over {len(errs)} rows; {sign_summary(errs, of='throughput')}")
-    return m
+    return summarize_throughput(errs)
 
 
 def korthikanti_table(cal: Calibration) -> list[tuple[SelectiveRow, Layout, float, float, bool]]:
@@ -352,13 +367,8 @@ def korthikanti_table(cal: Calibration) -> list[tuple[SelectiveRow, Layout, floa
     with the megatron stack: (row, layout, predicted MFU, peak memory in bytes, whether it fits)."""
     out = []
     for row in KORTHIKANTI_2022:
-        spec = resolve_model(dict(model_type="gpt", hidden_size=row.hidden, num_hidden_layers=row.layers,
-                                  num_attention_heads=row.heads, vocab_size=51200, max_position_embeddings=2048))
-        cluster = parse_cluster(f"a100-80gb:{row.gpus // 8}x8")
-        lay = training_layout(spec, cluster, tp=row.tp, pp=row.pp, dp=row.gpus // (row.tp * row.pp), micro_batch=1,
-                              global_batch=row.batch, seq_len=2048, recompute="selective", sequence_parallel=True)
-        est = estimate_training(spec, cluster, lay, global_batch=row.batch, seq_len=2048, calibration=cal,
-                                framework="megatron")
+        lay, est = estimate_selene(row, cal, micro_batch=1, recompute="selective", framework="megatron",
+                                   sequence_parallel=True)
         out.append((row, lay, row.mfu * row.step_s() / est.iteration_s, est.peak_mem_bytes, est.fits))
     return out
 
@@ -372,8 +382,7 @@ def report_korthikanti(cal: Calibration) -> float:
         print(f"  {row.params_b:6.0f}B tp{lay.tp} pp{lay.pp:<3d} dp{lay.dp} mb1 {lay.micro_batches:3d} micro-batches "
               f"published MFU {100 * row.mfu:.1f}% (step {row.step_s():.2f} s)  predicted {100 * mfu:.1f}%  "
               f"{errs[-1]:+6.1f}%, peak memory {peak / 2**30:.0f} GiB{'' if fits else ' (does not fit)'}")
-    m = sum(abs(e) for e in errs) / len(errs)
-    print(f"  MAPE {m:.2f}% over {len(errs)} rows; {sign_summary(errs, of='throughput')}")
+    m = summarize_throughput(errs)
     t1 = next(r for r in MEGATRON_TABLE1 if r.params_b == 529.6)
     mfu_2021 = t1.tflops * korthikanti_flops(t1.batch, 2048, t1.layers, t1.hidden, 51200) / \
         megatron_flops(t1.batch, 2048, t1.layers, t1.hidden, 51200) / 312
@@ -414,9 +423,7 @@ def report_llama3(cal: Calibration) -> float:
         print(f"  {gpus:6d} GPUs tp{tp} pp{pp} dp{dp}  published MFU {100 * published:.0f}%  predicted {100 * est.mfu:.1f}%"
               f"  ({pct(est.mfu, published):+.1f}%), {est.model_tflops_per_gpu:.0f} TFLOP/s per GPU,"
               f" peak memory {est.peak_mem_bytes / 2**30:.0f} GiB{'' if est.fits else ' (does not fit)'}")
-    m = sum(abs(e) for e in errs) / len(errs)
-    print(f"  MAPE {m:.2f}% over {len(errs)} rows; {sign_summary(errs, of='throughput')}")
-    return m
+    return summarize_throughput(errs)
 
 
 def deepep_stack() -> Framework:
@@ -491,9 +498,7 @@ def report_moe(cal: Calibration) -> float:
               f"tokens/s per GPU {published:,.0f} vs {predicted:,.0f}  ({errs[-1]:+.1f}%), all-to-all "
               f"{cost.breakdown_s.get('ep_comm', 0.0):.1f} s, data-parallel {cost.breakdown_s.get('dp_comm', 0.0):.1f} s, "
               f"peak memory {cost.peak_mem_bytes / 2**30:.0f} GiB")
-    m = sum(abs(e) for e in errs) / len(errs)
-    print(f"  MAPE {m:.2f}% over {len(errs)} rows; {sign_summary(errs, of='throughput')}")
-    return m
+    return summarize_throughput(errs)
 
 
 def main() -> None:
