@@ -79,6 +79,22 @@
      530B model with full recompute ran at 39.2% MFU in 2021 (Table 1, 2,520 GPUs) and 42.1% in
      2022 (the paper's abstract, 2,240 GPUs), so Megatron-LM itself got about 7% faster between
      the two papers, and coefficients fitted on vTrain's runs (2023 software) fall between them.
+   - NVIDIA Megatron-LM README, "Training Speed and Scalability" (commit f2e5db402c of 2024-07-15,
+     "New scaling figures on H100 GPUs"; the table is its ``images/model_table.png``, read in a
+     fetched mirror): Megatron-Core r0.8.0 on H100s, GPT models with vocabulary 131,072 and
+     sequence 4096, data-parallel size 48, per-GPU teraFLOP/s by Megatron-LM's own
+     ``num_floating_point_operations`` (core_r0.8.0; for these models the same formula as
+     Korthikanti et al.'s). The runs overlap data-parallel (``--overlap-grad-reduce
+     --overlap-param-gather``), tensor-parallel (``--tp-comm-overlap``) and pipeline
+     communication; the parameter counts (1.7B = 12*L*h^2 and two 131,072 x h embeddings) say
+     the output layer is untied. Costed, before any prediction was looked at, with
+     ``megatron-core`` plus those two overlaps (``Framework.tp_comm_overlap``,
+     ``overlap_param_gather``, added for these rows as the flags describe them), the distributed
+     optimizer (ZeRO-1, which ``--overlap-param-gather`` needs), sequence parallelism wherever
+     tp > 1 (which ``--tp-comm-overlap`` needs), micro-batch 1, and the first recompute of none,
+     selective, full that fits (the AutoModel row's rule). The four rows without a pipeline
+     (1.7B-32B, tp 1-8) are predicted; the five with one (70B-462B, pp 2-16) are left out, as
+     their virtual pipeline stages are not published and the bubble turns on them.
    - Llama Team 2024, "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4: Llama 3 405B on
      8,192 and 16,384 H100s (TP 8, PP 16, DP 64 / 128, sequence 8192, 16M tokens per batch, i.e.
      2048 sequences), BF16 MFU 43% and 41% (430 and 400 TFLOP/s per GPU). Section 3.3.2: no
@@ -139,7 +155,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cost_models.api import CostModel  # noqa: E402
+from cost_models.api import CallCost, CostModel  # noqa: E402
 from cost_models.calibration import Calibration, default_calibration, load_calibration  # noqa: E402
 from cost_models.estimate import TrainingEstimate, estimate_training, training_layout  # noqa: E402
 from cost_models.fit import START, Setup, fit, mape, predict  # noqa: E402
@@ -225,6 +241,10 @@ KORTHIKANTI_2022 = [
     SelectiveRow(1000, 160, 25600, 128, 8, 64, 512, 512, 0.563),
 ]
 
+# Megatron-LM README (2024-07-15), Megatron-Core r0.8.0 on H100s, the rows without a pipeline:
+# (params, heads, hidden, layers, tp, GPUs, global batch, published TFLOP/s per GPU); dp 48, sequence 4096.
+MCORE_H100 = [(1.7, 16, 2048, 24, 1, 48, 192, 408.8), (7.1, 32, 4096, 30, 2, 96, 192, 465.9),
+              (16, 48, 6144, 32, 4, 192, 192, 489.1), (32, 56, 7168, 48, 8, 384, 192, 459.6)]
 # Llama 3 Herd, Table 4 (8K rows): (GPUs, TP, PP, DP, seq, sequences per batch, MFU)
 LLAMA3_TABLE4 = [(8192, 8, 16, 64, 8192, 2048, 0.43), (16384, 8, 16, 128, 8192, 2048, 0.41)]
 
@@ -410,6 +430,47 @@ def report_both_clusters(cal: Calibration, runs: list[MeasuredRun], setup: Setup
                   f"({pct(pred, r.iteration_s):+5.1f}%), {predicted:6.2f} s ({pct(predicted, selene):+5.1f}%)")
 
 
+def first_fitting(costs: dict[str, CallCost], usable_bytes: float) -> tuple[str, bool]:
+    """The recompute rule fixed before any prediction: the first of `costs`' modes (none,
+    selective, full) that fits in memory, else the leanest; and whether any fits."""
+    fitting = [rc for rc, c in costs.items() if c.peak_mem_bytes <= usable_bytes]
+    return (fitting[0], True) if fitting else (min(costs, key=lambda k: costs[k].peak_mem_bytes), False)
+
+
+def mcore_r080_stack() -> Framework:
+    """Megatron-Core r0.8.0 as the Megatron-LM README's H100 runs used it: data-parallel and
+    tensor-parallel communication overlapped (--overlap-param-gather, --tp-comm-overlap)."""
+    return dataclasses.replace(resolve_framework("megatron-core"), name="megatron-core r0.8.0",
+                               tp_comm_overlap=True, overlap_param_gather=True)
+
+
+def report_mcore_h100(cal: Calibration) -> list[float]:
+    print("\nheld out: Megatron-Core r0.8.0 on H100s (Megatron-LM README, 2024-07-15), GPT, vocabulary 131,072,"
+          " sequence 4096, teraFLOP/s per GPU; the rows without a pipeline")
+    errs = []
+    for params_b, heads, hidden, layers, tp, gpus, batch, published in MCORE_H100:
+        spec = resolve_model(dict(model_type="gpt", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                  vocab_size=131072, max_position_embeddings=4096, tie_word_embeddings=False))
+        cm = CostModel(parse_cluster(f"h100-sxm:{gpus // 8}x8"), cal, framework=mcore_r080_stack())
+        call = Call(name="train", model="m", kind="train", seqs=batch, seq_len=4096, loss="sft")
+        decl = ModelDecl(spec=spec, trainable=True)
+        dp = gpus // tp
+        costs = {rc: cm.call_cost(call, decl, Mesh.block(0, gpus),
+                                  Layout(tp=tp, dp=dp, zero=1, micro_batches=batch // dp, recompute=rc,
+                                         sequence_parallel=tp > 1))
+                 for rc in ("none", "selective", "full")}
+        rc, fits = first_fitting(costs, cm.cluster.usable_mem_bytes)
+        cost = costs[rc]
+        predicted = korthikanti_flops(batch, 4096, layers, hidden, 131072) / cost.time_s / gpus / 1e12
+        errs.append(pct(predicted, published))
+        print(f"  {params_b:5.1f}B tp{tp} dp{dp} mb1 recompute {rc:9s} published {published:6.1f}  predicted {predicted:6.1f}"
+              f"  {errs[-1]:+6.1f}%, tensor-parallel {cost.breakdown_s.get('tp_comm', 0.0):.2f} s and data-parallel "
+              f"{cost.breakdown_s.get('dp_comm', 0.0):.2f} s of {cost.time_s:.2f} s, peak memory "
+              f"{cost.peak_mem_bytes / 2**30:.0f} GiB{'' if fits else ' (does not fit)'}")
+    summarize_throughput(errs)
+    return errs
+
+
 def report_llama3(cal: Calibration) -> list[float]:
     print("\nheld out: Llama 3 405B on H100 (Llama 3 Herd, Table 4), BF16 MFU")
     spec = resolve_model("llama-3-405b")
@@ -474,15 +535,14 @@ def report_moe(cal: Calibration) -> list[float]:
         costs = {rc: cm.call_cost(call, decl, Mesh.block(0, gpus),
                                   Layout(dp=gpus, ep=ep, zero=3, micro_batches=micro, recompute=rc))
                  for rc in ("none", "selective", "full")}
-        fitting = [rc for rc, c in costs.items() if c.peak_mem_bytes <= cm.cluster.usable_mem_bytes]
-        rc = fitting[0] if fitting else min(costs, key=lambda k: costs[k].peak_mem_bytes)
+        rc, fits = first_fitting(costs, cm.cluster.usable_mem_bytes)
         cost = costs[rc]
         predicted = batch * seq / cost.time_s / gpus
         errs.append(pct(predicted, published))
         print(f"    {name} {gpus} GPUs dp{gpus} ep{ep} z3 mb{micro} recompute {rc}  published {published:,}  predicted "
               f"{predicted:,.0f}  ({errs[-1]:+.1f}%), all-to-all {cost.breakdown_s.get('ep_comm', 0.0):.2f} s of "
               f"{cost.time_s:.2f} s, peak memory {cost.peak_mem_bytes / 2**30:.0f} GiB"
-              + ("" if fitting else f" (no recompute mode fits in {cm.cluster.usable_mem_bytes / 2**30:.0f} GiB: "
+              + ("" if fits else f" (no recompute mode fits in {cm.cluster.usable_mem_bytes / 2**30:.0f} GiB: "
                  "the rule takes the leanest)"))
     print("  Megatron-MoE-ModelZoo (best_practice/qwen3/readme.md, H100 table of 2025-05-27), qwen3-235b-a22b on 256 GPUs:")
     gpus, batch, seq = 256, 2048, 4096
@@ -545,9 +605,11 @@ def main() -> None:
     if "ground_truth_multi.csv" in files:
         report_both_clusters(cal, files["ground_truth_multi.csv"], setup)
     held += report_korthikanti(cal)
+    held += report_mcore_h100(cal)
     held += report_llama3(cal)
     held += report_moe(cal)
-    print("\nevery held-out row above (Table 1, Korthikanti et al., Llama 3, MoE), of the throughput:")
+    print("\nevery held-out row above (Table 1, Korthikanti et al., Megatron-Core on H100, Llama 3, MoE),"
+          " of the throughput:")
     summarize_throughput(held)
 
 

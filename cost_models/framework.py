@@ -134,6 +134,15 @@ class Framework:
     # and per reduce-scatter the layer's gradients and their packed copy (2, `SCATTERS_IN_FLIGHT` 2).
     zero3_gather_layers: float = 2.0
     zero3_scatter_layers: float = 0.0
+    # Transformer Engine's userbuffers (Megatron-core --tp-comm-overlap, sequence parallel only):
+    # each all-gather before a column-parallel GEMM and reduce-scatter after a row-parallel one is
+    # cut into tp chunks pipelined with the GEMM's chunks, so one chunk's transfer stays exposed
+    # where the GEMMs are the longer, and the rest runs under them (their SMs shared).
+    tp_comm_overlap: bool = False
+    # ZeRO-1/2's all-gather of the updated weight shards runs bucket by bucket under the next
+    # step's first forward, each layer waiting only for its own bucket (Megatron-core
+    # --overlap-param-gather); False: it runs after the optimizer, exposed.
+    overlap_param_gather: bool = False
 
 
 FRAMEWORKS: dict[str, Framework] = {

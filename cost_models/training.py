@@ -129,13 +129,18 @@ def comm_time_s(c: Comm, g: comm.Group, hw: Hardware) -> float:
 
 
 def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dict[str, comm.Group],
-               hw: Hardware, *, hidden_comm: str | None = None, hide_under: float = 0.0) -> Stretch:
+               hw: Hardware, *, hidden_comm: str | None = None, hide_under: float = 0.0,
+               tp_pipelined: bool = False) -> Stretch:
     """Device, collective and host time of kernels and collectives run in order.
 
-    Collectives of the `hidden_comm` group overlap compute worth `hide_under` seconds.
+    Collectives of the `hidden_comm` group overlap compute worth `hide_under` seconds. With
+    `tp_pipelined` (`Framework.tp_comm_overlap`) the tensor-parallel all-gathers and
+    reduce-scatters are pipelined with the GEMMs beside them in tp chunks: the longer of one
+    chunk of the transfers and what the GEMMs cannot cover stays exposed, and the rest slows the
+    GEMMs it runs under (`comm.overlap_interference_s`).
     """
     dev = kernels_time_s(kernels, hw)
-    t_comm = host = t_cp = t_ep = 0.0
+    t_comm = host = t_cp = t_ep = pipelined = 0.0
     between = (dev + host_launches(kernels) * hw.host_kernel_s) / max(1, len(comms))  # work before each collective
     for c in comms:
         g = groups[c.group]
@@ -146,10 +151,17 @@ def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dic
             t_cp += t
         elif c.group == "ep":
             t_ep += t
-        t_comm += t
+        if tp_pipelined and c.group == "tp" and c.op in ("all_gather", "reduce_scatter"):
+            pipelined += t
+        else:
+            t_comm += t
         # Issuing a collective waits for the group's ranks to meet (a tree rendezvous), so its host
         # cost grows with the tree's depth, log2 of the group.
         host += hw.host_collective_s * math.log2(max(2, g.n))
+    if pipelined:
+        gemm_s = kernels_time_s(tuple(k for k in kernels if k.kind == "gemm"), hw)
+        exposed = max(pipelined / groups["tp"].n, pipelined - gemm_s)
+        t_comm += exposed + comm.overlap_interference_s(pipelined - exposed, hw)
     return Stretch(dev, t_comm, host_launches(kernels) * hw.host_kernel_s + host, t_cp, t_ep)
 
 
@@ -231,10 +243,11 @@ def _layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, tp: int, cp: int,
     w = layer_work(spec, fw, b=b, s=s, tp=tp, cp=cp, sp=sp, moe=moe)
     attn_fwd = kernels_time_s(w.attn_core, hw)
     hidden = "cp" if fw.cp_comm == "ring" else None  # ring attention overlaps its exchange; a gather does not
-    fwd = stretch_of(w.fwd, w.fwd_comm, groups, hw, hidden_comm=hidden, hide_under=attn_fwd)
+    piped = fw.tp_comm_overlap and sp
+    fwd = stretch_of(w.fwd, w.fwd_comm, groups, hw, hidden_comm=hidden, hide_under=attn_fwd, tp_pipelined=piped)
     if not training:
         return LayerTimes(fwd, Stretch(), fwd)
-    bwd = stretch_of(w.bwd, w.bwd_comm, groups, hw, hidden_comm=hidden, hide_under=2 * attn_fwd)
+    bwd = stretch_of(w.bwd, w.bwd_comm, groups, hw, hidden_comm=hidden, hide_under=2 * attn_fwd, tp_pipelined=piped)
     accum = Stretch(kernels_time_s((w.grad_accum,), hw), 0.0, w.grad_tensors * hw.host_kernel_s)
     if recompute == "full":
         rec = fwd
@@ -348,7 +361,12 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
     out.add("optimizer", optimizer_s)
     if 1 <= layout.zero < 3:  # ZeRO gathers the updated weight shards back to every rank
         g = topo.group(layout, "dpcp")
-        out.add("dp_comm", comm.all_gather_s(params * fw.param_bytes, g, hw) + comm.skew_wait_s(optimizer_s, g.n, hw))
+        gather = comm.all_gather_s(params * fw.param_bytes, g, hw)
+        if fw.overlap_param_gather:  # under the next step's first forward, one bucket exposed
+            forward_s = max(0.0, pipe.microbatch_s - pipe.last_bwd_s)
+            exposed = max(gather - forward_s, comm.all_gather_s(min(params * fw.param_bytes, DDP_BUCKET_BYTES), g, hw))
+            gather = exposed + comm.overlap_interference_s(gather - exposed, hw)
+        out.add("dp_comm", gather + comm.skew_wait_s(optimizer_s, g.n, hw))
         if experts:
             out.add("dp_comm", comm.all_gather_s(experts * fw.param_bytes, topo.group(layout, "edp"), hw))
     if spec.tied and head == "lm" and pp > 1:  # first and last stage sum the shared embedding's gradient

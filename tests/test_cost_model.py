@@ -239,6 +239,58 @@ def test_bucketed_overlap_hides_the_gradient_reduction():
     assert 0 < hidden.breakdown_s["dp_comm"] < plain.breakdown_s["dp_comm"]
 
 
+def test_tp_comm_overlap_hides_sequence_parallel_collectives_under_their_gemms():
+    """Megatron-core's --tp-comm-overlap pipelines each sequence-parallel all-gather and
+    reduce-scatter with the GEMM beside it in tp chunks: the tensor-parallel time drops, but one
+    chunk of the transfers (1/tp) stays exposed and the hidden rest slows the GEMMs; without
+    sequence parallelism (all-reduces) nothing changes."""
+    from cost_models.framework import FRAMEWORKS
+    from cost_models.training import stretch_of
+
+    core = FRAMEWORKS["megatron-core"]
+    piped = dataclasses.replace(core, name="tp-overlap", tp_comm_overlap=True)
+    decl = ModelDecl(spec=LLAMA, trainable=True)
+    sp = Layout(tp=8, micro_batches=8, sequence_parallel=True)
+    cost = {fw.name: CostModel(parse_cluster("a100-80gb:1x8"), CAL, framework=fw).call_cost(TRAIN, decl, Mesh.block(0, 8), sp)
+            for fw in (core, piped)}
+    piped_s, exposed_s = cost["tp-overlap"].breakdown_s["tp_comm"], cost["megatron-core"].breakdown_s["tp_comm"]
+    assert exposed_s / 8 < piped_s < exposed_s
+    plain = Layout(tp=8, micro_batches=8)
+    assert CostModel(parse_cluster("a100-80gb:1x8"), CAL, framework=piped).call_cost(TRAIN, decl, Mesh.block(0, 8), plain) \
+        == CostModel(parse_cluster("a100-80gb:1x8"), CAL, framework=core).call_cost(TRAIN, decl, Mesh.block(0, 8), plain)
+    # The closed form on one stretch: 4 equal collectives on tp 4 beside GEMMs longer than all of
+    # them: one (a chunk of the four) stays exposed, the other three slow the GEMMs by 32/108 of the SMs.
+    from cost_models.compute import kernels_time_s
+    from cost_models.ops import Comm, gemm
+
+    hw = CostModel(parse_cluster("a100-80gb:1x8"), CAL).hw
+    group = Group(4, 4, 1)
+    one = all_gather_s(2e6, group, hw)
+    kernels = (gemm(8192, 8192, 8192),) * 4
+    assert kernels_time_s(kernels, hw) > 4 * one
+    comms = (Comm("all_gather", 2e6, "tp"), Comm("reduce_scatter", 2e6, "tp")) * 2
+    hidden = stretch_of(kernels, comms, {"tp": group}, hw, tp_pipelined=True)
+    exposed = stretch_of(kernels, comms, {"tp": group}, hw)
+    assert exposed.comm_s == pytest.approx(4 * one)
+    assert hidden.comm_s == pytest.approx(one + 3 * one * (32 / 108) / (1 - 32 / 108))
+
+
+def test_overlap_param_gather_hides_the_zero1_weight_gather_under_the_forward():
+    """Megatron-core's --overlap-param-gather: ZeRO-1's all-gather of the updated weights runs
+    under the next step's first forward, one bucket exposed; ZeRO-0 (no gather) is unchanged."""
+    from cost_models.framework import FRAMEWORKS
+
+    core = FRAMEWORKS["megatron-core"]
+    over = dataclasses.replace(core, name="param-overlap", overlap_param_gather=True)
+    decl = ModelDecl(spec=LLAMA, trainable=True)
+    cl = parse_cluster("a100-80gb:2x8")
+    for zero, lower in ((1, True), (0, False)):
+        lay = Layout(dp=16, zero=zero, micro_batches=4)
+        a, b = (CostModel(cl, CAL, framework=fw).call_cost(TRAIN, decl, Mesh.block(0, 16), lay) for fw in (core, over))
+        assert (b.breakdown_s["dp_comm"] < a.breakdown_s["dp_comm"]) is lower
+        assert b.breakdown_s["dp_comm"] > 0
+
+
 def test_context_parallel_splits_the_sequence():
     """cp=2 halves each rank's tokens (and activations) against dp=2, and adds a ring exchange of
     keys and values that only shows where attention is too short to hide it."""

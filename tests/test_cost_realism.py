@@ -192,3 +192,20 @@ def test_model_flops_are_eq3_less_the_recomputed_forward(bench) -> None:
     for b, s, l, h, v in [(4, 2048, 48, 6144, 51200), (1, 8192, 2, 128, 1000)]:
         forward = 24.0 * b * s * l * h * h + 4.0 * b * s * s * l * h
         assert bench.korthikanti_flops(b, s, l, h, v) == pytest.approx(bench.megatron_flops(b, s, l, h, v) - forward)
+
+
+def test_megatron_core_h100_rows_fit_and_use_megatron_lms_own_flops(bench, capsys) -> None:
+    """The Megatron-LM README's H100 rows (Megatron-Core r0.8.0) ran, so each must fit under the
+    memory model with the stack that overlaps tensor- and data-parallel communication as its flags
+    say; and their published teraFLOP/s are counted by Megatron-LM's num_floating_point_operations
+    (core_r0.8.0), which for a GPT (full attention, 4h GELU MLP) is the same formula as the 2022
+    paper's model FLOPs the bench uses."""
+    stack = bench.mcore_r080_stack()
+    assert stack.tp_comm_overlap and stack.overlap_param_gather and stack.attention == "flash"
+    errs = bench.report_mcore_h100(default_calibration())
+    out = capsys.readouterr().out
+    assert len(errs) == 4 and "does not fit" not in out
+    for _, heads, h, layers, tp, gpus, batch, _ in bench.MCORE_H100:
+        s, v, kv, ffn = 4096, 131072, heads, 4 * h  # kv_channels * heads = h
+        megatron = 12 * batch * s * layers * h * h * ((1 + kv / heads + s / h) + ffn / h + v / (2 * layers * h))
+        assert bench.korthikanti_flops(batch, s, layers, h, v) == pytest.approx(megatron)
