@@ -430,11 +430,15 @@ def report_both_clusters(cal: Calibration, runs: list[MeasuredRun], setup: Setup
                   f"({pct(pred, r.iteration_s):+5.1f}%), {predicted:6.2f} s ({pct(predicted, selene):+5.1f}%)")
 
 
-def first_fitting(costs: dict[str, CallCost], usable_bytes: float) -> tuple[str, bool]:
-    """The recompute rule fixed before any prediction: the first of `costs`' modes (none,
-    selective, full) that fits in memory, else the leanest; and whether any fits."""
-    fitting = [rc for rc, c in costs.items() if c.peak_mem_bytes <= usable_bytes]
-    return (fitting[0], True) if fitting else (min(costs, key=lambda k: costs[k].peak_mem_bytes), False)
+def cost_by_recompute_rule(cm: CostModel, call: Call, decl: ModelDecl, gpus: int,
+                           layout: Layout) -> tuple[str, bool, CallCost]:
+    """The recompute rule fixed before any prediction: the first of none, selective, full with
+    which `layout` fits in memory, else the leanest; whether any fits; and that layout's cost."""
+    costs = {rc: cm.call_cost(call, decl, Mesh.block(0, gpus), layout.model_copy(update={"recompute": rc}))
+             for rc in ("none", "selective", "full")}
+    fitting = [rc for rc, c in costs.items() if c.peak_mem_bytes <= cm.cluster.usable_mem_bytes]
+    rc = fitting[0] if fitting else min(costs, key=lambda k: costs[k].peak_mem_bytes)
+    return rc, bool(fitting), costs[rc]
 
 
 def mcore_r080_stack() -> Framework:
@@ -455,12 +459,8 @@ def report_mcore_h100(cal: Calibration) -> list[float]:
         call = Call(name="train", model="m", kind="train", seqs=batch, seq_len=4096, loss="sft")
         decl = ModelDecl(spec=spec, trainable=True)
         dp = gpus // tp
-        costs = {rc: cm.call_cost(call, decl, Mesh.block(0, gpus),
-                                  Layout(tp=tp, dp=dp, zero=1, micro_batches=batch // dp, recompute=rc,
-                                         sequence_parallel=tp > 1))
-                 for rc in ("none", "selective", "full")}
-        rc, fits = first_fitting(costs, cm.cluster.usable_mem_bytes)
-        cost = costs[rc]
+        rc, fits, cost = cost_by_recompute_rule(cm, call, decl, gpus, Layout(
+            tp=tp, dp=dp, zero=1, micro_batches=batch // dp, sequence_parallel=tp > 1))
         predicted = korthikanti_flops(batch, 4096, layers, hidden, 131072) / cost.time_s / gpus / 1e12
         errs.append(pct(predicted, published))
         print(f"  {params_b:5.1f}B tp{tp} dp{dp} mb1 recompute {rc:9s} published {published:6.1f}  predicted {predicted:6.1f}"
@@ -532,11 +532,8 @@ def report_moe(cal: Calibration) -> list[float]:
         cm = CostModel(parse_cluster(f"h100-sxm:{gpus // 8}x8"), cal, framework=deepep_stack())
         call = Call(name="train", model="m", kind="train", seqs=batch, seq_len=seq, loss="sft")
         decl = ModelDecl(spec=resolve_model(name), trainable=True)
-        costs = {rc: cm.call_cost(call, decl, Mesh.block(0, gpus),
-                                  Layout(dp=gpus, ep=ep, zero=3, micro_batches=micro, recompute=rc))
-                 for rc in ("none", "selective", "full")}
-        rc, fits = first_fitting(costs, cm.cluster.usable_mem_bytes)
-        cost = costs[rc]
+        rc, fits, cost = cost_by_recompute_rule(cm, call, decl, gpus, Layout(
+            dp=gpus, ep=ep, zero=3, micro_batches=micro))
         predicted = batch * seq / cost.time_s / gpus
         errs.append(pct(predicted, published))
         print(f"    {name} {gpus} GPUs dp{gpus} ep{ep} z3 mb{micro} recompute {rc}  published {published:,}  predicted "

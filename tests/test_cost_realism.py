@@ -205,7 +205,8 @@ def test_megatron_core_h100_rows_fit_and_use_megatron_lms_own_flops(bench, capsy
     errs = bench.report_mcore_h100(default_calibration())
     out = capsys.readouterr().out
     assert len(errs) == 4 and "does not fit" not in out
-    for _, heads, h, layers, tp, gpus, batch, _ in bench.MCORE_H100:
+    for row in bench.MCORE_H100:
+        heads, h, layers, batch = row[1], row[2], row[3], row[6]
         s, v, kv, ffn = 4096, 131072, heads, 4 * h  # kv_channels * heads = h
         megatron = 12 * batch * s * layers * h * h * ((1 + kv / heads + s / h) + ffn / h + v / (2 * layers * h))
         assert bench.korthikanti_flops(batch, s, layers, h, v) == pytest.approx(megatron)
