@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The prepared GPU check (one H200; fits in 8 minutes): the CUDA tests, then bench/gpu_check.py's
+# The prepared GPU check (one H200; fits in 9 minutes): the CUDA tests, then bench/gpu_check.py's
 # single-GPU calls of a 1.2B Llama-shape model in bf16 against transformers, with the cost
-# model's prediction for h200:1x1 beside each. Writes $OUT/gpu_report.json and $OUT/gpu_tests.log.
+# model's prediction for h200:1x1 beside each, then bench/kernel_check.py's GEMMs, fused attention
+# and bandwidth of two GPT layers against the cost model's kernel times. Writes
+# $OUT/gpu_report.json, $OUT/kernel_report.json and their logs.
 #
 # The device machine has torch, transformers, pytest and CUDA but no package index: what else the
 # code imports (pydantic) comes as wheels from bench/wheels, which `bench/gpu_check.sh --wheels`
@@ -10,10 +12,10 @@
 #   bash bench/gpu_check.sh --wheels          # here (2.8 MB of wheels)
 #   bash bench/gpu_check.sh                   # there: the device tool's run with
 #                                             #   command "bash bench/gpu_check.sh", carry ["bench/wheels"],
-#                                             #   timeout_s 540; $OUT (set there) receives the report
+#                                             #   timeout_s 570; $OUT (set there) receives the reports
 #
-# Then commit $OUT/gpu_report.json under bench/results/ and calibrate the torch framework from
-# it (planner profile on CUDA).
+# Then commit $OUT/gpu_report.json and $OUT/kernel_report.json under bench/results/ and calibrate
+# the torch framework from them (planner profile on CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=bench/wheels
@@ -38,5 +40,7 @@ timeout 180 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_ru
 tests=${PIPESTATUS[0]}
 timeout 270 python3 bench/gpu_check.py --out "$OUT/gpu_report.json" 2>&1 | tee "$OUT/gpu_check.log"
 bench=${PIPESTATUS[0]}
-echo "tests exit $tests, bench exit $bench"
-exit $(( tests != 0 || bench != 0 ))
+timeout 120 python3 bench/kernel_check.py --out "$OUT/kernel_report.json" 2>&1 | tee "$OUT/kernel_check.log"
+kernels=${PIPESTATUS[0]}
+echo "tests exit $tests, bench exit $bench, kernels exit $kernels"
+exit $(( tests != 0 || bench != 0 || kernels != 0 ))

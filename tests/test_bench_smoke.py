@@ -30,6 +30,8 @@ SMOKE = {
     "runtime_vs_peers.py": (["--quick"], "ops per decode step"),
     "gpu_check.py": (["--device", "cpu", "--quick", "--repeats", "1", "--out", "report.json"],
                      "ratios runtime/transformers"),
+    "kernel_check.py": (["--device", "cpu", "--quick", "--repeats", "1", "--out", "report.json"],
+                        "measured / predicted by kind"),
     "seesaw.py": (["--smoke"], "split decode wins"),
     "search.py": (["--only", "grpo-qwen7b", "--time-limit", "1", "--node-ranges"], "node ranges"),
 }
