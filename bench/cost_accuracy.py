@@ -491,8 +491,11 @@ def report_llama3(cal: Calibration) -> list[float]:
 
 def deepep_stack() -> Framework:
     """``megatron-core`` with DeepEP's dispatch (a token sent once per rank, and once per node
-    across nodes, holding its experts), the dispatcher both MoE sources ran."""
-    return dataclasses.replace(resolve_framework("megatron-core"), moe_dispatch="deepep")
+    across nodes, holding its experts), the dispatcher both MoE sources ran, and the weight gather
+    of the distributed optimizer under the next forward (the ModelZoo's
+    ``model_configs/benchmarking/Qwen3-235B-A22B.yaml`` sets ``--overlap-param-gather``; the
+    AutoModel row is ZeRO-3, which prefetches anyway)."""
+    return dataclasses.replace(resolve_framework("megatron-core"), moe_dispatch="deepep", overlap_param_gather=True)
 
 
 # (model, GPUs, global batch, micro-batches per step, sequence, ep, published tokens/s per GPU)

@@ -154,7 +154,9 @@ FRAMEWORKS: dict[str, Framework] = {
     # Megatron-Core with Transformer Engine, and stacks built like it (Llama 3's, NeMo): fused
     # (flash) attention and fused norm, rotary and SwiGLU kernels, no dropout, bf16 weights with
     # fp32 master weights and Adam states, gradients reduced in buckets during backward
-    # (--overlap-grad-reduce) and sharded weights gathered ahead of use.
+    # (--overlap-grad-reduce, which the Megatron-LM export sets) and ZeRO-3 weights gathered ahead
+    # of use; ZeRO-1/2's gather of the updated weights after the step is not overlapped (the
+    # export leaves --overlap-param-gather off, and DeepSpeed, also costed with this stack, has none).
     "megatron-core": Framework(
         name="megatron-core", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,

@@ -170,6 +170,9 @@ def parallel_flags(plan: Plan, call: PlanCall, limits: list[str], notes: list[st
                          "only the first and the last stage apart from an even split",
                          hint="pick a pipeline size that divides the layers, or one where only the end stages differ")
     flags += [("--micro-batch-size", micro_batch_per_gpu(call)), ("--global-batch-size", optimizer_batch(call))]
+    # The megatron-core stack the plan was costed for reduces gradients in buckets under the last
+    # backward; Megatron-LM does so only when told.
+    flags.append(("--overlap-grad-reduce", None))
     if lay.zero in (1, 2):
         flags.append(("--use-distributed-optimizer", None))
         if lay.zero == 2:

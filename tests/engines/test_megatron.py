@@ -8,10 +8,12 @@
 2. When MEGATRON_LM_SRC names a Megatron-LM source tree (checked against tag core_v0.19.0, commit
    5be9626709af2722333bf54797c954c09edeada3): its `parse_args`, `validate_args` and
    `core_transformer_config_from_args` run on the command with the job's WORLD_SIZE and the
-   command's environment. Megatron-LM is not on PyPI, so CI skips this part and says so.
-   Stubbed there: `get_device_arch_version` (reads the GPU; it returns the plan's accelerator's
-   compute capability), Transformer Engine's fused RoPE kernel (a GPU build; `TransformerConfig`
-   only checks that it exists, as it does on any TE install, where rope fusion is the default)
+   command's environment (the tree's MoE ops import `triton`: install it in the engines venv for
+   this part). Megatron-LM is not on PyPI, so CI skips this part and says so.
+   Stubbed there: `get_device_arch_version` and `torch.cuda.get_device_capability` (they read the
+   GPU; they return the plan's accelerator's compute capability), Transformer Engine's fused RoPE
+   kernel (a GPU build; `TransformerConfig` only checks that it exists, as it does on any TE
+   install, where rope fusion is the default)
    and, because that tag targets Python 3.12, `typing.override` on 3.11 (from typing_extensions).
 """
 
@@ -144,6 +146,7 @@ def test_megatron_core_configs_accept_each_export(path) -> None:  # noqa: ANN001
     assert o["lr_decay_style"] == "constant"
     assert ("use_distributed_optimizer" in o) == (lay["zero"] in (1, 2))
     assert ("use_megatron_fsdp" in o) == (lay["zero"] == 3)
+    assert "overlap_grad_reduce" in o  # the megatron-core stack the plan was costed for overlaps it
     seqs = call["seqs"] // call.get("minibatches", 1)
     assert int(o["global_batch_size"]) == seqs
     assert int(o["micro_batch_size"]) * lay["micro_batches"] * lay["dp"] == seqs
@@ -170,6 +173,10 @@ def test_megatron_lm_parses_and_validates_each_export(path, monkeypatch) -> None
 
     assert os.path.realpath(arguments.__file__).startswith(os.path.realpath(MEGATRON_LM))
     monkeypatch.setattr(arguments, "get_device_arch_version", lambda: ARCH[plan["cluster"]["gpu"]])
+    import torch
+
+    # validate_args reads the GPU's compute capability for --moe-grouped-gemm.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (ARCH[plan["cluster"]["gpu"]], 0))
     import megatron.core.models.common.embeddings.rope_utils as rope_utils
 
     if rope_utils.fused_apply_rotary_pos_emb is None:
@@ -188,7 +195,7 @@ def test_megatron_lm_parses_and_validates_each_export(path, monkeypatch) -> None
     arguments.validate_args(args, {})
     cfg = arguments.core_transformer_config_from_args(args)
     lay = call["layout"]
-    assert args.data_parallel_size == lay["dp"]
+    assert args.data_parallel_size == lay["dp"] and args.overlap_grad_reduce
     assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size) == (lay["tp"], lay["pp"])
     assert cfg.hidden_dropout == 0 and cfg.attention_dropout == 0
     spec = plan["models"][call["model"]]["spec"]
