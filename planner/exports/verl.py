@@ -57,7 +57,11 @@ def _megatron(lay: Layout, *, trained: bool) -> dict[str, Any]:
                              "param_offload": lay.offload == "weights"}
     if trained:
         block.update(use_distributed_optimizer=lay.zero in (1, 2), use_megatron_fsdp=lay.zero == 3,
-                     optimizer_offload=lay.offload == "optimizer")
+                     optimizer_offload=lay.offload == "optimizer",
+                     # verl builds Megatron's DDP with overlap_grad_reduce off unless overridden
+                     # (utils/megatron_utils.py); the rlhf-engine stack the plan is costed for
+                     # reduces gradients in buckets under the last backward.
+                     override_ddp_config={"overlap_grad_reduce": True})
     return block
 
 
@@ -75,6 +79,11 @@ def _rollout_experts(lay: Layout, name: str, limits: list[str]) -> dict[str, Any
     return {"data_parallel_size": span // lay.tp, "expert_parallel_size": span}
 
 
+# verl's config nodes that are empty dicts to be filled (`override_ddp_config: {}`): Hydra's struct
+# mode takes a new key under them only as an append, `+key=value`.
+APPENDED = ("override_ddp_config",)
+
+
 def _flatten(prefix: str, tree: dict[str, Any], out: list[tuple[str, Any]]) -> None:
     for k, v in tree.items():
         if isinstance(v, dict):
@@ -84,10 +93,10 @@ def _flatten(prefix: str, tree: dict[str, Any], out: list[tuple[str, Any]]) -> N
 
 
 def overrides(settings: dict[str, Any]) -> list[str]:
-    """The settings as Hydra override strings (`key=value`)."""
+    """The settings as Hydra override strings (`key=value`, `+key=value` under `APPENDED` nodes)."""
     flat: list[tuple[str, Any]] = []
     _flatten("", settings, flat)
-    return [f"{k}={_value(v)}" for k, v in flat]
+    return [f"{'+' if any(f'.{a}.' in f'.{k}' for a in APPENDED) else ''}{k}={_value(v)}" for k, v in flat]
 
 
 def _layout_limits(r: Roles, strategy: str) -> list[str]:

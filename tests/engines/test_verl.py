@@ -27,7 +27,8 @@ def compose(text: str):  # noqa: ANN201
     rest = argv[3:]
     if rest[:1] == ["--config-name"]:
         name, rest = rest[1], rest[2:]
-    assert all("=" in w and not w.startswith("+") for w in rest), rest
+    # Appends only where verl's config leaves an empty dict to fill (Hydra's struct mode needs them).
+    assert all("=" in w and (not w.startswith("+") or ".override_ddp_config." in w) for w in rest), rest
     with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
                                version_base=None):
         return hydra_compose(name, overrides=rest)
@@ -70,9 +71,13 @@ def test_verl_composes_and_validates_each_export(path) -> None:  # noqa: ANN001
     assert aro.actor[engine].optimizer_offload == (offload.get("actor_train") == "optimizer")
     if need_reference_policy(cfg) and "ref_inference" in offload:
         assert aro.ref[engine].param_offload == (offload["ref_inference"] == "weights")
+    if engine == "megatron":  # the gradient reduction overlaps the backward, as the plan is costed
+        assert aro.actor.megatron.override_ddp_config.overlap_grad_reduce is True
     if has_critic:
         critic_engine = "fsdp" if cfg.critic.strategy == "fsdp" else "megatron"
         assert cfg.critic[critic_engine].optimizer_offload == (offload.get("critic_train") == "optimizer")
+        if critic_engine == "megatron":
+            assert cfg.critic.megatron.override_ddp_config.overlap_grad_reduce is True
     gpus = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if cfg.reward.reward_model.enable and cfg.reward.reward_model.enable_resource_pool:
         gpus += cfg.reward.reward_model.nnodes * cfg.reward.reward_model.n_gpus_per_node
