@@ -130,6 +130,11 @@
    launch fitted on the vTrain rows; no new coefficient) was added after seeing the tp 4 row 66%
    slower than predicted: there each rank routes 1,024 tokens per micro-batch to 16 local
    experts, so the host issuing 96 expert GEMMs per layer takes longer than the GPU runs them.
+   Later, two facts of these stacks, each checked in its source and each moving the rows after
+   they had been seen: the ModelZoo configs set ``--overlap-param-gather`` (``deepep_stack``;
+   8.59% -> 8.60%), and ``megatron-core`` keeps and reduces fp32 gradients, as Megatron-LM does
+   under ``--bf16`` unless told ``--grad-reduce-in-bf16`` (8.60% -> 10.46%: the Megatron FSDP
+   row's reduce-scatter after every micro-batch doubles; Llama 3 6.96% -> 7.19%).
 
 3. Out of sample on the vTrain rows (``--cross-validate``): leave one model size out. For each
    size, the coefficients are fitted again, from the same fixed start as `planner calibrate`, on

@@ -8,7 +8,7 @@ kernels a training step launches and which bytes it keeps. Five presets:
   attention dropout, fp16 gradients accumulated per micro-batch and all-reduced after the last
   backward (no bucketing, so no overlap with backward), mixed-precision Adam.
 - ``megatron-core``: Megatron-Core with Transformer Engine and stacks built like it: fused kernels,
-  flash attention, bf16 weights beside fp32 master weights, communication overlapped.
+  flash attention, bf16 weights beside fp32 master weights and fp32 gradients, communication overlapped.
 - ``rlhf-engine``: verl and OpenRLHF: ``megatron-core``'s training and vLLM's rollouts.
 - ``vllm``: vLLM's generation (bf16 weights, fused kernels, CUDA-graph decode), the rollout
   engine of verl and OpenRLHF exports.
@@ -56,11 +56,13 @@ class Framework:
     param_bytes: int  # bf16/fp16 weights
     grad_bytes: int  # gradient buffer dtype (also the dtype of the data-parallel reduction)
     optimizer_bytes: int  # fp32 master weights + Adam m and v
-    # HBM traffic of one fused Adam step per parameter: inf check and grad norm read the 2-byte
-    # gradient (2+2), Adam reads g (2), fp32 p, m, v (12) and writes p, m, v (12) and the 2-byte
-    # weight (2), and the gradient buffer is zeroed (2).
+    # HBM traffic of one fused Adam step per parameter: inf check and grad norm read the gradient
+    # (2+2 for 2-byte gradients), Adam reads g (2), fp32 p, m, v (12) and writes p, m, v (12) and
+    # the 2-byte weight (2), and the gradient buffer is zeroed (2): 34; with fp32 gradients 42.
     optimizer_step_bytes: int
-    # Accumulating one micro-batch's weight gradient into the buffer: read grad, read+write buffer.
+    # Accumulating one micro-batch's weight gradient into the buffer: read grad, read+write buffer
+    # (2+2+2); where the weight-gradient GEMM accumulates into an fp32 buffer itself (Megatron's
+    # gradient-accumulation fusion), what that adds to the GEMM's bf16 write (4+4-2): 6 either way.
     grad_accum_bytes: int
     overlap_grad_reduce: bool  # data-parallel reduction overlaps the last backward (bucketed DDP)
     zero3_prefetch: bool = True  # ZeRO-3 gathers the next weights under the current compute (FSDP, DeepSpeed)
@@ -153,21 +155,23 @@ FRAMEWORKS: dict[str, Framework] = {
     ),
     # Megatron-Core with Transformer Engine, and stacks built like it (Llama 3's, NeMo): fused
     # (flash) attention and fused norm, rotary and SwiGLU kernels, no dropout, bf16 weights with
-    # fp32 master weights and Adam states, gradients reduced in buckets during backward
+    # fp32 master weights and Adam states, gradients accumulated and reduced in fp32 (Megatron-LM's
+    # default under --bf16, validate_args; the Llama 3 paper's, section 3.3.2), reduced in buckets during backward
     # (--overlap-grad-reduce, which the Megatron-LM export sets) and ZeRO-3 weights gathered ahead
     # of use; ZeRO-1/2's gather of the updated weights after the step is not overlapped (the
     # export leaves --overlap-param-gather off, and DeepSpeed, also costed with this stack, has none).
     "megatron-core": Framework(
-        name="megatron-core", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
-        optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
+        name="megatron-core", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
+        optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
         expert_gemms="per_expert",
     ),
     # verl and OpenRLHF as they run a PPO/GRPO step: training on Megatron-Core or FSDP/DeepSpeed
-    # with bf16 weights beside fp32 master weights and overlapped communication, rollouts on vLLM
+    # with bf16 weights beside fp32 master weights, fp32 gradients (verl's Megatron DDP sets
+    # grad_reduce_in_fp32, its FSDP reduces in fp32) and overlapped communication, rollouts on vLLM
     # with decode replayed as CUDA graphs (what `planner import` costs their configs with).
     "rlhf-engine": Framework(
-        name="rlhf-engine", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
-        optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
+        name="rlhf-engine", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
+        optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
         decode_cuda_graphs=True, decode_drops_finished=True, expert_gemms="per_expert", rollout_expert_gemms="grouped",
     ),
     # vLLM as verl and OpenRLHF run it for rollouts: bf16 weights, fused kernels, decode steps
