@@ -142,6 +142,14 @@ def overlap_interference_s(hidden_s: float, hw: Hardware) -> float:
     return hidden_s * share / (1.0 - share)
 
 
+def overlapped_s(total_s: float, window_s: float, floor_s: float, hw: Hardware) -> float:
+    """Wall time a collective of `total_s` adds when it runs under compute worth `window_s`: what
+    the compute cannot cover, at least `floor_s` (the piece that cannot overlap: the last bucket,
+    one pipelined chunk), plus the slowdown the hidden rest causes (`overlap_interference_s`)."""
+    exposed = max(total_s - window_s, floor_s)
+    return exposed + overlap_interference_s(total_s - exposed, hw)
+
+
 @cache
 def expected_max_normal(n: int) -> float:
     """E[max of n independent standard normals] (0 for one; 1/sqrt(pi) for two), by quadrature."""

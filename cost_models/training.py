@@ -160,8 +160,7 @@ def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dic
         host += hw.host_collective_s * math.log2(max(2, g.n))
     if pipelined:
         gemm_s = kernels_time_s(tuple(k for k in kernels if k.kind == "gemm"), hw)
-        exposed = max(pipelined / groups["tp"].n, pipelined - gemm_s)
-        t_comm += exposed + comm.overlap_interference_s(pipelined - exposed, hw)
+        t_comm += comm.overlapped_s(pipelined, gemm_s, pipelined / groups["tp"].n, hw)
     return Stretch(dev, t_comm, host_launches(kernels) * hw.host_kernel_s + host, t_cp, t_ep)
 
 
@@ -364,8 +363,8 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
         gather = comm.all_gather_s(params * fw.param_bytes, g, hw)
         if fw.overlap_param_gather:  # under the next step's first forward, one bucket exposed
             forward_s = max(0.0, pipe.microbatch_s - pipe.last_bwd_s)
-            exposed = max(gather - forward_s, comm.all_gather_s(min(params * fw.param_bytes, DDP_BUCKET_BYTES), g, hw))
-            gather = exposed + comm.overlap_interference_s(gather - exposed, hw)
+            bucket = comm.all_gather_s(min(params * fw.param_bytes, DDP_BUCKET_BYTES), g, hw)
+            gather = comm.overlapped_s(gather, forward_s, bucket, hw)
         out.add("dp_comm", gather + comm.skew_wait_s(optimizer_s, g.n, hw))
         if experts:
             out.add("dp_comm", comm.all_gather_s(experts * fw.param_bytes, topo.group(layout, "edp"), hw))
@@ -490,8 +489,7 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
     if layout.zero <= 1:
         t = comm.all_reduce_s(grad, g, hw) if layout.zero == 0 else comm.reduce_scatter_s(grad, g, hw)
         if fw.overlap_grad_reduce and (layout.cp == 1 or fw.cp_overlaps_grad_reduce):
-            exposed = max(t - last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw))
-            return exposed + comm.overlap_interference_s(t - exposed, hw) + wait
+            return comm.overlapped_s(t, last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw), hw) + wait
         return t + wait
     if layout.zero == 3 and not fw.zero3_prefetch:
         n = zero3_groups
