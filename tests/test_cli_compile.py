@@ -162,3 +162,29 @@ def test_every_command_has_help_that_teaches(cli):
         page = cli(command, "--help")
         assert page.code == 0 and "Usage: planner " + command in page.out
     assert "Examples:" in cli("replan", "--help").out
+
+
+def test_help_starts_without_the_search_or_the_cost_model():
+    """`planner --help` (and every command's help) loads neither the search nor the cost model:
+    the package's names are imported on first use."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom planner.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print(sorted(m for m in ('planner.compile', 'planner.auto', 'cost_models.api', 'ortools') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_planner_auto_stays_the_decorator_when_its_module_is_imported():
+    """The submodule `planner.auto` has the decorator's name; importing it (as the graph loader
+    does) must not replace `planner.auto` on the package."""
+    import subprocess
+    import sys
+
+    probe = ("import planner.loader, planner\nfrom planner.auto import AutoFunction\nimport planner.auto as pa\n"
+             "print(callable(planner.auto) and planner.auto is pa and planner.auto.__module__ == 'planner.auto')")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "True"
