@@ -21,7 +21,7 @@ import numpy as np
 
 from cost_models import comm
 from cost_models.calibration import Calibration, default_calibration
-from cost_models.framework import UNCALIBRATED_ATTENTION_SHARE, Framework, resolve_framework
+from cost_models.framework import Framework, resolve_framework, uncalibrated_attention_share
 from cost_models.galore import galore_stage
 from cost_models.generation import decode_split, generate_times
 from cost_models.hardware import Hardware, core_share, effective_hardware
@@ -156,7 +156,8 @@ class CostModel:
         self.busy = busy  # ranks of each node at work (None: all of them), for `at_busy`
         hw = effective_hardware(cluster, self.calibration, busy=busy)
         if not self.framework.gpu_calibrated and cluster.gpu != "cpu":  # a CPU calibration measured the runtime itself
-            hw = dataclasses.replace(hw, attn_flops=min(hw.attn_flops, UNCALIBRATED_ATTENTION_SHARE * hw.peak_flops))
+            share = uncalibrated_attention_share(cluster.sheet.arch)
+            hw = dataclasses.replace(hw, attn_flops=min(hw.attn_flops, share * hw.peak_flops))
         self.hw: Hardware = hw
         self._calls: dict[tuple, CallCost] = {}
         self._reallocs: dict[tuple, ReallocCost] = {}
@@ -213,7 +214,9 @@ class CostModel:
         if fw.gpu_calibrated:
             return f"{stack} (framework {fw.name}), efficiencies fitted on {cal.framework} runs"
         return (f"{stack} (framework {fw.name}), not yet calibrated on a GPU: GEMM and bandwidth efficiencies fitted "
-                f"on {cal.framework} runs, attention at FlashAttention-2's low end; run bench/gpu_check.sh")
+                f"on {cal.framework} runs, attention at FlashAttention-2's published "
+                f"{uncalibrated_attention_share(self.cluster.sheet.arch):.0%} of the {self.cluster.gpu} peak; "
+                "run bench/gpu_check.sh")
 
     # ---- calls ---------------------------------------------------------------------------
 

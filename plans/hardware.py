@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from functools import cache
 from importlib import resources
+from typing import Literal
 
 from pydantic import Field
 
@@ -23,6 +24,10 @@ class GpuSpec(Strict):
     """One accelerator type, by its datasheet."""
 
     name: str
+    arch: Literal["volta", "ampere", "hopper", "cpu"] = Field(
+        description="Architecture: which kernels a stack can run on it (FlashAttention-2 is Ampere-era code; "
+        "Hopper's fused attention needs its asynchronous tensor cores)."
+    )
     mem_gib: float = Field(gt=0, description="Usable device memory, GiB.")
     peak_tflops: float = Field(gt=0, description="Dense bf16/fp16 tensor throughput, TFLOP/s.")
     hbm_gb_s: float = Field(gt=0, description="Device memory bandwidth, GB/s.")

@@ -34,6 +34,9 @@ def test_estimate_json(cli):
     assert sum(mem.values()) == out["peak_mem_bytes"]
     assert {"params", "grads", "optimizer", "activations"} <= set(mem)
     assert out["layout"] == "dp2 tp2 pp2 z1 mb8 rc:sel sp"
+    # the runtime is not calibrated on a GPU, and the estimate says so as a plan does
+    assert out["costed_for"].startswith("the planner runtime (framework torch), not yet calibrated on a GPU")
+    assert "FlashAttention-2's published 50% of the a100-80gb peak" in out["costed_for"]
 
 
 def test_estimate_table_and_inline_spec(cli):
@@ -41,6 +44,7 @@ def test_estimate_table_and_inline_spec(cli):
     r = cli(*_with(BASE, model=spec))
     assert r.code == 0, r.err
     assert "iteration" in r.out and "MFU" in r.out and "peak memory per GPU" in r.out and "tp_comm" in r.out
+    assert "costed for the planner runtime" in " ".join(r.out.split())
 
 
 def test_estimate_config_json_and_cluster_file(cli, tmp_path):

@@ -70,11 +70,19 @@ def test_no_dense_estimate_above_60_percent_mfu():
 
 
 def test_the_runtime_is_marked_uncalibrated_on_gpus():
-    from cost_models.framework import UNCALIBRATED_ATTENTION_SHARE, resolve_framework
+    """Until `bench/gpu_check.sh` calibrates it, the runtime's attention (PyTorch's FlashAttention-2)
+    is timed at FlashAttention-2's published share of each architecture's peak: 50% on an A100,
+    35% on an H100 or H200, where it cannot use Hopper's asynchronous tensor cores. Stacks fitted
+    on measured runs keep their own attention efficiency."""
+    from cost_models.framework import resolve_framework
 
     assert not resolve_framework("torch").gpu_calibrated and resolve_framework("megatron").gpu_calibrated
-    cm = CostModel(parse_cluster("h100-sxm:1x8"))
-    assert cm.hw.attn_flops <= UNCALIBRATED_ATTENTION_SHARE * cm.hw.peak_flops + 1e-6
+    for gpu, share in (("a100-80gb", 0.50), ("h100-sxm", 0.35), ("h200", 0.35)):
+        cm = CostModel(parse_cluster(f"{gpu}:1x8"))
+        assert cm.hw.attn_flops == pytest.approx(share * cm.hw.peak_flops), gpu
+        assert "not yet calibrated on a GPU" in cm.costed_for()
+        core = CostModel(parse_cluster(f"{gpu}:1x8"), framework="megatron-core")
+        assert core.hw.attn_flops > share * core.hw.peak_flops, gpu  # fitted: 0.85 of its GEMM rate
 
 
 def test_default_headroom_is_a_few_gib_and_a_share():
