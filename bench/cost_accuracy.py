@@ -121,6 +121,23 @@
      and the pp 32 vpp 3 row (its first chunk holds the embedding alone, which the planner's
      pipeline split cannot express). The rows' "norm, act" recompute (elementwise kernels only)
      is costed as none.
+   - MosaicML llm-foundry, ``scripts/train/benchmarking/README.md`` (commit 4952183768 of
+     2024-04-22; its tables of 2023-10-19 and 2024-01-06, read in a fetched mirror): MPT
+     pre-training with Composer on PyTorch FSDP, 125M to 70B, sequence 512 to 65,536, 8 to 512
+     GPUs, tokens/s per GPU. MPT as benchmarked is a GPT: learned positions, LayerNorm and
+     biases, a GELU MLP of 4h, tied embeddings, vocabulary 50,368 (the table's parameter counts
+     equal the ``gpt`` spec's for every size at every sequence: a test checks it), with
+     dimensions from the pretrain yamls of that time. Rows taken: every ``amp_bf16`` row with
+     FSDP mixed precision ``DEFAULT`` (bf16 gathers, fp32 gradient reduction) on the "A100 80GB
+     with 1600 Gbps" (59) and the two "H100 80GB BF16" tables (70); left out: the ``bf16 PURE``
+     rows (bf16 gradients: the two 70B rows on A100 80GB and the A100 40GB table) and FP8.
+     Protocol fixed before any prediction was looked at: the ``megatron-core`` stack (the preset
+     for "stacks built like it": fused kernels, flash attention, bf16 weights beside fp32 masters,
+     fp32 gradients, overlapped communication) with ZeRO-3 for ``FULL_SHARD`` and ZeRO-2 for
+     ``SHARD_GRAD_OP``, data parallel over every GPU, the row's micro-batch and accumulations,
+     full recompute where activation checkpointing is on, the datasheet cluster (the A100 rows'
+     1,600 Gbit/s per node is the preset's; the H100 tables do not state theirs). The attention
+     kernel is not pinned by the table (the yamls of the time name Triton's FlashAttention).
    Both MoE sources ran DeepEP, so both are costed with ``moe_dispatch="deepep"`` (one copy per
    rank, and per node across nodes, that holds a token's experts). That trait was added after
    seeing the first ModelZoo row's all-to-all take 15 of a predicted 26 s; it is the dispatcher's
@@ -569,6 +586,115 @@ def report_moe(cal: Calibration) -> list[float]:
     return errs
 
 
+# MosaicML llm-foundry, scripts/train/benchmarking/README.md (commit 4952183768, 2024-04-22), the
+# amp_bf16 / DEFAULT rows of its "H100 80GB BF16 (Large Scale)", "H100 80GB BF16" and "A100 80GB
+# with 1600 Gbps" tables, in the README's order: (MPT size, sequence, GPUs, GPU preset, micro-batch,
+# accumulations, ZeRO stage (FULL_SHARD 3, SHARD_GRAD_OP 2), activation checkpointing, published
+# tokens/s per GPU).
+FOUNDRY = [
+    ("70b", 2048, 512, "h100-sxm", 8, 1, 3, True, 1007), ("70b", 2048, 256, "h100-sxm", 8, 1, 3, True, 1035), ("70b", 2048, 128, "h100-sxm", 8, 1, 3, True, 1058),
+    ("30b", 2048, 512, "h100-sxm", 8, 1, 3, True, 2115), ("30b", 2048, 256, "h100-sxm", 8, 1, 3, True, 2148), ("30b", 2048, 128, "h100-sxm", 8, 1, 3, True, 2199),
+    ("13b", 2048, 512, "h100-sxm", 16, 1, 3, True, 4952), ("13b", 2048, 256, "h100-sxm", 16, 1, 3, True, 4989), ("13b", 2048, 128, "h100-sxm", 16, 1, 3, True, 5080),
+    ("7b", 2048, 512, "h100-sxm", 6, 1, 3, False, 9670), ("7b", 2048, 256, "h100-sxm", 6, 1, 3, False, 10119), ("7b", 2048, 128, "h100-sxm", 6, 1, 3, False, 10475),
+    ("3b", 2048, 512, "h100-sxm", 8, 1, 2, False, 21664), ("3b", 2048, 256, "h100-sxm", 8, 1, 2, False, 22772), ("3b", 2048, 128, "h100-sxm", 8, 1, 2, False, 23422),
+    ("1b", 2048, 512, "h100-sxm", 12, 1, 2, False, 39837), ("1b", 2048, 256, "h100-sxm", 12, 1, 2, False, 42555), ("1b", 2048, 128, "h100-sxm", 12, 1, 2, False, 44123),
+    ("70b", 2048, 64, "h100-sxm", 8, 4, 3, True, 1039), ("70b", 2048, 32, "h100-sxm", 2, 16, 3, True, 882), ("30b", 8192, 8, "h100-sxm", 1, 21, 3, True, 1384),
+    ("30b", 4096, 8, "h100-sxm", 1, 21, 3, True, 1802), ("30b", 2048, 32, "h100-sxm", 14, 3, 3, True, 2308), ("30b", 2048, 16, "h100-sxm", 10, 3, 3, True, 2263),
+    ("30b", 2048, 8, "h100-sxm", 3, 21, 3, True, 2002), ("30b", 1024, 8, "h100-sxm", 6, 21, 3, True, 2084), ("13b", 32768, 8, "h100-sxm", 1, 3, 3, True, 1976),
+    ("13b", 16384, 8, "h100-sxm", 3, 3, 3, True, 2985), ("13b", 4096, 8, "h100-sxm", 10, 3, 3, True, 4717), ("13b", 2048, 64, "h100-sxm", 2, 1, 3, False, 4800),
+    ("13b", 2048, 32, "h100-sxm", 2, 1, 3, False, 4811), ("13b", 2048, 16, "h100-sxm", 2, 1, 3, False, 4767), ("13b", 2048, 8, "h100-sxm", 2, 1, 3, False, 4792),
+    ("13b", 1024, 8, "h100-sxm", 40, 3, 3, True, 5502), ("7b", 65536, 8, "h100-sxm", 1, 2, 3, True, 1956), ("7b", 32768, 8, "h100-sxm", 2, 2, 3, True, 3318),
+    ("7b", 8192, 8, "h100-sxm", 8, 2, 3, True, 6935), ("7b", 4096, 8, "h100-sxm", 16, 2, 3, True, 8611), ("7b", 2048, 8, "h100-sxm", 6, 1, 3, False, 10643),
+    ("7b", 1024, 8, "h100-sxm", 64, 2, 3, True, 10203), ("3b", 65536, 8, "h100-sxm", 1, 2, 3, True, 3262), ("3b", 32768, 8, "h100-sxm", 3, 6, 3, True, 5873),
+    ("3b", 16384, 8, "h100-sxm", 1, 6, 3, False, 11152), ("3b", 8192, 8, "h100-sxm", 3, 6, 3, False, 16578), ("3b", 4096, 8, "h100-sxm", 5, 6, 3, False, 20964),
+    ("3b", 2048, 64, "h100-sxm", 6, 3, 3, False, 22525), ("3b", 2048, 32, "h100-sxm", 6, 3, 3, False, 23021), ("3b", 2048, 16, "h100-sxm", 10, 3, 3, False, 24142),
+    ("3b", 1024, 8, "h100-sxm", 20, 6, 3, False, 27046), ("3b", 512, 8, "h100-sxm", 40, 6, 3, False, 27965), ("1b", 65536, 8, "h100-sxm", 1, 2, 3, True, 5506),
+    ("1b", 32768, 8, "h100-sxm", 1, 4, 3, False, 12025), ("1b", 16384, 8, "h100-sxm", 2, 4, 3, False, 19649), ("1b", 8192, 8, "h100-sxm", 3, 4, 3, False, 29157),
+    ("1b", 4096, 8, "h100-sxm", 7, 4, 3, False, 38535), ("1b", 2048, 64, "h100-sxm", 20, 1, 3, False, 44402), ("1b", 2048, 32, "h100-sxm", 20, 1, 3, False, 45130),
+    ("1b", 2048, 16, "h100-sxm", 20, 1, 3, False, 46037), ("1b", 2048, 8, "h100-sxm", 14, 1, 3, False, 45455), ("1b", 1024, 8, "h100-sxm", 18, 4, 3, False, 48910),
+    ("1b", 512, 8, "h100-sxm", 56, 4, 3, False, 52275), ("760m", 32768, 8, "h100-sxm", 1, 2, 3, False, 16291), ("760m", 16384, 8, "h100-sxm", 3, 2, 3, False, 27815),
+    ("760m", 8192, 8, "h100-sxm", 6, 2, 3, False, 41825), ("760m", 4096, 8, "h100-sxm", 12, 2, 3, False, 55459), ("760m", 2048, 32, "h100-sxm", 24, 1, 3, False, 67971),
+    ("760m", 2048, 16, "h100-sxm", 24, 1, 3, False, 68551), ("760m", 2048, 8, "h100-sxm", 24, 2, 3, False, 63147), ("760m", 1024, 8, "h100-sxm", 48, 2, 3, False, 78581),
+    ("760m", 512, 8, "h100-sxm", 96, 2, 3, False, 83749), ("30b", 8192, 8, "a100-80gb", 1, 21, 3, True, 574), ("30b", 4096, 8, "a100-80gb", 1, 21, 3, True, 814),
+    ("30b", 2048, 8, "a100-80gb", 3, 21, 3, True, 916), ("30b", 1024, 8, "a100-80gb", 6, 21, 3, True, 946), ("30b", 512, 8, "a100-80gb", 12, 21, 3, True, 967),
+    ("13b", 32768, 8, "a100-80gb", 1, 3, 3, True, 1016), ("13b", 16384, 8, "a100-80gb", 3, 3, 3, True, 1431), ("13b", 8192, 8, "a100-80gb", 5, 3, 3, True, 1795),
+    ("13b", 4096, 8, "a100-80gb", 10, 3, 3, True, 2060), ("13b", 2048, 8, "a100-80gb", 2, 3, 3, False, 2262), ("13b", 1024, 8, "a100-80gb", 40, 3, 3, True, 2330),
+    ("7b", 65536, 8, "a100-80gb", 1, 2, 3, True, 1013), ("7b", 32768, 8, "a100-80gb", 2, 2, 3, True, 1672), ("7b", 16384, 8, "a100-80gb", 4, 2, 3, True, 2453),
+    ("7b", 8192, 8, "a100-80gb", 8, 2, 3, True, 3206), ("7b", 4096, 8, "a100-80gb", 16, 2, 3, True, 3684), ("7b", 2048, 8, "a100-80gb", 6, 2, 3, False, 4641),
+    ("7b", 1024, 8, "a100-80gb", 64, 2, 3, True, 4357), ("3b", 65536, 8, "a100-80gb", 1, 2, 3, True, 1767), ("3b", 32768, 8, "a100-80gb", 3, 6, 3, True, 3029),
+    ("3b", 16384, 8, "a100-80gb", 1, 6, 3, False, 5529), ("3b", 8192, 8, "a100-80gb", 3, 6, 3, False, 7695), ("3b", 4096, 8, "a100-80gb", 5, 6, 3, False, 9457),
+    ("3b", 2048, 8, "a100-80gb", 10, 2, 3, False, 10811), ("3b", 1024, 8, "a100-80gb", 20, 6, 3, False, 11580), ("3b", 512, 8, "a100-80gb", 40, 6, 3, False, 12127),
+    ("1b", 65536, 8, "a100-80gb", 1, 2, 3, True, 3044), ("1b", 32768, 8, "a100-80gb", 1, 4, 3, False, 6275), ("1b", 16384, 8, "a100-80gb", 2, 4, 3, False, 9956),
+    ("1b", 8192, 8, "a100-80gb", 3, 4, 3, False, 13814), ("1b", 4096, 8, "a100-80gb", 7, 4, 3, False, 17807), ("1b", 2048, 8, "a100-80gb", 14, 4, 3, False, 20513),
+    ("1b", 1024, 8, "a100-80gb", 18, 4, 3, False, 22112), ("1b", 512, 8, "a100-80gb", 56, 4, 3, False, 23148), ("760m", 65536, 8, "a100-80gb", 1, 2, 3, True, 4143),
+    ("760m", 32768, 8, "a100-80gb", 1, 2, 3, False, 8802), ("760m", 16384, 8, "a100-80gb", 3, 2, 3, False, 14274), ("760m", 8192, 8, "a100-80gb", 6, 2, 3, False, 20933),
+    ("760m", 4096, 8, "a100-80gb", 12, 2, 3, False, 27351), ("760m", 2048, 8, "a100-80gb", 24, 2, 3, False, 32434), ("760m", 1024, 8, "a100-80gb", 48, 2, 3, False, 29765),
+    ("760m", 512, 8, "a100-80gb", 96, 2, 3, False, 29446), ("350m", 65536, 8, "a100-80gb", 1, 2, 3, False, 7524), ("350m", 32768, 8, "a100-80gb", 2, 2, 3, False, 13652),
+    ("350m", 16384, 8, "a100-80gb", 4, 2, 3, False, 23559), ("350m", 8192, 8, "a100-80gb", 8, 2, 3, False, 36569), ("350m", 4096, 8, "a100-80gb", 16, 2, 3, False, 49555),
+    ("350m", 2048, 8, "a100-80gb", 32, 2, 3, False, 58782), ("350m", 1024, 8, "a100-80gb", 64, 2, 3, False, 64813), ("350m", 512, 8, "a100-80gb", 128, 2, 3, False, 69330),
+    ("125m", 65536, 8, "a100-80gb", 1, 2, 3, False, 20368), ("125m", 32768, 8, "a100-80gb", 2, 2, 3, False, 36407), ("125m", 16384, 8, "a100-80gb", 4, 2, 3, False, 60040),
+    ("125m", 8192, 8, "a100-80gb", 8, 2, 3, False, 90392), ("125m", 4096, 8, "a100-80gb", 16, 2, 3, False, 118396), ("125m", 2048, 8, "a100-80gb", 40, 2, 3, False, 142830),
+    ("125m", 2048, 8, "a100-80gb", 32, 2, 3, False, 141737), ("125m", 1024, 8, "a100-80gb", 64, 2, 3, False, 156468), ("125m", 512, 8, "a100-80gb", 128, 2, 3, False, 165681),
+]
+# MPT sizes as the llm-foundry pretrain yamls of the time give them: (d_model, n_heads, n_layers);
+# vocabulary 50,368, expansion ratio 4.
+MPT_DIMS = {"125m": (768, 12, 12), "350m": (1024, 16, 24), "760m": (1536, 12, 24), "1b": (2048, 16, 24),
+            "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40), "30b": (7168, 56, 48),
+            "70b": (8192, 64, 80)}
+MPT_VOCAB = 50368
+
+
+def mpt_spec(size: str, seq: int):
+    d, heads, layers = MPT_DIMS[size]
+    return resolve_model(dict(model_type="gpt", hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+                              vocab_size=MPT_VOCAB, max_position_embeddings=seq, tie_word_embeddings=True))
+
+
+def foundry_table(cal: Calibration) -> list[tuple[tuple, float, CallCost]]:
+    """Each llm-foundry row costed by the protocol above: (row, predicted tokens/s per GPU, cost)."""
+    out = []
+    for row in FOUNDRY:
+        size, seq, gpus, gpu, mb, accum, zero, ckpt, _ = row
+        cm = CostModel(parse_cluster(f"{gpu}:{max(1, gpus // 8)}x{min(8, gpus)}"), cal, framework="megatron-core")
+        seqs = mb * accum * gpus
+        call = Call(name="train", model="m", kind="train", seqs=seqs, seq_len=seq, loss="sft")
+        decl = ModelDecl(spec=mpt_spec(size, seq), trainable=True)
+        layout = Layout(dp=gpus, zero=zero, micro_batches=accum, recompute="full" if ckpt else "none")
+        cost = cm.call_cost(call, decl, Mesh.block(0, gpus), layout)
+        out.append((row, seqs * seq / cost.time_s / gpus, cost))
+    return out
+
+
+def report_foundry(cal: Calibration, worst: int) -> list[float]:
+    print("\nheld out: MosaicML llm-foundry MPT on PyTorch FSDP (scripts/train/benchmarking/README.md, 2023-10 and "
+          "2024-01), amp_bf16, costed for megatron-core with ZeRO-3 (FULL_SHARD) or 2 (SHARD_GRAD_OP), tokens/s per GPU")
+    errs: list[float] = []
+    table = foundry_table(cal)
+    for gpu in ("a100-80gb", "h100-sxm"):
+        rows = [(r, p, c) for r, p, c in table if r[3] == gpu]
+        e = [pct(p, r[8]) for r, p, _ in rows]
+        errs += e
+        unfit = sum(not c.fits for _, _, c in rows)
+        print(f"  {gpu}: {len(rows)} rows, {unfit} predicted not to fit in memory")
+        by: dict[str, list[float]] = defaultdict(list)
+        for (r, _, _), x in zip(rows, e):
+            by[r[0]].append(x)
+        print("    by model, mean signed (of the throughput):  " + "  ".join(
+            f"{k} {statistics.mean(v):+.1f}% (n={len(v)})" for k, v in sorted(by.items(), key=lambda kv: MPT_DIMS[kv[0]])))
+        by_ckpt = {ck: [x for (r, _, _), x in zip(rows, e) if r[7] == ck] for ck in (False, True)}
+        print("    activation checkpointing off / on, mean signed:  "
+              + "  ".join(f"{statistics.mean(v):+.1f}% (n={len(v)})" for v in by_ckpt.values() if v))
+        print(f"    worst {worst} rows:")
+        for (r, p, c), x in sorted(zip(rows, e), key=lambda t: -abs(t[1]))[:worst]:
+            size, seq, gpus, _, mb, accum, zero, ckpt, published = r
+            print(f"      {size:>4s} seq {seq:5d} {gpus:3d} GPUs z{zero} mb{mb:<2d} x{accum:<2d} ckpt {str(ckpt):5s} published "
+                  f"{published:7,d}  predicted {p:9,.0f}  {x:+6.1f}%, data-parallel {c.breakdown_s.get('dp_comm', 0.0):.2f} s"
+                  f" of {c.time_s:.2f} s, peak memory {c.peak_mem_bytes / 2**30:.0f} GiB")
+        print("   ", end="")
+        summarize_throughput(e)
+    return errs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibration", type=Path, help="calibration file (default: the shipped one)")
@@ -616,6 +742,9 @@ def main() -> None:
     print("\nevery held-out row above (Table 1, Korthikanti et al., Megatron-Core on H100, Llama 3, MoE),"
           " of the throughput:")
     summarize_throughput(held)
+    foundry = report_foundry(cal, args.worst)
+    print("\nand with the llm-foundry rows, of the throughput:")
+    summarize_throughput(held + foundry)
 
 
 if __name__ == "__main__":
