@@ -218,3 +218,27 @@ def test_megatron_core_h100_rows_fit_and_use_megatron_lms_own_flops(bench, capsy
         s, v, kv, ffn = 4096, 131072, heads, 4 * h  # kv_channels * heads = h
         megatron = 12 * batch * s * layers * h * h * ((1 + kv / heads + s / h) + ffn / h + v / (2 * layers * h))
         assert bench.korthikanti_flops(batch, s, layers, h, v) == pytest.approx(megatron)
+
+
+# llm-foundry's published parameter counts (its table's NumParams column) at sequence 2048, and
+# for the 7B model at every sequence it ran: learned position embeddings grow with the sequence.
+FOUNDRY_PARAMS = {("125m", 2048): 125311488, ("350m", 2048): 355985408, ("760m", 2048): 760470528,
+                  ("1b", 2048): 1315950592, ("3b", 2048): 2651837440, ("7b", 2048): 6658859008,
+                  ("13b", 2048): 12853954560, ("30b", 2048): 29975214080, ("70b", 2048): 64862437376,
+                  ("7b", 1024): 6654664704, ("7b", 4096): 6667247616, ("7b", 8192): 6684024832,
+                  ("7b", 16384): 6717579264, ("7b", 32768): 6784688128, ("7b", 65536): 6918905856}
+
+
+def test_llm_foundry_rows_are_the_gpt_the_table_counts_and_costed_as_the_protocol_says(bench) -> None:
+    """MPT as llm-foundry benchmarked it (learned positions, LayerNorm and biases, 4h GELU MLP,
+    tied embeddings, vocabulary 50,368) has exactly the parameters the table lists, for every size
+    and, through the position embeddings, every sequence; the rows keep the table's micro-batch,
+    accumulations, sharding and checkpointing, and every one is costed."""
+    for (size, seq), params in FOUNDRY_PARAMS.items():
+        assert bench.mpt_spec(size, seq).num_params() == params, (size, seq)
+    assert len(bench.FOUNDRY) == 129 and {r[3] for r in bench.FOUNDRY} == {"a100-80gb", "h100-sxm"}
+    costed = bench.foundry_table(default_calibration())
+    for row, predicted, cost in costed:
+        assert row[6] in (2, 3) and row[8] > 0 and predicted > 0 and cost.time_s > 0
+    row = next(c[0] for c in costed if c[0][:4] == ("13b", 2048, 8, "a100-80gb"))
+    assert row[4:8] == (2, 3, 3, False)  # micro-batch 2, 3 accumulations, FULL_SHARD, no checkpointing

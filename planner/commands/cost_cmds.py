@@ -68,8 +68,8 @@ def estimate(
     iteration_s, tokens_per_s, model_flops, model_tflops_per_gpu, mfu, peak_mem_bytes,
     mem_capacity_bytes, mem_usable_bytes (the capacity less the headroom), fits, and breakdown: {time_s: {kind: seconds}, memory_bytes: {kind: bytes}}.
     """
-    from cost_models.calibration import load_calibration
     from cost_models import CostModel
+    from cost_models.calibration import load_calibration
     from cost_models.estimate import estimate_training, training_layout
     from plans.cluster import parse_cluster, with_headroom
     from plans.model import resolve_model
