@@ -24,7 +24,7 @@ from cost_models.calibration import Calibration, default_calibration
 from cost_models.framework import Framework, resolve_framework, uncalibrated_attention_share
 from cost_models.galore import galore_stage
 from cost_models.generation import decode_split, generate_times
-from cost_models.hardware import Hardware, core_share, effective_hardware
+from cost_models.hardware import Hardware, core_share, effective_hardware, matmul_ceiling_ratio
 from cost_models.lengths import length_dist
 from cost_models.memory import (
     forward_working_bytes,
@@ -211,10 +211,13 @@ class CostModel:
         stack = "the planner runtime" if fw.name == "torch" else fw.name
         if self.cluster.gpu == "cpu" or cal.gpu == self.cluster.gpu and cal.framework == fw.name:
             return f"{stack} (framework {fw.name}), calibrated: {cal.source or 'no source recorded'}"
+        runs = f"{cal.framework} runs" + (f" on {cal.fitted_on}" if cal.fitted_on else "")
+        if cal.fitted_on and cal.fitted_on != self.cluster.gpu and matmul_ceiling_ratio(self.cluster.sheet, cal) != 1.0:
+            runs += f" (GEMMs at the same share of the {self.cluster.gpu}'s matmul ceiling)"
         if fw.gpu_calibrated:
-            return f"{stack} (framework {fw.name}), efficiencies fitted on {cal.framework} runs"
+            return f"{stack} (framework {fw.name}), efficiencies fitted on {runs}"
         return (f"{stack} (framework {fw.name}), not yet calibrated on a GPU: GEMM and bandwidth efficiencies fitted "
-                f"on {cal.framework} runs, attention at FlashAttention-2's published "
+                f"on {runs}, attention at FlashAttention-2's published "
                 f"{uncalibrated_attention_share(self.cluster.sheet.arch):.0%} of the {self.cluster.gpu} peak; "
                 "run bench/gpu_check.sh")
 

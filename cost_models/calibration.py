@@ -72,6 +72,10 @@ class Calibration(Strict):
     format: str = Field(CALIBRATION_FORMAT, description="File format tag.")
     gpu: str | None = Field(None, description="Accelerator the figures were measured on; None: any (fractions of the datasheet).")
     framework: str = Field("megatron", description="Software stack the coefficients were measured with (see cost_models.framework).")
+    fitted_on: str | None = Field(
+        None, description="Accelerator whose runs the coefficients were fitted on: on another GPU the GEMM efficiency "
+        "becomes the same share of that GPU's matmul ceiling (`GpuSpec.matmul_ceiling`); None: the same share of "
+        "every GPU's peak.")
     source: str = Field("", description="How the file was produced (command, data, date-free).")
     coefficients: Coefficients
     hardware: HardwareOverrides = Field(default_factory=HardwareOverrides)

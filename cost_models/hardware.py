@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from cost_models.calibration import Calibration, Coefficients
 from plans.cluster import ClusterSpec
+from plans.hardware import GpuSpec, gpu_spec
 
 GBIT = 1e9 / 8  # bytes per Gbit
 
@@ -52,6 +53,20 @@ class Hardware:
     skew_slice_s: float = 1e-3  # below this much work the lag grows linearly
 
 
+def matmul_ceiling_ratio(sheet: GpuSpec, cal: Calibration) -> float:
+    """How a GEMM efficiency fitted on `cal.fitted_on` carries to `sheet`'s GPU: a GEMM reaches the
+    same share of each GPU's matmul ceiling (its maximum achievable matmul FLOPS), not of its
+    datasheet peak; an H100 reaches 80.3% of its peak at best where an A100 reaches 86.9%. 1 where
+    either ceiling is unpublished, the calibration names no GPU, or a measured peak overrides the
+    datasheet's (a profile's own figures)."""
+    if cal.fitted_on is None or cal.hardware.peak_tflops is not None:
+        return 1.0
+    fitted = gpu_spec(cal.fitted_on).matmul_ceiling
+    if fitted is None or sheet.matmul_ceiling is None:
+        return 1.0
+    return sheet.matmul_ceiling / fitted
+
+
 def effective_hardware(cluster: ClusterSpec, cal: Calibration, *, busy: int | None = None) -> Hardware:
     """Combine datasheet, cluster overrides and calibration into achieved rates, while `busy` ranks
     of each node work (`core_share`; default: all of them)."""
@@ -67,10 +82,11 @@ def effective_hardware(cluster: ClusterSpec, cal: Calibration, *, busy: int | No
     intra_lat = hw.intra_latency_us if hw.intra_latency_us is not None else sheet.nvlink_latency_us
     inter_lat = hw.inter_latency_us if hw.inter_latency_us is not None else sheet.net_latency_us
     share = core_share(cluster, cal, busy=busy)
+    gemm = co.gemm_efficiency * matmul_ceiling_ratio(sheet, cal)
     return Hardware(
         peak_flops=peak,
-        gemm_flops=peak * co.gemm_efficiency * share,
-        attn_flops=peak * co.gemm_efficiency * co.attention_efficiency * share,
+        gemm_flops=peak * gemm * share,
+        attn_flops=peak * gemm * co.attention_efficiency * share,
         mem_bytes_s=hbm * co.hbm_efficiency * share,
         elementwise_bytes_s=hbm * co.hbm_efficiency * co.elementwise_efficiency * share,
         intra_bytes_s=intra_gbps * GBIT * co.nvlink_efficiency,

@@ -39,6 +39,12 @@ class GpuSpec(Strict):
     host_gbps: float = Field(gt=0, description="Host link (PCIe) bandwidth per GPU, one direction, Gbit/s, while "
                              "every GPU of the node copies at once (a switch's uplink shared by the GPUs behind it).")
     host_mem_gib: float = Field(gt=0, description="Host (CPU) memory per GPU, GiB: the node's memory over its GPUs.")
+    matmul_ceiling: float | None = Field(
+        None, gt=0, le=1,
+        description="The largest share of the dense peak a bf16 GEMM reaches on it, over all shapes (its maximum "
+        "achievable matmul FLOPS, published per GPU); None: not published. A GEMM efficiency fitted on one GPU is "
+        "carried to another as the same share of this ceiling.",
+    )
     sm_count: int | None = Field(
         None, ge=1, description="Streaming multiprocessors (GEMM tiles run in waves of this many); None: no wave model."
     )

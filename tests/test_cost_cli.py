@@ -144,6 +144,7 @@ def test_calibrate_fits_measured_runs(cli, tmp_path):
     assert fitted.fit[f"mape_{csv.stem}"] < 5.0
     assert "MAPE after" in r.out
     assert fitted.source.startswith("planner calibrate")
+    assert fitted.fitted_on == "a100-80gb"  # its GEMM efficiency is carried to other GPUs by their matmul ceilings
 
 
 @pytest.mark.parametrize("content,gpu,message", [

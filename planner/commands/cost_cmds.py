@@ -167,7 +167,7 @@ def calibrate(
                     *( [f"--intra-node-gbps {intra_node_gbps:g}"] if intra_node_gbps else []),
                     *( [f"--inter-node-gbps {inter_node_gbps:g}"] if inter_node_gbps else []),
                     f"--framework {framework.value}"])
-    cal = cal.model_copy(update={"gpu": None, "framework": framework.value, "source": cmd,
+    cal = cal.model_copy(update={"gpu": None, "fitted_on": gpu, "framework": framework.value, "source": cmd,
                                  "fit": {f"mape_{Path(p).stem}": round(m, 3) for p, m in zip(measured, after)}})
     save_calibration(cal, output)
     table = Table("file", "rows", "MAPE before", "MAPE after", title=f"calibration written to {output}", title_justify="left")
