@@ -656,7 +656,28 @@ def from_megatron(words: list[str], cluster: ClusterSpec, models: dict[str, str]
                  sequence_parallel=bool(f.get("sequence-parallel")) and tp > 1,
                  micro_batches=_div(gbs, dp * micro, "--global-batch-size over dp x --micro-batch-size"))
     graph = sft(model, batch=gbs, seq_len=seq, name="megatron_import", lr=float(f.get("lr", 1e-5)))
-    return Imported(graph, {"model_train": (Mesh.block(0, size), lay, None)}, [])
+    return Imported(graph, {"model_train": (Mesh.block(0, size), lay, None)}, _megatron_costing_notes(f, dp=dp, tp=tp))
+
+
+def _megatron_costing_notes(f: dict[str, Any], *, dp: int, tp: int) -> list[str]:
+    """Where the command's flags run differently from the `megatron-core` stack it is costed with:
+    that stack reduces fp32 gradients in buckets under the backward and leaves the weight gather and
+    the tensor-parallel collectives unoverlapped (`cost_models.framework`)."""
+    notes = []
+    if dp > 1 and not f.get("overlap-grad-reduce"):
+        notes.append("--overlap-grad-reduce is not set: Megatron-LM then reduces the gradients after the backward, "
+                     "exposed, while the plan costs that reduction overlapped with it (the megatron-core stack); "
+                     "this command runs slower than costed. Add --overlap-grad-reduce (planner export sets it)")
+    if dp > 1 and f.get("grad-reduce-in-bf16"):
+        notes.append("--grad-reduce-in-bf16: costed with fp32 gradients (Megatron-LM's default under --bf16); "
+                     "this command reduces half the bytes and holds 2 fewer bytes per weight")
+    if dp > 1 and f.get("overlap-param-gather") and f.get("use-distributed-optimizer"):
+        notes.append("--overlap-param-gather: costed with the distributed optimizer's weight gather after the step, "
+                     "not under the next forward; this command runs faster than costed")
+    if tp > 1 and f.get("tp-comm-overlap"):
+        notes.append("--tp-comm-overlap: costed with the tensor-parallel collectives beside their GEMMs, not "
+                     "pipelined with them; this command runs faster than costed")
+    return notes
 
 
 def from_deepspeed(cfg: dict[str, Any], cluster: ClusterSpec, models: dict[str, str], *, world: int | None,

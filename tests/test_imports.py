@@ -186,3 +186,30 @@ def test_megatron_windows_that_are_not_causal_are_refused(window: str, message: 
              "normalization": "RMSNorm", "swiglu": True, "window-size": window}
     with pytest.raises(PlannerError, match=message):
         imports._megatron_spec(flags)
+
+
+def test_megatron_imports_say_where_the_command_runs_unlike_its_costing() -> None:
+    """A Megatron-LM command is costed with the megatron-core stack (gradient reduction overlapped,
+    fp32 gradients, weight gather and tp collectives not overlapped); where its flags say
+    otherwise, the import says which way the job differs. The export's own command has no note:
+    it sets --overlap-grad-reduce."""
+    from plans.cluster import parse_cluster
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "128",
+            "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
+    cluster = parse_cluster("a100-80gb:1x8")
+    got = imports.from_megatron(base, cluster, {}, world=8)
+    assert len(got.notes) == 1 and "--overlap-grad-reduce is not set" in got.notes[0]
+    got = imports.from_megatron(base + ["--overlap-grad-reduce", "--overlap-param-gather", "--tp-comm-overlap",
+                                        "--grad-reduce-in-bf16"], cluster, {}, world=8)
+    assert [n.split(":")[0] for n in got.notes] == ["--grad-reduce-in-bf16", "--overlap-param-gather",
+                                                  "--tp-comm-overlap"]
+    assert imports.from_megatron(base, cluster, {}, world=2).notes == []  # tp 2 on 2 GPUs: no data parallel
+    plan = matrix()["sft_llama31"]
+    exp = export_plan(plan, "megatron", call="model_train")
+    c = next(x for x in plan.calls if x.name == "model_train")
+    assert c.layout.dp > 1 and "--overlap-grad-reduce" in exp.text
+    words = imports.command_words(exp.text)
+    assert not any("overlap-grad-reduce" in n for n in imports.from_megatron(
+        words, plan.cluster, {}, world=c.mesh.size).notes)
