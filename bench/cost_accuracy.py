@@ -692,6 +692,12 @@ def report_foundry(cal: Calibration, worst: int) -> list[float]:
             by[r[0]].append(x)
         print("    by model, mean signed (of the throughput):  " + "  ".join(
             f"{k} {statistics.mean(v):+.1f}% (n={len(v)})" for k, v in sorted(by.items(), key=lambda kv: MPT_DIMS[kv[0]])))
+        short: dict[str, list[float]] = defaultdict(list)
+        for (r, _, _), x in zip(rows, e):
+            if r[1] <= 4096:
+                short[r[0]].append(x)
+        print("    up to 4,096 tokens, by model, lowest / highest signed:  " + "  ".join(
+            f"{k} {min(v):+.1f}% / {max(v):+.1f}% (n={len(v)})" for k, v in sorted(short.items(), key=lambda kv: MPT_DIMS[kv[0]])))
         by_ckpt = {ck: [x for (r, _, _), x in zip(rows, e) if r[7] == ck] for ck in (False, True)}
         print("    activation checkpointing off / on, mean signed:  "
               + "  ".join(f"{statistics.mean(v):+.1f}% (n={len(v)})" for v in by_ckpt.values() if v))
@@ -709,10 +715,11 @@ def report_foundry(cal: Calibration, worst: int) -> list[float]:
     # worth, by sequence length (attention's share grows with it).
     print("  the same rows costed for the `torch` preset instead (a comparison chosen after seeing the protocol's "
           "result), mean signed / MAPE of the throughput:")
+    runtime = foundry_table(cal, "torch")
     for gpu in ("a100-80gb", "h100-sxm"):
         parts = []
-        for label, short in (("up to 4,096 tokens", True), ("8,192 and more", False)):
-            e = [pct(p, r[8]) for r, p, _ in foundry_table(cal, "torch") if r[3] == gpu and (r[1] <= 4096) == short]
+        for label, upto_4k in (("up to 4,096 tokens", True), ("8,192 and more", False)):
+            e = [pct(p, r[8]) for r, p, _ in runtime if r[3] == gpu and (r[1] <= 4096) == upto_4k]
             parts.append(f"{label} {statistics.mean(e):+.1f}% / {statistics.mean(map(abs, e)):.1f}% (n={len(e)})")
         print(f"    {gpu}: " + ";  ".join(parts))
     return errs

@@ -3,10 +3,10 @@
     python bench/kernel_check.py --out REPORT.json                    # on a CUDA machine (gpu_check.sh runs it)
     python bench/kernel_check.py --device cpu --quick --out r.json   # the same code, tiny shapes, on CPU
 
-The cost model's efficiencies were fitted on A100s only and are applied to other GPUs' datasheet
-peaks. On Hopper that is not borne out: the Megatron-LM README's H100 table (Megatron-Core
-r0.8.0, `bench/cost_accuracy.py`) is predicted 29% too fast for a 1.7B GPT and 25% too slow for
-a 32B one. This check measures what those predictions rest on, for the layer shapes of those
+The cost model's efficiencies were fitted on A100s only and are carried to other GPUs by their
+datasheets (GEMMs by their published matmul ceilings). On Hopper that is not borne out: the
+Megatron-LM README's H100 table (Megatron-Core r0.8.0, `bench/cost_accuracy.py`) is predicted
+22% too fast for a 1.7B GPT and 27% too slow for a 32B one. This check measures what those predictions rest on, for the layer shapes of those
 two rows (GPT, sequence 4096, micro-batch 1; the 1.7B at tp 1, the 32B at tp 8 with sequence
 parallelism, so every GEMM has 4096 rows):
 

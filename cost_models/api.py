@@ -212,7 +212,7 @@ class CostModel:
         if self.cluster.gpu == "cpu" or cal.gpu == self.cluster.gpu and cal.framework == fw.name:
             return f"{stack} (framework {fw.name}), calibrated: {cal.source or 'no source recorded'}"
         runs = f"{cal.framework} runs" + (f" on {cal.fitted_on}" if cal.fitted_on else "")
-        if cal.fitted_on and cal.fitted_on != self.cluster.gpu and matmul_ceiling_ratio(self.cluster.sheet, cal) != 1.0:
+        if matmul_ceiling_ratio(self.cluster.sheet, cal) != 1.0:
             runs += f" (GEMMs at the same share of the {self.cluster.gpu}'s matmul ceiling)"
         if fw.gpu_calibrated:
             return f"{stack} (framework {fw.name}), efficiencies fitted on {runs}"

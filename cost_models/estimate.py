@@ -80,6 +80,7 @@ class TrainingEstimate:
     mem_usable_bytes: int  # the capacity less the cluster's headroom: what a plan may use
     time_breakdown_s: dict[str, float]
     mem_breakdown_bytes: dict[str, int]
+    costed_for: str  # the stack and what backs its efficiencies (`CostModel.costed_for`)
 
     @property
     def model_tflops_per_gpu(self) -> float:
@@ -105,6 +106,7 @@ class TrainingEstimate:
             "mem_usable_bytes": self.mem_usable_bytes,
             "fits": self.fits,
             "breakdown": {"time_s": self.time_breakdown_s, "memory_bytes": self.mem_breakdown_bytes},
+            "costed_for": self.costed_for,
         }
 
 
@@ -118,4 +120,5 @@ def estimate_training(spec: ModelSpec, cluster: ClusterSpec, layout: Layout, *, 
         iteration_s=cost.time_s, model_flops=cost.model_flops, tokens=global_batch * seq_len, gpus=layout.size,
         peak_flops=cm.hw.peak_flops, peak_mem_bytes=cost.peak_mem_bytes, mem_capacity_bytes=cluster.mem_bytes,
         mem_usable_bytes=cluster.usable_mem_bytes, time_breakdown_s=cost.breakdown_s, mem_breakdown_bytes=cost.mem_breakdown_bytes,
+        costed_for=cm.costed_for(),
     )

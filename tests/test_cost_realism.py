@@ -253,7 +253,7 @@ FOUNDRY_PARAMS = {("125m", 2048): 125311488, ("350m", 2048): 355985408, ("760m",
                   ("7b", 16384): 6717579264, ("7b", 32768): 6784688128, ("7b", 65536): 6918905856}
 
 
-def test_llm_foundry_rows_are_the_gpt_the_table_counts_and_costed_as_the_protocol_says(bench) -> None:
+def test_llm_foundry_rows_are_the_gpt_the_table_counts_and_every_one_is_costed(bench) -> None:
     """MPT as llm-foundry benchmarked it (learned positions, LayerNorm and biases, 4h GELU MLP,
     tied embeddings, vocabulary 50,368) has exactly the parameters the table lists, for every size
     and, through the position embeddings, every sequence; the rows keep the table's micro-batch,

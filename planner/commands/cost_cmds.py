@@ -66,9 +66,8 @@ def estimate(
     included; the attention term for full, non-causal scores; PaLM / Megatron-LM convention,
     recompute not counted); mfu divides it by the datasheet peak. With --json the object has
     iteration_s, tokens_per_s, model_flops, model_tflops_per_gpu, mfu, peak_mem_bytes,
-    mem_capacity_bytes, mem_usable_bytes (the capacity less the headroom), fits, and breakdown: {time_s: {kind: seconds}, memory_bytes: {kind: bytes}}.
+    mem_capacity_bytes, mem_usable_bytes (the capacity less the headroom), fits, breakdown: {time_s: {kind: seconds}, memory_bytes: {kind: bytes}}, and costed_for (the stack and what backs its efficiencies).
     """
-    from cost_models import CostModel
     from cost_models.calibration import load_calibration
     from cost_models.estimate import estimate_training, training_layout
     from plans.cluster import parse_cluster, with_headroom
@@ -90,11 +89,9 @@ def estimate(
                                hint="use --zero 0 or 1") from None
     est = estimate_training(spec, cl, layout, global_batch=global_batch, seq_len=seq_len, calibration=cal,
                             framework=framework.value)
-    costed_for = CostModel(cl, cal, framework=framework.value).costed_for()
     if as_json:
         out = est.to_json()
-        out.update(model=spec.display_name(), cluster=cl.short(), layout=layout.short(), framework=framework.value,
-                   costed_for=costed_for)
+        out.update(model=spec.display_name(), cluster=cl.short(), layout=layout.short(), framework=framework.value)
         typer.echo(json.dumps(out, sort_keys=True))
         return
     console = Console(highlight=False)
@@ -118,7 +115,7 @@ def estimate(
         mems.add_row(k, f"{v / GIB:.2f}")
     console.print(times)
     console.print(mems)
-    console.print(f"[dim]costed for {escape(costed_for)}[/]")
+    console.print(f"[dim]costed for {escape(est.costed_for)}[/]")
 
 
 def calibrate(
