@@ -6,7 +6,7 @@
 The cost model's efficiencies were fitted on A100s only and are carried to other GPUs by their
 datasheets (GEMMs by their published matmul ceilings). On Hopper that is not borne out: the
 Megatron-LM README's H100 table (Megatron-Core r0.8.0, `bench/cost_accuracy.py`) is predicted
-22% too fast for a 1.7B GPT and 27% too slow for a 32B one. This check measures what those predictions rest on, for the layer shapes of those
+20% too fast for a 1.7B GPT and 27% too slow for a 32B one. This check measures what those predictions rest on, for the layer shapes of those
 two rows (GPT, sequence 4096, micro-batch 1; the 1.7B at tp 1, the 32B at tp 8 with sequence
 parallelism, so every GEMM has 4096 rows):
 
@@ -19,8 +19,9 @@ parallelism, so every GEMM has 4096 rows):
 Each is timed with CUDA events (median of `--repeats` after a warm-up) beside the cost model's
 time for that kernel on the GPU preset the device matches (h200, h100-sxm, a100-80gb), with the
 shipped calibration. The measured/predicted ratio by kind says which efficiency is off on this
-GPU: GEMMs (`gemm_efficiency` and the wave model), attention (`attention_efficiency`, fixed at
-0.85 of a GEMM from FlashAttention-2 on A100s, never measured on Hopper) or bandwidth
+GPU: GEMMs (`gemm_efficiency` and the wave model), attention (published kernel speeds by
+length, `cost_models.attention`: cuDNN's for megatron-core on Hopper, FlashAttention-2's for the
+runtime; the flash backend measures the latter, the cuDNN backend the former) or bandwidth
 (`hbm_efficiency`). One JSON report, to commit under bench/results/ with the GPU check's.
 """
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cost_models import comm
+from cost_models.attention import KERNEL_NAMES, has_curves
 from cost_models.calibration import Calibration, default_calibration
 from cost_models.framework import Framework, resolve_framework, uncalibrated_attention_share
 from cost_models.galore import galore_stage
@@ -158,6 +159,10 @@ class CostModel:
         if not self.framework.gpu_calibrated and cluster.gpu != "cpu":  # a CPU calibration measured the runtime itself
             share = uncalibrated_attention_share(cluster.sheet.arch)
             hw = dataclasses.replace(hw, attn_flops=min(hw.attn_flops, share * hw.peak_flops))
+        # The attention kernel's published speed by head dim and length, under that rate as a ceiling.
+        kernel = self.attention_kernel()
+        if kernel is not None:
+            hw = dataclasses.replace(hw, attn_kernel=kernel, arch=cluster.sheet.arch)
         self.hw: Hardware = hw
         self._calls: dict[tuple, CallCost] = {}
         self._reallocs: dict[tuple, ReallocCost] = {}
@@ -205,6 +210,16 @@ class CostModel:
             self._at_busy[busy] = CostModel(self.cluster, self.calibration, framework=self.framework, busy=busy)
         return self._at_busy[busy]
 
+    def attention_kernel(self) -> str | None:
+        """The fused attention kernel whose published speed times this stack's attention on this GPU
+        (`cost_models.attention`), or None: the calibration's rate at every length (a GPU profile
+        measured its own; a CPU, or an architecture without published curves)."""
+        arch = self.cluster.sheet.arch
+        kernel = dict(self.framework.attention_kernels).get(arch)
+        if kernel is None or not has_curves(kernel, arch) or self.cluster.gpu == "cpu":
+            return None
+        return None if self.calibration.hardware.peak_tflops is not None else kernel
+
     def costed_for(self) -> str:
         """The stack these costs describe and what backs its efficiencies (stated in every plan)."""
         fw, cal = self.framework, self.calibration
@@ -214,12 +229,15 @@ class CostModel:
         runs = f"{cal.framework} runs" + (f" on {cal.fitted_on}" if cal.fitted_on else "")
         if matmul_ceiling_ratio(self.cluster.sheet, cal) != 1.0:
             runs += f" (GEMMs at the same share of the {self.cluster.gpu}'s matmul ceiling)"
+        kernel = self.attention_kernel()
+        attention = (f"attention at {KERNEL_NAMES[kernel]}'s published speed by head dim and sequence length"
+                     if kernel is not None else None)
         if fw.gpu_calibrated:
-            return f"{stack} (framework {fw.name}), efficiencies fitted on {runs}"
+            return f"{stack} (framework {fw.name}), efficiencies fitted on {runs}" + (f"; {attention}" if attention else "")
+        cap = f"{uncalibrated_attention_share(self.cluster.sheet.arch):.0%} of the {self.cluster.gpu} peak"
+        attention = f"{attention}, at most {cap}" if attention else f"attention at FlashAttention-2's published {cap}"
         return (f"{stack} (framework {fw.name}), not yet calibrated on a GPU: GEMM and bandwidth efficiencies fitted "
-                f"on {runs}, attention at FlashAttention-2's published "
-                f"{uncalibrated_attention_share(self.cluster.sheet.arch):.0%} of the {self.cluster.gpu} peak; "
-                "run bench/gpu_check.sh")
+                f"on {runs}, {attention}; run bench/gpu_check.sh")
 
     # ---- calls ---------------------------------------------------------------------------
 

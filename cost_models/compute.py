@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from cost_models.attention import attention_share
 from cost_models.hardware import Hardware
 from cost_models.ops import Kernel
 
@@ -33,6 +34,13 @@ def wave_efficiency(m: int, n: int, batch: int, sm_count: int | None) -> float:
     return best
 
 
+def sm_fill(tiles: int, sm_count: int | None) -> float:
+    """The share of the SMs `tiles` equal tiles keep busy over their waves."""
+    if sm_count is None:
+        return 1.0
+    return tiles / (-(-tiles // sm_count) * sm_count)
+
+
 def kernel_time_s(k: Kernel, hw: Hardware) -> float:
     """Device time of one kernel on `hw`."""
     latency = k.launches * hw.kernel_latency_s
@@ -46,7 +54,15 @@ def kernel_time_s(k: Kernel, hw: Hardware) -> float:
     # Fused attention: one tile per (head, query block); the key loop is the reduction. Where the
     # online softmax is not hidden under the matmuls (a CPU core runs them in turn), each
     # (sequence, head) pair adds its setup and each score its exponential, in every pass.
-    rate = hw.attn_flops * wave_efficiency(k.m, 64, k.batch, hw.sm_count)
+    if hw.attn_kernel is not None:
+        # Its published speed at this head dim and keys per query (measured on shapes that fill the
+        # GPU), below the calibration's rate as a ceiling, times the share of the SMs the (sequence,
+        # head, 128-query block) tiles keep busy over their waves.
+        keys = k.scores / max(1, k.batch * k.m)
+        share = attention_share(hw.attn_kernel, hw.arch, d=k.k, keys=keys, passes=k.passes)
+        rate = min(hw.attn_flops, hw.peak_flops * share) * sm_fill(-(-k.m // 128) * k.batch, hw.sm_count)
+    else:
+        rate = hw.attn_flops * wave_efficiency(k.m, 64, k.batch, hw.sm_count)
     softmax_s = k.passes * (k.batch * hw.attn_head_s + k.scores * hw.attn_score_s)
     return max(k.flops / rate, k.bytes / hw.mem_bytes_s) + softmax_s + latency
 

@@ -39,7 +39,8 @@ GOLDEN = (math.sqrt(5) - 1) / 2
 # Where the search starts (so a fit reproduces from its inputs alone): datasheet-level guesses.
 # attention_efficiency is not searched (measured runs with materialised attention say nothing
 # about fused kernels): FlashAttention-2 reaches 60-73% of an A100's peak (Dao 2023), about 0.85
-# of what a large GEMM reaches.
+# of what a large GEMM reaches. Where a stack's kernel has published speeds by length
+# (`cost_models.attention`), that rate is only their ceiling.
 START = Coefficients(
     gemm_efficiency=0.8, attention_efficiency=0.85, hbm_efficiency=0.8, nvlink_efficiency=0.8, network_efficiency=0.8,
     kernel_latency_us=4.0, host_kernel_us=40.0, host_collective_us=50.0, host_overlap=0.8, microbatch_overhead_ms=1.0,

@@ -20,9 +20,13 @@ kernels a training step launches and which bytes it keeps. Five presets:
   reduced in fp32 buckets during the last backward and ZeRO-3 gathers one use ahead; a rank's
   routed experts run one by one in a Python loop (`expert_gemms="loop"`). Not yet
   calibrated on a GPU (`bench/gpu_check.sh` measures it): its GEMM and bandwidth efficiencies
-  are those fitted on Megatron-LM runs, its attention is timed at what FlashAttention-2 (PyTorch's
-  default fused attention) is published to reach on the architecture (`UNCALIBRATED_ATTENTION_SHARE`:
-  the low end on an A100, 35% of the peak on an H100), and the kernels are its own.
+  are those fitted on Megatron-LM runs, its attention (PyTorch's default fused attention,
+  FlashAttention-2) runs at FlashAttention-2's published speed by head dim and length, never above
+  the low end of its published share of the peak (`UNCALIBRATED_ATTENTION_SHARE`: 50% on an A100,
+  35% on an H100), and the kernels are its own.
+
+Every stack with fused attention times it at its kernel's published speed by head dim and length
+(`Framework.attention_kernels`, `cost_models.attention`): short sequences run well below long ones.
 
 The byte counts of the eager kernels follow the ops `runtime/model.py` runs, per element:
 RMSNorm on an fp32 input: ``pow`` (4+4), ``mean`` (4), ``x * rsqrt`` (4+4), cast to bf16 (4+2),
@@ -146,7 +150,18 @@ class Framework:
     # step's first forward, each layer waiting only for its own bucket (Megatron-core
     # --overlap-param-gather); False: it runs after the optimizer, exposed.
     overlap_param_gather: bool = False
+    # The fused attention kernel the stack runs per GPU architecture, timed at its published speed
+    # by head dim and keys per query (`cost_models.attention`); an architecture not listed keeps
+    # the calibration's `attention_efficiency` at every length.
+    attention_kernels: tuple[tuple[str, str], ...] = ()
 
+
+# Transformer Engine prefers cuDNN's fused attention on Hopper and FlashAttention-2 on Ampere (NVIDIA
+# NeMo docs, memory_optimizations.rst, PR #9188); PyTorch's SDPA runs FlashAttention-2 first on both;
+# vLLM runs its FlashAttention-2 build on Ampere and FlashAttention-3 on Hopper (forward only).
+TE_ATTENTION = (("ampere", "fa2"), ("hopper", "cudnn"))
+SDPA_ATTENTION = (("ampere", "fa2"), ("hopper", "fa2"))
+VLLM_ATTENTION = (("ampere", "fa2"), ("hopper", "fa3"))
 
 FRAMEWORKS: dict[str, Framework] = {
     "megatron": Framework(
@@ -164,7 +179,7 @@ FRAMEWORKS: dict[str, Framework] = {
     "megatron-core": Framework(
         name="megatron-core", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
-        expert_gemms="per_expert",
+        expert_gemms="per_expert", attention_kernels=TE_ATTENTION,
     ),
     # verl and OpenRLHF as they run a PPO/GRPO step: training on Megatron-Core or FSDP/DeepSpeed
     # with bf16 weights beside fp32 master weights, fp32 gradients (verl's Megatron DDP sets
@@ -174,13 +189,14 @@ FRAMEWORKS: dict[str, Framework] = {
         name="rlhf-engine", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
         decode_cuda_graphs=True, decode_drops_finished=True, expert_gemms="per_expert", rollout_expert_gemms="grouped",
+        attention_kernels=TE_ATTENTION,
     ),
     # vLLM as verl and OpenRLHF run it for rollouts: bf16 weights, fused kernels, decode steps
     # replayed as CUDA graphs (its generate calls; it does not train).
     "vllm": Framework(
         name="vllm", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
-        decode_cuda_graphs=True, decode_drops_finished=True,
+        decode_cuda_graphs=True, decode_drops_finished=True, attention_kernels=VLLM_ATTENTION,
     ),
     # Fused AdamW over fp32 p, g, m, v: read 16, write 12, zero the gradient 4. A micro-batch's
     # weight gradient: bf16 to fp32 (2+4), accumulated (4+4+4).
@@ -193,11 +209,12 @@ FRAMEWORKS: dict[str, Framework] = {
         weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26, decode_cuda_graphs=True,
         windowed_attention=False, cp_comm="all_gather", cp_overlaps_grad_reduce=False,
         grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0, expert_gemms="loop",
+        attention_kernels=SDPA_ATTENTION,
     ),
 }
 
 
-# Until a stack's attention is measured on a GPU, its fused attention is timed at what
+# Until a stack's attention is measured on a GPU, its fused attention is never timed above what
 # FlashAttention-2 (PyTorch's first SDPA backend; cuDNN's comes last in its default order) is
 # published to reach on that architecture: on an A100, the low end of its 50-73% of the peak (Dao
 # 2023, arXiv:2307.08691; forward at the top, backward and short sequences lower); on an H100, 35%

@@ -51,6 +51,10 @@ class Hardware:
     mem_capacity_bytes: int
     skew_s_per_sqrt_s: float = 0.0  # std of a rank's lag after 1 s of work on shared cores (0: no drift)
     skew_slice_s: float = 1e-3  # below this much work the lag grows linearly
+    # The fused attention kernel whose published speed by head dim and keys times attention on
+    # this architecture (`cost_models.attention`); None: `attn_flops` for every length.
+    attn_kernel: str | None = None
+    arch: str = ""
 
 
 def matmul_ceiling_ratio(sheet: GpuSpec, cal: Calibration) -> float:
