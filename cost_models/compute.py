@@ -19,6 +19,7 @@ from cost_models.ops import Kernel
 # (rows, cols, relative throughput): smaller tiles load more operand bytes per FLOP, which
 # bounds them below peak by their arithmetic intensity 2*r*c/(r+c) relative to 128x128's.
 TILES: tuple[tuple[int, int, float], ...] = ((128, 128, 1.0), (128, 64, 0.85), (64, 128, 0.85), (64, 64, 0.6))
+ATTN_QUERY_TILE = 128  # query rows per tile of FlashAttention-2/3's and cuDNN's forward kernels
 
 
 @lru_cache(maxsize=65536)
@@ -54,13 +55,14 @@ def kernel_time_s(k: Kernel, hw: Hardware) -> float:
     # Fused attention: one tile per (head, query block); the key loop is the reduction. Where the
     # online softmax is not hidden under the matmuls (a CPU core runs them in turn), each
     # (sequence, head) pair adds its setup and each score its exponential, in every pass.
-    if hw.attn_kernel is not None:
+    if hw.attn_kernel is not None and k.m >= ATTN_QUERY_TILE:
         # Its published speed at this head dim and keys per query (measured on shapes that fill the
         # GPU), below the calibration's rate as a ceiling, times the share of the SMs the (sequence,
-        # head, 128-query block) tiles keep busy over their waves.
+        # head, 128-query block) tiles keep busy over their waves. Queries that fill no block (decode:
+        # one per sequence) are outside what was published and keep the rate below, padded to a tile.
         keys = k.scores / max(1, k.batch * k.m)
         share = attention_share(hw.attn_kernel, hw.arch, d=k.k, keys=keys, passes=k.passes)
-        rate = min(hw.attn_flops, hw.peak_flops * share) * sm_fill(-(-k.m // 128) * k.batch, hw.sm_count)
+        rate = min(hw.attn_flops, hw.peak_flops * share) * sm_fill(-(-k.m // ATTN_QUERY_TILE) * k.batch, hw.sm_count)
     else:
         rate = hw.attn_flops * wave_efficiency(k.m, 64, k.batch, hw.sm_count)
     softmax_s = k.passes * (k.batch * hw.attn_head_s + k.scores * hw.attn_score_s)
