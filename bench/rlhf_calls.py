@@ -34,7 +34,44 @@ are ``llama-2-7b`` and ``llama-2-70b`` (LLaMA 2 70B has the grouped KV heads the
 engine was built with).
 
 Training calls are validated in ``bench/cost_accuracy.py`` (Megatron-LM and Llama 3 tables).
-What is still missing: RLHF iteration breakdowns with full configurations.
+
+Whole GRPO iterations, step time (generation, policy and reference log-probs, training and the
+weight refit between them):
+
+- NVIDIA NeMo RL v0.5, "Performance" (docs/about/performance-summary.md at commit 108bffdab,
+  2026-01-20), DGX-H100, BF16, Megatron-core training and vLLM generation colocated on every GPU,
+  each row's recipe in examples/configs/recipes/llm/performance/ (grpo-llama3.1-8b-instruct-2n8g,
+  grpo-qwen3-32b-4n8g, grpo-qwen3-30ba3b-4n8g) over examples/configs/grpo_math_1B.yaml at that
+  commit. The on-policy rows of models the cost model can take: Llama 3.1 8B on 16 GPUs, Qwen3-32B
+  and Qwen3-30B-A3B on 32. Left out: the off-policy rows (generation overlaps training, which a
+  synchronous iteration does not express), DeepSeek V3 (multi-head latent attention) and Qwen3-235B
+  (its recipe gives the first and last pipeline stages 11 layers each, which the planner's split
+  cannot express).
+
+The protocol, fixed before any of these rows was predicted:
+
+- calls, in order on all GPUs: the rollout (num_prompts_per_step x num_generations_per_prompt
+  samples), NeMo RL's policy log-probs of the samples (an inference call of the actor), the
+  reference log-probs (reference_policy_kl_penalty 0.01: an inference call whose weights are
+  copied in from host memory and back, NeMo RL's use_reference_model; `offload="weights"`), the
+  training (train_global_batch_size per optimizer step: G-GBS / T-GBS mini-batches), and the
+  refit of the trained weights into vLLM's layout (`CostModel.realloc_cost`). Rewards are a rule
+  (math verification), not a model. The optimizer states go to host memory for the rollout and
+  back (offload_before_refit / prepare_for_training under colocation: `offload="optimizer"`);
+- the rollout: vLLM with the row's tensor parallelism over all GPUs, prompts of 128 tokens (the
+  cot.txt template and chat template around an OpenMathInstruct-2 problem; the table gives no
+  prompt length), max_new_tokens the recipe's max_total_sequence_length less the prompt,
+  responses of mean G-Average Seq len less the prompt, taken as geometric (the planner's rule for a
+  mean alone), in the fewest waves that fit gpu_memory_utilization 0.6 and vLLM's default
+  max_num_seqs 256 (`planner.imports.vllm_waves`, as verl and OpenRLHF imports are costed);
+- log-probs and training: sequence packing (the base config's, into bins of
+  max_total_sequence_length x train_micro_batch_size tokens, or x logprob_batch_size), costed as
+  sequences of G-Average Seq len tokens, as many per micro-batch as a bin holds (at least one);
+  the recipe's tp, pp, ep and sequence parallelism, the distributed optimizer (ZeRO-1), full
+  recompute where activation_checkpointing is set; MoE token dispatch as `alltoall` (the base
+  config's "allgather" dispatcher is not modelled);
+- the `rlhf-engine` preset (Megatron-core training, vLLM rollouts), the shipped calibration;
+- predicted step time against the published Total Step time (the mean of 5 steps).
 
     python bench/rlhf_calls.py
 """
@@ -49,7 +86,7 @@ sys.path.insert(0, str(ROOT))
 
 from cost_models import CostModel  # noqa: E402
 from plans import Layout, Mesh, ModelSpec, parse_cluster, resolve_model  # noqa: E402
-from plans.graph import Call, ModelDecl  # noqa: E402
+from plans.graph import Call, ModelDecl, ResponseLengths  # noqa: E402
 
 TRT_DOC = "TensorRT-LLM performance.md"
 GPTJ = ModelSpec(name="gpt-j-6b", model_type="gpt", hidden_size=4096, num_hidden_layers=28, num_attention_heads=16,
@@ -76,6 +113,70 @@ FIRST_TOKEN = [
     (f"{TRT_DOC} (v0.5)", "vllm", "llama-2-70b", "a100-80gb:1x4", 4, 128, 47.0),
     (f"{TRT_DOC} (v0.5)", "vllm", "llama-2-70b", "a100-80gb:1x4", 4, 2048, 377.0),
 ]
+
+
+NEMO_RL = "NeMo RL v0.5 (H100 BF16)"
+NEMO_PROMPT = 128  # tokens per prompt (the protocol's assumption: the table gives none)
+NEMO_VLLM_MEMORY = 0.6  # grpo_math_1B.yaml: generation.vllm_cfg.gpu_memory_utilization
+NEMO_MAX_NUM_SEQS = 256  # vLLM's default (the recipes set none)
+# (model, GPUs, prompts, samples, T-GBS, max_total_sequence_length, train_micro_batch_size,
+#  logprob_batch_size, G-Average Seq len, vLLM tp, training (tp, pp, ep, sequence parallel),
+#  activation checkpointing, published step s)
+NEMO_GRPO = [
+    ("llama-3.1-8b", 16, 64, 32, 512, 4096, 1, 2, 1019, 1, (1, 2, 1, False), True, 92.8),
+    ("qwen3-32b", 32, 64, 32, 512, 4096, 1, 4, 3251, 4, (4, 4, 1, True), False, 376.0),
+    ("qwen3-30b-a3b", 32, 64, 32, 512, 4096, 1, 4, 3196, 2, (1, 1, 8, False), False, 198.0),
+]
+
+
+def nemo_rl_step(row: tuple) -> tuple[float, dict[str, float], bool]:
+    """One NeMo RL GRPO row costed by the protocol above: (step s, seconds per part, fits)."""
+    from planner.algorithms import grpo
+    from planner.imports import vllm_waves
+
+    (model, gpus, prompts, samples, tgbs, max_total, train_mb, lp_mb, avg_len, gen_tp, (tp, pp, ep, sp),
+     ckpt, _) = row
+    cluster = parse_cluster(f"h100-sxm:{gpus // 8}x8")
+    cm = CostModel(cluster, framework="rlhf-engine")
+    spec = resolve_model(model)
+    actor, ref = ModelDecl(spec=spec, trainable=True), ModelDecl(spec=spec)
+    mesh = Mesh.block(0, gpus)
+    rows = prompts * samples
+    gen_len = max_total - NEMO_PROMPT
+    mean = ResponseLengths(mean=avg_len - NEMO_PROMPT, source="NeMo RL G-Average Seq len less the prompt")
+    graph = grpo(model, reward_fn="math:verify", batch=prompts, samples_per_prompt=samples, prompt_len=NEMO_PROMPT,
+                 gen_len=gen_len)
+    graph = graph.model_copy(update={"calls": [c.model_copy(update={"response_len": mean}) if c.kind == "generate"
+                                               else c for c in graph.calls]})
+    gen_layout, _ = vllm_waves(graph, cluster, "actor_generate", mesh, Layout(dp=gpus // gen_tp, tp=gen_tp),
+                               memory_share=NEMO_VLLM_MEMORY, max_num_seqs=NEMO_MAX_NUM_SEQS)
+    generate = graph.call("actor_generate")
+    dp = gpus // (tp * pp)
+    minibatches = rows // tgbs
+
+    def packed(bin_seqs: int, per_rank: int) -> int:
+        """Micro-batches of a rank's `per_rank` sequences, `bin_seqs` sequences of bins' tokens each."""
+        per_bin = max(1, bin_seqs * max_total // avg_len)
+        return -(-per_rank // per_bin)
+
+    base = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=1, sequence_parallel=sp)
+    train = base.model_copy(update={"micro_batches": packed(train_mb, tgbs // dp), "offload": "optimizer",
+                                    "recompute": "full" if ckpt else "none"})
+    logprob = Layout(dp=dp, tp=tp, pp=pp, ep=ep, sequence_parallel=sp, micro_batches=packed(lp_mb, rows // dp))
+    calls = {
+        "rollout": cm.call_cost(generate, actor, mesh, gen_layout),
+        "policy log-probs": cm.call_cost(Call(name="lp", model="actor", kind="inference", seqs=rows, seq_len=avg_len,
+                                              returns="logprobs"), actor, mesh, logprob),
+        "reference log-probs": cm.call_cost(Call(name="ref", model="ref", kind="inference", seqs=rows, seq_len=avg_len,
+                                                 returns="logprobs"), ref, mesh,
+                                            logprob.model_copy(update={"offload": "weights"})),
+        "training": cm.call_cost(Call(name="train", model="actor", kind="train", seqs=rows, seq_len=avg_len,
+                                      loss="grpo", minibatches=minibatches), actor, mesh, train),
+    }
+    parts = {k: c.time_s for k, c in calls.items()}
+    parts["refit"] = cm.realloc_cost(actor, (mesh, train), (mesh, gen_layout)).time_s
+    fits = all(c.peak_mem_bytes <= cluster.usable_mem_bytes for c in calls.values())
+    return sum(parts.values()), parts, fits
 
 
 def spec_of(model: str) -> ModelSpec:
@@ -128,6 +229,12 @@ def main() -> None:
         cm = CostModel(parse_cluster(cluster), framework=engine)
         row("inference (first token)", source, f"{model} on {cluster} tp{tp}, batch 1, {prompt} in", ms,
             first_token_s(cm, model, tp, prompt) * 1e3, "ms", by_kind.setdefault("inference", []))
+    for r in NEMO_GRPO:
+        step, parts, fits = nemo_rl_step(r)
+        model, gpus, prompts, samples = r[:4]
+        what = (f"{model} on h100-sxm x{gpus}, {prompts} x {samples} samples" + ("" if fits else " (over memory)"))
+        row("iteration (GRPO step)", NEMO_RL, what, r[-1], step, "s", by_kind.setdefault("iteration", []))
+        print("    " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
     print()
     for kind, errs in by_kind.items():
         print(f"  {kind}: mean |error| {sum(abs(e) for e in errs) / len(errs) * 100:.1f}%,"

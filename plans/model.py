@@ -362,6 +362,11 @@ PRESETS: dict[str, ModelSpec] = {
         _llama("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064, 32768, attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6),
         _llama("qwen2.5-32b", 5120, 64, 40, 8, 27648, 152064, 32768, attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6),
         _llama("qwen2.5-72b", 8192, 80, 64, 8, 29568, 152064, 32768, attention_bias=True, rope_theta=1e6, rms_norm_eps=1e-6),
+        # Qwen3 dense (HF config.json): per-head RMSNorm of q and k, no QKV bias, untied head.
+        _llama("qwen3-8b", 4096, 36, 32, 8, 12288, 151936, 40960, rope_theta=1e6, rms_norm_eps=1e-6, head_dim=128,
+               qk_norm="head"),
+        _llama("qwen3-32b", 5120, 64, 64, 8, 25600, 151936, 40960, rope_theta=1e6, rms_norm_eps=1e-6, head_dim=128,
+               qk_norm="head"),
         # Mixtures of experts (HF config.json of each).
         _llama("mixtral-8x7b", 4096, 32, 32, 8, 14336, 32000, 32768, rope_theta=1e6, num_experts=8,
                num_experts_per_tok=2),

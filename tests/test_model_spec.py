@@ -44,6 +44,16 @@ def test_llama_family_counts_match_published_within_1pct(name):
     assert abs(PRESETS[name].num_params() - PUBLISHED[name]) / PUBLISHED[name] < 0.01
 
 
+# Qwen3 dense: the model cards' "Number of Parameters" (8.2B, 32.8B), to their rounding.
+QWEN3_CARD = {"qwen3-8b": 8.2e9, "qwen3-32b": 32.8e9}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_CARD))
+def test_qwen3_dense_counts_match_model_cards_to_their_rounding(name):
+    assert abs(PRESETS[name].num_params() - QWEN3_CARD[name]) <= 0.05e9
+    assert PRESETS[name].qk_norm == "head" and not PRESETS[name].tie_word_embeddings
+
+
 @pytest.mark.parametrize("name", sorted(GPT3_PAPER))
 def test_gpt3_counts_match_paper_to_its_rounding(name):
     assert abs(PRESETS[name].num_params() - GPT3_PAPER[name]) <= GPT3_ROUNDING[name]
