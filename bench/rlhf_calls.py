@@ -73,6 +73,18 @@ The protocol, fixed before any of these rows was predicted:
 - the `rlhf-engine` preset (Megatron-core training, vLLM rollouts), the shipped calibration;
 - predicted step time against the published Total Step time (the mean of 5 steps).
 
+As first run (commit c3553b2): +41.8%, +32.7% and +1256.4% (Llama, Qwen3-32B, Qwen3-30B-A3B). Two
+errors in carrying out the protocol were then fixed: the MoE rollout held every expert whole on each
+GPU, where vLLM's tensor parallelism splits them (`planner.imports.vllm_waves` now sets etp = tp for
+an MoE rollout, which verl and OpenRLHF imports of MoE models lacked too), and the rollout and
+policy log-probs were costed with the actor's gradients and optimizer states resident (memory
+only). Since: +41.8%, +32.7%, +6.8%, every row predicted slower than published, most of it in the
+rollout. Its waves are the suspect: `vllm_waves` budgets every row's KV cache at the cap (4,096
+tokens), so Llama's 128 sequences per engine go in 4 waves of 32, while vLLM allocates KV blocks as
+tokens are made and these responses average about 900 tokens. The bench prints the same rows with
+waves by the tokens in flight (`paged_waves`, chosen after the result): -30.7%, +8.8%, -21.7%. The
+published step sits between the two for the dense models.
+
     python bench/rlhf_calls.py
 """
 
@@ -80,6 +92,8 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -129,8 +143,32 @@ NEMO_GRPO = [
 ]
 
 
-def nemo_rl_step(row: tuple) -> tuple[float, dict[str, float], bool]:
-    """One NeMo RL GRPO row costed by the protocol above: (step s, seconds per part, fits)."""
+def paged_waves(cm: CostModel, generate: Call, decl: ModelDecl, mesh: Mesh, layout: Layout) -> Layout:
+    """The rollout layout in the fewest waves whose expected peak of KV-cache tokens in flight fits
+    what `gpu_memory_utilization` leaves after the weights: vLLM allocates KV blocks as tokens are
+    made (PagedAttention) and admits requests while blocks are free, so a wave's footprint is its
+    running rows' tokens, not every row at the cap (a comparison chosen after the protocol's
+    result; `planner.imports.vllm_waves` budgets every row at the cap)."""
+    from cost_models.lengths import length_dist
+
+    dist = length_dist(generate.response_len, generate.gen_len)
+    assert dist is not None
+    one = cm.call_cost(generate, decl, mesh, layout.model_copy(update={"micro_batches": generate.seqs // layout.dp}))
+    kv_per_token = one.mem_breakdown_bytes["kv_cache"] / generate.seq_len
+    budget = NEMO_VLLM_MEMORY * cm.cluster.mem_bytes - (one.peak_mem_bytes - one.mem_breakdown_bytes["kv_cache"])
+    steps = np.arange(1, generate.gen_len + 1)
+    share_tokens = float(np.max(dist.running(steps) * (generate.prompt_len + steps)))  # per row, at its peak step
+    per = generate.seqs // layout.dp
+    for mb in (m for m in range(1, per + 1) if per % m == 0):
+        rows = per // mb
+        if rows <= NEMO_MAX_NUM_SEQS and rows * share_tokens * kv_per_token <= budget:
+            return layout.model_copy(update={"micro_batches": mb})
+    return layout.model_copy(update={"micro_batches": per})
+
+
+def nemo_rl_step(row: tuple, *, paged: bool = False) -> tuple[float, dict[str, float], bool]:
+    """One NeMo RL GRPO row costed by the protocol above: (step s, seconds per part, fits); with
+    `paged`, its rollout in `paged_waves` instead."""
     from planner.algorithms import grpo
     from planner.imports import vllm_waves
 
@@ -139,6 +177,7 @@ def nemo_rl_step(row: tuple) -> tuple[float, dict[str, float], bool]:
     cluster = parse_cluster(f"h100-sxm:{gpus // 8}x8")
     cm = CostModel(cluster, framework="rlhf-engine")
     spec = resolve_model(model)
+    # The rollout and the log-probs run on the weights alone (the planner's `costed_view`).
     actor, ref = ModelDecl(spec=spec, trainable=True), ModelDecl(spec=spec)
     mesh = Mesh.block(0, gpus)
     rows = prompts * samples
@@ -151,6 +190,8 @@ def nemo_rl_step(row: tuple) -> tuple[float, dict[str, float], bool]:
     gen_layout, _ = vllm_waves(graph, cluster, "actor_generate", mesh, Layout(dp=gpus // gen_tp, tp=gen_tp),
                                memory_share=NEMO_VLLM_MEMORY, max_num_seqs=NEMO_MAX_NUM_SEQS)
     generate = graph.call("actor_generate")
+    if paged:
+        gen_layout = paged_waves(cm, generate, ref, mesh, gen_layout)
     dp = gpus // (tp * pp)
     minibatches = rows // tgbs
 
@@ -164,9 +205,9 @@ def nemo_rl_step(row: tuple) -> tuple[float, dict[str, float], bool]:
                                     "recompute": "full" if ckpt else "none"})
     logprob = Layout(dp=dp, tp=tp, pp=pp, ep=ep, sequence_parallel=sp, micro_batches=packed(lp_mb, rows // dp))
     calls = {
-        "rollout": cm.call_cost(generate, actor, mesh, gen_layout),
+        "rollout": cm.call_cost(generate, ref, mesh, gen_layout),
         "policy log-probs": cm.call_cost(Call(name="lp", model="actor", kind="inference", seqs=rows, seq_len=avg_len,
-                                              returns="logprobs"), actor, mesh, logprob),
+                                              returns="logprobs"), ref, mesh, logprob),
         "reference log-probs": cm.call_cost(Call(name="ref", model="ref", kind="inference", seqs=rows, seq_len=avg_len,
                                                  returns="logprobs"), ref, mesh,
                                             logprob.model_copy(update={"offload": "weights"})),
@@ -235,6 +276,10 @@ def main() -> None:
         what = (f"{model} on h100-sxm x{gpus}, {prompts} x {samples} samples" + ("" if fits else " (over memory)"))
         row("iteration (GRPO step)", NEMO_RL, what, r[-1], step, "s", by_kind.setdefault("iteration", []))
         print("    " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
+    # Chosen after the lines above: the rollouts in waves of the KV-cache tokens really in flight.
+    paged = [(nemo_rl_step(r, paged=True)[0] - r[-1]) / r[-1] for r in NEMO_GRPO]
+    print("  the same iterations with vLLM's paged KV cache (waves by the tokens in flight, not every row at the "
+          "cap; a comparison chosen after the result): " + ", ".join(f"{r[0]} {e * 100:+.1f}%" for r, e in zip(NEMO_GRPO, paged)))
     print()
     for kind, errs in by_kind.items():
         print(f"  {kind}: mean |error| {sum(abs(e) for e in errs) / len(errs) * 100:.1f}%,"

@@ -88,11 +88,15 @@ def vllm_waves(graph: Graph, cluster: ClusterSpec, call: str, mesh: Mesh, layout
     """The generate layout of a vLLM rollout: vLLM runs as many sequences at once as its KV budget
     (`gpu_memory_utilization` of each GPU) and `max_num_seqs` allow, so the batch of each engine
     goes in the fewest waves that fit both, as costed; a note when even one sequence at a time
-    does not fit."""
+    does not fit. vLLM's tensor parallelism splits every expert of a mixture of experts as it
+    splits the dense MLP (its fused MoE layer shards the experts' intermediate dimension unless
+    `--enable-expert-parallel`), so an MoE rollout's experts are split over tp (etp = tp)."""
     from cost_models import CostModel
     from planner.candidates import costed_view
 
     c = graph.call(call)
+    if graph.models[c.model].spec.is_moe and layout.ep == 1:
+        layout = layout.model_copy(update={"etp": layout.tp})
     view = costed_view(c, graph.models[c.model])
     cm = CostModel(cluster, framework="vllm")
     per = c.seqs // layout.dp

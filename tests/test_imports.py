@@ -213,3 +213,19 @@ def test_megatron_imports_say_where_the_command_runs_unlike_its_costing() -> Non
     words = imports.command_words(exp.text)
     assert not any("overlap-grad-reduce" in n for n in imports.from_megatron(
         words, plan.cluster, {}, world=c.mesh.size).notes)
+
+
+def test_an_moe_rollout_splits_its_experts_over_vllm_tensor_parallelism() -> None:
+    """vLLM's tensor parallelism shards every expert as it shards the dense MLP (unless
+    --enable-expert-parallel), so an imported MoE rollout holds 1/tp of each expert per GPU, not
+    every expert whole: the rollout's weights fit where whole experts would not."""
+    flags = ("--vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all --actor.model_name_or_path "
+             "qwen3-30b-a3b --reward.model_name_or_path qwen3-30b-a3b --rollout.max_new_tokens 1024 "
+             "--ds.zero_stage 3 --algo.advantage.estimator group_norm --rollout.n_samples_per_prompt 4")
+    got = imports.from_openrlhf(imports.command_words(flags), parse_cluster("h100-sxm:1x8"), {})
+    gen = got.placements["actor_generate"][1]
+    assert (gen.tp, gen.etp, gen.ep) == (2, 2, 1)
+    assert not any("not even one sequence" in n for n in got.notes)
+    dense = imports.from_openrlhf(imports.command_words(flags.replace("qwen3-30b-a3b", "llama-3-8b")),
+                                  parse_cluster("h100-sxm:1x8"), {})
+    assert dense.placements["actor_generate"][1].etp == 1
