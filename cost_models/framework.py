@@ -184,7 +184,10 @@ FRAMEWORKS: dict[str, Framework] = {
     # verl and OpenRLHF as they run a PPO/GRPO step: training on Megatron-Core or FSDP/DeepSpeed
     # with bf16 weights beside fp32 master weights, fp32 gradients (verl's Megatron DDP sets
     # grad_reduce_in_fp32, its FSDP reduces in fp32) and overlapped communication, rollouts on vLLM
-    # with decode replayed as CUDA graphs (what `planner import` costs their configs with).
+    # with decode replayed as CUDA graphs (what `planner import` costs their configs with). One
+    # attention kernel per architecture serves both: Transformer Engine's, so on Hopper the
+    # rollouts' prefill runs at cuDNN's forward speed, which vLLM's FlashAttention-3 exceeds by
+    # 8-14% at 2k-16k tokens (the FlashAttention-3 paper's forward figure, `cost_models.attention`).
     "rlhf-engine": Framework(
         name="rlhf-engine", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
