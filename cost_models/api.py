@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cost_models import comm
-from cost_models.attention import KERNEL_NAMES, has_curves
+from cost_models.attention import KERNEL_NAMES, anchor, has_curves
 from cost_models.calibration import Calibration, default_calibration
 from cost_models.framework import Framework, resolve_framework, uncalibrated_attention_share
 from cost_models.galore import galore_stage
@@ -159,10 +159,15 @@ class CostModel:
         if not self.framework.gpu_calibrated and cluster.gpu != "cpu":  # a CPU calibration measured the runtime itself
             share = uncalibrated_attention_share(cluster.sheet.arch)
             hw = dataclasses.replace(hw, attn_flops=min(hw.attn_flops, share * hw.peak_flops))
-        # The attention kernel's published speed by head dim and length, under that rate as a ceiling.
+        # The attention kernel's published speed by head dim and length: under that rate as a
+        # ceiling, or through a GPU profile's measured point.
         kernel = self.attention_kernel()
-        if kernel is not None:
-            hw = dataclasses.replace(hw, attn_kernel=kernel, arch=cluster.sheet.arch)
+        if kernel is not None and self.profiled():
+            hw = dataclasses.replace(hw, attn_kernel=kernel, arch=cluster.sheet.arch, attn_anchor=anchor(
+                kernel, cluster.sheet.arch, measured_flops=hw.attn_flops, peak_flops=hw.peak_flops,
+                sm_count=hw.sm_count))
+        elif kernel is not None:
+            hw = dataclasses.replace(hw, attn_kernel=kernel, arch=cluster.sheet.arch, attn_cap_flops=hw.attn_flops)
         self.hw: Hardware = hw
         self._calls: dict[tuple, CallCost] = {}
         self._reallocs: dict[tuple, ReallocCost] = {}
@@ -211,14 +216,18 @@ class CostModel:
         return self._at_busy[busy]
 
     def attention_kernel(self) -> str | None:
-        """The fused attention kernel whose published speed times this stack's attention on this GPU
-        (`cost_models.attention`), or None: the calibration's rate at every length (a GPU profile
-        measured its own; a CPU, or an architecture without published curves)."""
+        """The fused attention kernel whose published speed by length times this stack's attention
+        on this GPU (`cost_models.attention`), or None: the calibration's rate at every length (a
+        CPU, or an architecture without published curves)."""
         arch = self.cluster.sheet.arch
         kernel = dict(self.framework.attention_kernels).get(arch)
         if kernel is None or not has_curves(kernel, arch) or self.cluster.gpu == "cpu":
             return None
-        return None if self.calibration.hardware.peak_tflops is not None else kernel
+        return kernel
+
+    def profiled(self) -> bool:
+        """Whether the calibration is a GPU profile, which measured its own peak and attention."""
+        return self.calibration.hardware.peak_tflops is not None
 
     def costed_for(self) -> str:
         """The stack these costs describe and what backs its efficiencies (stated in every plan)."""

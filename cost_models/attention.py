@@ -47,6 +47,10 @@ from plans.errors import PlannerError
 from plans.hardware import gpu_spec
 
 SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+# What `planner profile` times on a GPU: one causal forward through PyTorch's SDPA, batch 1. A
+# profile's measured rate anchors the stack's curve at that point (`anchor`), so its attention
+# keeps the published shape by length at the measured level.
+PROFILE_HEADS, PROFILE_SEQ, PROFILE_HEAD_DIM = 16, 2048, 128
 # (kernel, arch) -> benchmarked GPU preset, and per head dim: (forward+backward, forward or None)
 PUBLISHED: dict[tuple[str, str], tuple[str, dict[int, tuple[tuple[float, ...] | None, tuple[float, ...] | None]]]] = {
     ("fa2", "ampere"): ("a100-80gb", {
@@ -157,3 +161,14 @@ def _share_at(kernel: str, arch: str, d: int, keys: float, passes: float) -> flo
         return f
     # backward: what the forward+backward time (3.5 forward FLOPs at t) leaves after the forward's
     return 2.5 / max(3.5 / t - 1.0 / f, 2.5 / f)
+
+
+def anchor(kernel: str, arch: str, *, measured_flops: float, peak_flops: float, sm_count: int | None) -> float:
+    """The factor that puts `kernel`'s curve through a profile's measured forward rate at its own
+    shape (`PROFILE_HEADS` heads of `PROFILE_SEQ` causal tokens, head dim `PROFILE_HEAD_DIM`), the
+    SMs that shape's tiles leave idle included."""
+    from cost_models.compute import ATTN_QUERY_TILE, sm_fill
+
+    share = attention_share(kernel, arch, d=PROFILE_HEAD_DIM, keys=(PROFILE_SEQ + 1) / 2, passes=1.0)
+    fill = sm_fill(-(-PROFILE_SEQ // ATTN_QUERY_TILE) * PROFILE_HEADS, sm_count)
+    return measured_flops / (peak_flops * share * fill)

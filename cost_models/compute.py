@@ -57,12 +57,14 @@ def kernel_time_s(k: Kernel, hw: Hardware) -> float:
     # (sequence, head) pair adds its setup and each score its exponential, in every pass.
     if hw.attn_kernel is not None and k.m >= ATTN_QUERY_TILE:
         # Its published speed at this head dim and keys per query (measured on shapes that fill the
-        # GPU), below the calibration's rate as a ceiling, times the share of the SMs the (sequence,
-        # head, 128-query block) tiles keep busy over their waves. Queries that fill no block (decode:
-        # one per sequence) are outside what was published and keep the rate below, padded to a tile.
+        # GPU; anchored to a profile's measurement where there is one) under its ceiling, times the
+        # share of the SMs the (sequence, head, 128-query block) tiles keep busy over their waves.
+        # Queries that fill no block (decode: one per sequence) are outside what was published and
+        # keep the calibration's rate below, padded to a tile.
         keys = k.scores / max(1, k.batch * k.m)
         share = attention_share(hw.attn_kernel, hw.arch, d=k.k, keys=keys, passes=k.passes)
-        rate = min(hw.attn_flops, hw.peak_flops * share) * sm_fill(-(-k.m // ATTN_QUERY_TILE) * k.batch, hw.sm_count)
+        rate = min(hw.attn_cap_flops, hw.peak_flops * share * hw.attn_anchor) \
+            * sm_fill(-(-k.m // ATTN_QUERY_TILE) * k.batch, hw.sm_count)
     else:
         rate = hw.attn_flops * wave_efficiency(k.m, 64, k.batch, hw.sm_count)
     softmax_s = k.passes * (k.batch * hw.attn_head_s + k.scores * hw.attn_score_s)

@@ -55,6 +55,11 @@ class Hardware:
     # this architecture (`cost_models.attention`); None: `attn_flops` for every length.
     attn_kernel: str | None = None
     arch: str = ""
+    # That curve times `attn_anchor` (1: as published; a GPU profile's measured level otherwise),
+    # never above `attn_cap_flops` (the calibration's rate for the shipped one: the uncalibrated
+    # runtime's conservative share; none for a profile, which measured one length only).
+    attn_anchor: float = 1.0
+    attn_cap_flops: float = float("inf")
 
 
 def matmul_ceiling_ratio(sheet: GpuSpec, cal: Calibration) -> float:

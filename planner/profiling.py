@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cost_models.attention import PROFILE_HEAD_DIM, PROFILE_HEADS, PROFILE_SEQ
 from cost_models.calibration import Calibration, Coefficients, HardwareOverrides, default_calibration
 from cost_models.comm import expected_max_normal, lag_std
 from planner.runtime_profile import attention_softmax, runtime_costs
@@ -337,7 +338,7 @@ def _profile_cuda(*, budget_s: float, ranks: int, progress: Callable[[str], None
     best, mem_bw = _peak_and_bandwidth(dev, dtype=dtype, sync=sync, budget_s=2 * share)
 
     progress("attention")
-    heads, s, d = 16, 2048, 128
+    heads, s, d = PROFILE_HEADS, PROFILE_SEQ, PROFILE_HEAD_DIM  # the point the attention curves are anchored at
     q = torch.randn(1, heads, s, d, device=dev, dtype=dtype)
     t = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), budget_s=share, sync=sync)
     attn_eff = min(1.0, (4.0 * heads * s * s * d * 0.5 / t) / best)

@@ -61,8 +61,8 @@ def test_a_layers_attention_runs_at_the_published_forward_backward_speed(gpu, fr
 def test_which_kernel_each_stack_runs():
     """Transformer Engine (megatron-core, and the RLHF engines' training) runs cuDNN's attention on
     Hopper and FlashAttention-2 on Ampere; the runtime's SDPA FlashAttention-2 on both; vLLM
-    FlashAttention-3 on Hopper. A GPU profile measured its own attention and keeps it; a CPU and an
-    architecture without published curves keep the calibration's rate."""
+    FlashAttention-3 on Hopper. A CPU and an architecture without published curves keep the
+    calibration's rate."""
     for gpu, fw, kernel in (("h100-sxm", "megatron-core", "cudnn"), ("h200", "rlhf-engine", "cudnn"),
                             ("a100-80gb", "megatron-core", "fa2"), ("h100-sxm", "torch", "fa2"),
                             ("a100-40gb", "torch", "fa2"), ("h100-sxm", "vllm", "fa3"), ("a100-80gb", "vllm", "fa2"),
@@ -72,8 +72,36 @@ def test_which_kernel_each_stack_runs():
         assert cm.hw.attn_kernel == kernel
         if kernel is not None:
             assert "published speed by head dim and sequence length" in cm.costed_for()
-    profiled = default_calibration().model_copy(update={"hardware": HardwareOverrides(peak_tflops=800.0)})
-    assert CostModel(parse_cluster("h100-sxm:1x8"), profiled, framework="megatron-core").attention_kernel() is None
+
+
+def test_a_gpu_profile_anchors_the_curve_at_its_measured_point():
+    """`planner profile` times one causal SDPA forward (16 heads of 2,048 tokens, head dim 128): the
+    stack's curve goes through that measurement, at that shape exactly, and keeps its published
+    shape by length around it, with no ceiling (the profile measured the level itself)."""
+    import dataclasses
+
+    from cost_models.attention import PROFILE_HEAD_DIM, PROFILE_HEADS, PROFILE_SEQ
+    from cost_models.calibration import Coefficients
+
+    base = default_calibration()
+    coef = Coefficients(**{**base.coefficients.model_dump(), "gemm_efficiency": 1.0, "attention_efficiency": 0.3})
+    profile = base.model_copy(update={"gpu": "h100-sxm", "framework": "torch", "coefficients": coef,
+                                      "hardware": HardwareOverrides(peak_tflops=800.0, hbm_gb_s=3000.0)})
+    cm = CostModel(parse_cluster("h100-sxm:1x8"), profile)
+    assert cm.profiled() and cm.hw.attn_kernel == "fa2" and cm.hw.attn_anchor != 1.0
+    measured = 0.3 * 800e12
+    model = (f"model_type=llama,hidden_size={PROFILE_HEADS * PROFILE_HEAD_DIM},num_hidden_layers=1,"
+             f"num_attention_heads={PROFILE_HEADS},intermediate_size=5504,vocab_size=32000")
+
+    def fwd_rate(s: int) -> float:
+        work = layer_work(resolve_model(model), resolve_framework("torch"), b=1, s=s, tp=1, cp=1, sp=False)
+        k = next(k for k in work.fwd if k.kind == "attn")
+        plain = dataclasses.replace(k, bytes=0.0)  # the compute side alone
+        return plain.flops / (kernel_time_s(plain, cm.hw) - cm.hw.kernel_latency_s)
+
+    assert fwd_rate(PROFILE_SEQ) == pytest.approx(measured, rel=1e-6)
+    assert fwd_rate(512) < measured < fwd_rate(16384)
+    assert fwd_rate(16384) > measured * 1.1  # above the one point measured: no ceiling there
 
 
 def test_short_sequences_run_slower_and_the_calibrated_rate_stays_the_ceiling():
