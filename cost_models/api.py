@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cost_models import comm
-from cost_models.attention import KERNEL_NAMES, anchor, has_curves
+from cost_models.attention import KERNEL_NAMES, has_curves
 from cost_models.calibration import Calibration, default_calibration
+from cost_models.compute import attention_anchor
 from cost_models.framework import Framework, resolve_framework, uncalibrated_attention_share
 from cost_models.galore import galore_stage
 from cost_models.generation import decode_split, generate_times
@@ -163,7 +164,7 @@ class CostModel:
         # ceiling, or through a GPU profile's measured point.
         kernel = self.attention_kernel()
         if kernel is not None and self.profiled():
-            hw = dataclasses.replace(hw, attn_kernel=kernel, arch=cluster.sheet.arch, attn_anchor=anchor(
+            hw = dataclasses.replace(hw, attn_kernel=kernel, arch=cluster.sheet.arch, attn_anchor=attention_anchor(
                 kernel, cluster.sheet.arch, measured_flops=hw.attn_flops, peak_flops=hw.peak_flops,
                 sm_count=hw.sm_count))
         elif kernel is not None:

@@ -43,13 +43,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plans.errors import PlannerError
+from cost_models.ops import FLASH_BWD_FLOPS_RATIO
 from plans.hardware import gpu_spec
 
 SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 # What `planner profile` times on a GPU: one causal forward through PyTorch's SDPA, batch 1. A
-# profile's measured rate anchors the stack's curve at that point (`anchor`), so its attention
-# keeps the published shape by length at the measured level.
+# profile's measured rate anchors the stack's curve at that point (`compute.attention_anchor`),
+# so its attention keeps the published shape by length at the measured level.
 PROFILE_HEADS, PROFILE_SEQ, PROFILE_HEAD_DIM = 16, 2048, 128
 # (kernel, arch) -> benchmarked GPU preset, and per head dim: (forward+backward, forward or None)
 PUBLISHED: dict[tuple[str, str], tuple[str, dict[int, tuple[tuple[float, ...] | None, tuple[float, ...] | None]]]] = {
@@ -104,16 +104,17 @@ def fit_curve(points: tuple[float, ...], peak_tflops: float) -> Curve:
     return Curve(share=1.0 / intercept / peak_tflops, k0=slope / intercept)
 
 
-def _fwd_bwd_points(kernel: str, arch: str, d: int) -> tuple[float, ...]:
+def _fwd_bwd_points(kernel: str, arch: str, d: int) -> tuple[float, ...] | None:
+    """The published (or derived) forward+backward points; None for a forward-only kernel."""
     _, dims = PUBLISHED[(kernel, arch)]
     fb, fwd = dims[d]
     if fb is not None:
         return fb
     base = DERIVED_FROM.get(kernel)
-    if base is None or (base, arch) not in PUBLISHED:
-        raise PlannerError(f"no published forward+backward speed of {KERNEL_NAMES[kernel]} on {arch}")
+    if base is None or fwd is None:
+        return None
     base_fb, base_fwd = PUBLISHED[(base, arch)][1][d]
-    assert fwd is not None and base_fb is not None and base_fwd is not None
+    assert base_fb is not None and base_fwd is not None
     return tuple(b * f / bf for b, f, bf in zip(base_fb, fwd, base_fwd))
 
 
@@ -123,13 +124,8 @@ def curves(kernel: str, arch: str, d: int) -> tuple[Curve | None, Curve | None]:
     forward+backward one is None where the kernel only runs forward (FlashAttention-3 in vLLM)."""
     gpu, dims = PUBLISHED[(kernel, arch)]
     peak = gpu_spec(gpu).peak_tflops
-    fb: Curve | None
-    try:
-        fb = fit_curve(_fwd_bwd_points(kernel, arch, d), peak)
-    except PlannerError:
-        fb = None
-    fwd = dims[d][1]
-    return fb, (fit_curve(fwd, peak) if fwd is not None else None)
+    fb, fwd = _fwd_bwd_points(kernel, arch, d), dims[d][1]
+    return (fit_curve(fb, peak) if fb is not None else None), (fit_curve(fwd, peak) if fwd is not None else None)
 
 
 def has_curves(kernel: str, arch: str) -> bool:
@@ -150,25 +146,16 @@ def attention_share(kernel: str, arch: str, *, d: int, keys: float, passes: floa
 def _share_at(kernel: str, arch: str, d: int, keys: float, passes: float) -> float:
     fb, fwd = curves(kernel, arch, d)
     keys = max(keys, 1.0)
+    forward = passes == 1.0
     if fb is None:  # a forward-only kernel's backward (never run by the stacks that use it): FlashAttention-2's
-        if passes == 1.0 and fwd is not None:
+        if forward and fwd is not None:
             return fwd.at(keys)
         return _share_at("fa2", arch, d, keys, passes)
     if fwd is None:
         return fb.at(keys)
     f, t = fwd.at(keys), fb.at(keys)
-    if passes == 1.0:
+    if forward:
         return f
-    # backward: what the forward+backward time (3.5 forward FLOPs at t) leaves after the forward's
-    return 2.5 / max(3.5 / t - 1.0 / f, 2.5 / f)
-
-
-def anchor(kernel: str, arch: str, *, measured_flops: float, peak_flops: float, sm_count: int | None) -> float:
-    """The factor that puts `kernel`'s curve through a profile's measured forward rate at its own
-    shape (`PROFILE_HEADS` heads of `PROFILE_SEQ` causal tokens, head dim `PROFILE_HEAD_DIM`), the
-    SMs that shape's tiles leave idle included."""
-    from cost_models.compute import ATTN_QUERY_TILE, sm_fill
-
-    share = attention_share(kernel, arch, d=PROFILE_HEAD_DIM, keys=(PROFILE_SEQ + 1) / 2, passes=1.0)
-    fill = sm_fill(-(-PROFILE_SEQ // ATTN_QUERY_TILE) * PROFILE_HEADS, sm_count)
-    return measured_flops / (peak_flops * share * fill)
+    # backward: what the forward+backward time (1 + r forward FLOPs at t) leaves after the forward's
+    r = FLASH_BWD_FLOPS_RATIO
+    return r / max((1.0 + r) / t - 1.0 / f, r / f)

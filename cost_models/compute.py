@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from cost_models.attention import attention_share
+from cost_models.attention import PROFILE_HEAD_DIM, PROFILE_HEADS, PROFILE_SEQ, attention_share
 from cost_models.hardware import Hardware
 from cost_models.ops import Kernel
 
@@ -40,6 +40,15 @@ def sm_fill(tiles: int, sm_count: int | None) -> float:
     if sm_count is None:
         return 1.0
     return tiles / (-(-tiles // sm_count) * sm_count)
+
+
+def attention_anchor(kernel: str, arch: str, *, measured_flops: float, peak_flops: float, sm_count: int | None) -> float:
+    """The factor that puts `kernel`'s published curve through a GPU profile's measured forward rate
+    at its own shape (`PROFILE_HEADS` heads of `PROFILE_SEQ` causal tokens, head dim
+    `PROFILE_HEAD_DIM`), the SMs that shape's tiles leave idle included."""
+    share = attention_share(kernel, arch, d=PROFILE_HEAD_DIM, keys=(PROFILE_SEQ + 1) / 2, passes=1.0)
+    fill = sm_fill(-(-PROFILE_SEQ // ATTN_QUERY_TILE) * PROFILE_HEADS, sm_count)
+    return measured_flops / (peak_flops * share * fill)
 
 
 def kernel_time_s(k: Kernel, hw: Hardware) -> float:
