@@ -113,6 +113,20 @@
      router unevenness. The row does not state its activation recompute; a fixed rule picks it
      before any prediction is looked at: the first of none, selective, full that fits in memory,
      else the one needing the least.
+   - NVIDIA NeMo AutoModel, the same page's one dense pre-training row (commit 2013a4dd6 of
+     2026-04-10, "FSDP2 w weight prefetching and async TP optimization"; unchanged at 36044ad3d of
+     2026-08-22), DGX-H100, BF16: Llama3 70B on 64 GPUs, global batch 128, local batch 1, 4
+     accumulations, sequence 8192, CP 2, FSDP over the 32 data-parallel ranks, "TE +
+     fsdp2_prefetch", 18.90 s per step (866.77 tokens/s per GPU). Its run file
+     (``examples/llm_pretrain/custom_llama3_1_70b_pretrain_benchmark_8nodes.yaml`` at that commit)
+     sets Llama-3.1-70B in bf16, FSDP2 with prefetch, ``activation_checkpointing: True``,
+     ``torch.compile``, SDPA attention ("required for cp>1"), an fp32 RMSNorm in PyTorch, and
+     Transformer Engine's FusedAdam. Protocol fixed (and committed) before any prediction was
+     looked at: the ``megatron-core`` stack as for the MoE row above, ZeRO-3 over dp 32 and cp 2,
+     4 micro-batches of one sequence, full recompute (the run file's), the ``llama-3-70b`` preset
+     (Llama 3.1 70B has its shapes), the datasheet cluster ``h100-sxm:8x8``. Declared at the same
+     time and printed below it, not pooled: the same row costed for ``torch`` (the runtime's
+     preset: PyTorch SDPA, eager kernels), since the run is a PyTorch stack with some TE kernels.
    - yanring/Megatron-MoE-ModelZoo, ``best_practice/qwen3/readme.md``, "Performance Results, H100"
      (added 2025-05-27): Qwen3-235B-A22B on 256 H100s (8x50 GB/s InfiniBand per node), BF16,
      DeepEP, sequence 4096, global batch 2048, micro-batch 1 (4 with FSDP), the distributed
@@ -557,6 +571,38 @@ ZOO_MOE = [
 ]
 
 
+# NeMo AutoModel's dense pre-training row (docs/performance-summary.md at 2013a4dd6): (model, GPUs,
+# global batch, micro-batches per step, sequence, cp, recompute, published step in seconds).
+AUTOMODEL_DENSE = [("llama-3-70b", 64, 128, 4, 8192, 2, "full", 18.90)]
+
+
+def report_automodel_dense(cal: Calibration) -> list[float]:
+    """The AutoModel dense row by the protocol in the module docstring: pooled for megatron-core,
+    and the torch preset printed beside it (declared with the protocol, not pooled)."""
+    print("\nheld out: dense pre-training on DGX-H100, BF16, PyTorch FSDP2 (NeMo AutoModel, docs/performance-summary.md"
+          " at 2013a4dd6), tokens/s per GPU")
+    errs = []
+    for name, gpus, batch, micro, seq, cp, rc, step_s in AUTOMODEL_DENSE:
+        call = Call(name="train", model="m", kind="train", seqs=batch, seq_len=seq, loss="sft")
+        decl = ModelDecl(spec=resolve_model(name), trainable=True)
+        dp = gpus // cp
+        layout = Layout(dp=dp, cp=cp, zero=3, micro_batches=micro, recompute=rc)
+        published = batch * seq / step_s / gpus
+        for fw in ("megatron-core", "torch"):
+            cm = CostModel(parse_cluster(f"h100-sxm:{gpus // 8}x8"), cal, framework=fw)
+            cost = cm.call_cost(call, decl, Mesh.block(0, gpus), layout)
+            predicted = batch * seq / cost.time_s / gpus
+            err = pct(predicted, published)
+            if fw == "megatron-core":
+                errs.append(err)
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(cost.breakdown_s.items(), key=lambda kv: -kv[1]) if v >= 0.05)
+            print(f"  {name} {gpus} GPUs {layout.short()} seq {seq}, {fw:13s}{'' if fw == 'megatron-core' else ' (not pooled)'}"
+                  f"  step published {step_s:.2f} s, predicted {cost.time_s:.2f} s ({parts})  tokens/s per GPU "
+                  f"{published:,.0f} vs {predicted:,.0f} ({err:+.1f}%), peak memory {cost.peak_mem_bytes / 2**30:.0f} GiB"
+                  + ("" if cost.peak_mem_bytes <= cm.cluster.usable_mem_bytes else " (does not fit)"))
+    return errs
+
+
 def report_moe(cal: Calibration) -> list[float]:
     print("\nheld out: MoE pre-training on DGX-H100, BF16, costed for megatron-core with DeepEP's dispatch, "
           "tokens/s per GPU")
@@ -784,7 +830,8 @@ def main() -> None:
     held += report_mcore_h100(cal)
     held += report_llama3(cal)
     held += report_moe(cal)
-    print("\nevery held-out row above (Table 1, Korthikanti et al., Megatron-Core on H100, Llama 3, MoE),"
+    held += report_automodel_dense(cal)
+    print("\nevery held-out row above (Table 1, Korthikanti et al., Megatron-Core on H100, Llama 3, MoE, AutoModel dense),"
           " of the throughput:")
     summarize_throughput(held)
     foundry = report_foundry(cal, args.worst)
