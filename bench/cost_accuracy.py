@@ -403,7 +403,9 @@ def estimate_selene(row: Table1Row | SelectiveRow, cal: Calibration, *, micro_ba
 def megatron_table1(cal: Calibration) -> list[tuple[Table1Row, Layout, float, float, bool]]:
     """Each Table 1 row as its run script configures it, predicted: (row, layout, predicted
     TFLOP/s per GPU by Eq. 3, peak memory in bytes, whether it fits)."""
-    megatron = resolve_framework("megatron")
+    # The run script's Megatron-LM (2021-08-10) predates the asynchronous input-gradient all-reduce
+    # (2021-09-02, `Framework.tp_dgrad_overlap`): its tensor-parallel backward ran in turn.
+    megatron = dataclasses.replace(resolve_framework("megatron"), tp_dgrad_overlap=False)
     stacks = {"local": megatron, "torch": dataclasses.replace(megatron, overlap_grad_reduce=True)}
     out = []
     for row in MEGATRON_TABLE1:

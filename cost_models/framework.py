@@ -146,6 +146,11 @@ class Framework:
     # cut into tp chunks pipelined with the GEMM's chunks, so one chunk's transfer stays exposed
     # where the GEMMs are the longer, and the rest runs under them (their SMs shared).
     tp_comm_overlap: bool = False
+    # Backward, the column-parallel GEMMs' input-gradient all-reduce (reduce-scatter with sequence
+    # parallelism) is issued asynchronously and runs under their weight-gradient GEMM, exposed only
+    # where longer (Megatron-LM since 2021-09, LinearWithGradAccumulationAndAsyncCommunication in
+    # megatron/core/tensor_parallel/layers.py, and the stacks built on it); False: after it, exposed.
+    tp_dgrad_overlap: bool = False
     # ZeRO-1/2's all-gather of the updated weight shards runs bucket by bucket under the next
     # step's first forward, each layer waiting only for its own bucket (Megatron-core
     # --overlap-param-gather); False: it runs after the optimizer, exposed.
@@ -167,7 +172,7 @@ FRAMEWORKS: dict[str, Framework] = {
     "megatron": Framework(
         name="megatron", attention="materialized", dropout=True, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=False,
-        fused_softmax_multiple=4, fused_softmax_max_keys=2048,
+        fused_softmax_multiple=4, fused_softmax_max_keys=2048, tp_dgrad_overlap=True,
     ),
     # Megatron-Core with Transformer Engine, and stacks built like it (Llama 3's, NeMo): fused
     # (flash) attention and fused norm, rotary and SwiGLU kernels, no dropout, bf16 weights with
@@ -179,7 +184,7 @@ FRAMEWORKS: dict[str, Framework] = {
     "megatron-core": Framework(
         name="megatron-core", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
-        expert_gemms="per_expert", attention_kernels=TE_ATTENTION,
+        expert_gemms="per_expert", attention_kernels=TE_ATTENTION, tp_dgrad_overlap=True,
     ),
     # verl and OpenRLHF as they run a PPO/GRPO step: training on Megatron-Core or FSDP/DeepSpeed
     # with bf16 weights beside fp32 master weights, fp32 gradients (verl's Megatron DDP sets
@@ -192,7 +197,7 @@ FRAMEWORKS: dict[str, Framework] = {
         name="rlhf-engine", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
         decode_cuda_graphs=True, decode_drops_finished=True, expert_gemms="per_expert", rollout_expert_gemms="grouped",
-        attention_kernels=TE_ATTENTION,
+        attention_kernels=TE_ATTENTION, tp_dgrad_overlap=True,
     ),
     # vLLM as verl and OpenRLHF run it for rollouts: bf16 weights, fused kernels, decode steps
     # replayed as CUDA graphs (its generate calls; it does not train).

@@ -85,6 +85,10 @@ class Comm:
     bytes: float
     group: Literal["tp", "cp", "ep"]
     leaving: float | None = None  # all-to-all: bytes per rank that leave the node, where not the even share
+    # Backward only: the input-gradient collective of a column-parallel GEMM (the backward of the
+    # all-gather or copy that feeds it), which Megatron issues asynchronously before that GEMM's
+    # weight gradient (`Framework.tp_dgrad_overlap`); `LayerWork.dgrad_windows` pairs each with it.
+    dgrad: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,8 @@ class LayerWork:
     attn_core: tuple[Kernel, ...]  # what selective recompute reruns
     grad_accum: Kernel  # adding the micro-batch's weight gradients into the gradient buffer
     grad_tensors: int  # parameter tensors per layer (one accumulation kernel each)
+    # The weight-gradient GEMMs the `dgrad` collectives of `bwd_comm` can run under, in their order.
+    dgrad_windows: tuple[Kernel, ...] = ()
 
 
 def gemm(m: int, n: int, k: int, batch: int = 1) -> Kernel:
@@ -334,27 +340,37 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     bwd += [*norm_b, *add_b, *gemm_bwd(out), *copy, *att_b, *rope_b, *gemm_bwd(qkv), *norm_b]
 
     act = 2.0 * m * h  # one [s, b, h] activation, bytes
+    # Per block (attention, MLP): forward, the column-parallel GEMM's input is all-gathered (sequence
+    # parallel) and the row-parallel GEMM's output reduce-scattered, or the output all-reduced.
+    # Backward, the row-parallel output's gradient is all-gathered (sequence parallel), and the
+    # column-parallel GEMM's input gradient reduce-scattered or all-reduced: the `dgrad` collective.
+    # Sequence parallel's backward all-gather of the saved input for the weight gradient overlaps
+    # the input-gradient GEMM (Megatron-LM does it asynchronously), so it is not on the path.
     if tp == 1:
-        fwd_comm: tuple[Comm, ...] = ()
-        bwd_comm: tuple[Comm, ...] = ()
+        block_f: tuple[Comm, ...] = ()
+        block_b: tuple[Comm, ...] = ()
     elif sp:
-        # Each all-reduce becomes a reduce-scatter and an all-gather (Korthikanti et al. 2022); the
-        # backward's extra all-gather of the saved input for the weight gradient overlaps the
-        # input-gradient GEMM (Megatron-LM does it asynchronously), so it is not on the path.
-        fwd_comm = (Comm("all_gather", act, "tp"), Comm("reduce_scatter", act, "tp")) * 2
-        bwd_comm = fwd_comm
+        block_f = (Comm("all_gather", act, "tp"), Comm("reduce_scatter", act, "tp"))
+        block_b = (Comm("all_gather", act, "tp"), Comm("reduce_scatter", act, "tp", dgrad=True))
     else:
-        fwd_comm = (Comm("all_reduce", act, "tp"),) * 2
-        bwd_comm = fwd_comm
+        block_f = (Comm("all_reduce", act, "tp"),)
+        block_b = (Comm("all_reduce", act, "tp", dgrad=True),)
+    mlp_cols: tuple[Kernel, ...] = tuple(gemm_bwd(g)[1] for g in ups)[:1]  # a sparse MLP's experts have none here
+    mlp_f = block_f
+    mlp_b = block_b if mlp_cols else tuple(dataclasses.replace(c, dgrad=False) for c in block_b)
     if moe is not None and moe.width == spec.expert_ffn and tp > 1:
         # Whole experts (etp = 1): each tensor-parallel rank routes its own 1/tp of the tokens, so the
         # MLP's tensor-parallel pair goes (sequence parallel: the tokens stay sharded) or becomes an
         # all-gather of the routed outputs; a shared expert keeps the dense MLP's collectives.
-        attn_part = fwd_comm[: len(fwd_comm) // 2]
-        mlp_part = fwd_comm[len(fwd_comm) // 2:] if spec.shared_expert_intermediate_size else ()
+        shared = spec.shared_expert_intermediate_size
+        mlp_f = block_f if shared else ()
+        mlp_b = mlp_b if shared else ()
         if not sp:
-            mlp_part += (Comm("all_gather", act, "tp"),)
-        fwd_comm = bwd_comm = attn_part + mlp_part
+            mlp_f += (Comm("all_gather", act, "tp"),)
+            mlp_b += (Comm("all_gather", act, "tp"),)
+    fwd_comm = block_f + mlp_f
+    bwd_comm = mlp_b + block_b  # the backward meets the MLP first
+    windows = (mlp_cols if any(c.dgrad for c in mlp_b) else ()) + (gemm_bwd(qkv)[1],) if tp > 1 else ()
     if moe is not None and moe.a2a_bytes:
         fwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving),) * 2  # dispatch, combine
         bwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving),) * 2
@@ -375,7 +391,7 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
         params += moe.active * 3 * h * moe.width  # only experts that got tokens have gradients to add
         n_tensors += 1 + (4 if spec.shared_expert_intermediate_size else 0)
     accum = mem(params * fw.grad_accum_bytes)
-    return LayerWork(fwd, tuple(bwd), fwd_comm, bwd_comm, att_f, accum, n_tensors)
+    return LayerWork(fwd, tuple(bwd), fwd_comm, bwd_comm, att_f, accum, n_tensors, windows)
 
 
 @dataclass(frozen=True)

@@ -240,6 +240,44 @@ def test_bucketed_overlap_hides_the_gradient_reduction():
     assert 0 < hidden.breakdown_s["dp_comm"] < plain.breakdown_s["dp_comm"]
 
 
+def test_megatron_runs_the_input_gradient_collective_under_the_weight_gradient():
+    """Megatron-LM issues a column-parallel GEMM's input-gradient all-reduce (reduce-scatter with
+    sequence parallelism) asynchronously before that GEMM's weight gradient
+    (`Framework.tp_dgrad_overlap`): the backward's two such collectives per layer hide under the
+    QKV and first MLP weight gradients, the forward's and the sequence-parallel backward
+    all-gathers do not. A stack without the trait (the runtime) is unchanged."""
+    from cost_models.framework import FRAMEWORKS
+    from cost_models.training import stretch_of
+
+    core = FRAMEWORKS["megatron-core"]
+    assert core.tp_dgrad_overlap and FRAMEWORKS["megatron"].tp_dgrad_overlap and not FRAMEWORKS["torch"].tp_dgrad_overlap
+    serial = dataclasses.replace(core, name="dgrad-after", tp_dgrad_overlap=False)
+    decl = ModelDecl(spec=LLAMA, trainable=True)
+    for sp in (False, True):
+        lay = Layout(tp=8, micro_batches=8, sequence_parallel=sp)
+        cost = {fw.name: CostModel(parse_cluster("a100-80gb:1x8"), CAL, framework=fw).call_cost(TRAIN, decl, Mesh.block(0, 8), lay)
+                for fw in (core, serial)}
+        hidden, exposed = cost["megatron-core"].breakdown_s["tp_comm"], cost["dgrad-after"].breakdown_s["tp_comm"]
+        # The forward's collectives (half of them) stay, and of the backward's the sequence-parallel
+        # all-gathers (a quarter) and what outlasts its window (the QKV weight gradient, 0.4 ms at
+        # 8,192 tokens, is shorter than a 64 MB all-reduce on 8 A100s).
+        assert exposed * (0.75 if sp else 0.5) < hidden < exposed * (0.95 if sp else 0.85)
+        assert cost["megatron-core"].time_s < cost["dgrad-after"].time_s
+    # The closed form on one stretch: two input-gradient all-reduces, the first under a weight
+    # gradient longer than it, the second under one a third of its length.
+    from cost_models.comm import all_reduce_s, overlap_interference_s
+    from cost_models.ops import Comm, gemm
+
+    hw = CostModel(parse_cluster("a100-80gb:1x8"), CAL).hw
+    group = Group(8, 8, 1)
+    t = all_reduce_s(64e6, group, hw)
+    comms = (Comm("all_reduce", 64e6, "tp", dgrad=True),) * 2
+    kernels = (gemm(4096, 4096, 4096),)
+    out = stretch_of(kernels, comms, {"tp": group}, hw, dgrad_windows=(2 * t, t / 3))
+    assert out.comm_s == pytest.approx(overlap_interference_s(t, hw) + (t - t / 3) + overlap_interference_s(t / 3, hw))
+    assert stretch_of(kernels, comms, {"tp": group}, hw).comm_s == pytest.approx(2 * t)
+
+
 def test_tp_comm_overlap_hides_sequence_parallel_collectives_under_their_gemms():
     """Megatron-core's --tp-comm-overlap pipelines each sequence-parallel all-gather and
     reduce-scatter with the GEMM beside it in tp chunks: the tensor-parallel time drops, but one
