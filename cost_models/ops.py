@@ -356,21 +356,21 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
         block_f = (Comm("all_reduce", act, "tp"),)
         block_b = (Comm("all_reduce", act, "tp", dgrad=True),)
     mlp_cols: tuple[Kernel, ...] = tuple(gemm_bwd(g)[1] for g in ups)[:1]  # a sparse MLP's experts have none here
-    mlp_f = block_f
-    mlp_b = block_b if mlp_cols else tuple(dataclasses.replace(c, dgrad=False) for c in block_b)
+    mlp_cf = block_f
+    mlp_cb = block_b if mlp_cols else tuple(dataclasses.replace(c, dgrad=False) for c in block_b)
     if moe is not None and moe.width == spec.expert_ffn and tp > 1:
         # Whole experts (etp = 1): each tensor-parallel rank routes its own 1/tp of the tokens, so the
         # MLP's tensor-parallel pair goes (sequence parallel: the tokens stay sharded) or becomes an
         # all-gather of the routed outputs; a shared expert keeps the dense MLP's collectives.
         shared = spec.shared_expert_intermediate_size
-        mlp_f = block_f if shared else ()
-        mlp_b = mlp_b if shared else ()
+        mlp_cf = block_f if shared else ()
+        mlp_cb = mlp_cb if shared else ()
         if not sp:
-            mlp_f += (Comm("all_gather", act, "tp"),)
-            mlp_b += (Comm("all_gather", act, "tp"),)
-    fwd_comm = block_f + mlp_f
-    bwd_comm = mlp_b + block_b  # the backward meets the MLP first
-    windows = (mlp_cols if any(c.dgrad for c in mlp_b) else ()) + (gemm_bwd(qkv)[1],) if tp > 1 else ()
+            mlp_cf += (Comm("all_gather", act, "tp"),)
+            mlp_cb += (Comm("all_gather", act, "tp"),)
+    fwd_comm = block_f + mlp_cf
+    bwd_comm = mlp_cb + block_b  # the backward meets the MLP first
+    windows = (mlp_cols if any(c.dgrad for c in mlp_cb) else ()) + (gemm_bwd(qkv)[1],) if tp > 1 else ()
     if moe is not None and moe.a2a_bytes:
         fwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving),) * 2  # dispatch, combine
         bwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving),) * 2
