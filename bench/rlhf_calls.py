@@ -78,11 +78,12 @@ errors in carrying out the protocol were then fixed: the MoE rollout held every 
 GPU, where vLLM's tensor parallelism splits them (`planner.imports.vllm_waves` now sets etp = tp for
 an MoE rollout, which verl and OpenRLHF imports of MoE models lacked too), and the rollout and
 policy log-probs were costed with the actor's gradients and optimizer states resident (memory
-only). Since: +41.8%, +32.7%, +6.8%, every row predicted slower than published, most of it in the
+only). Then: +41.8%, +32.7%, +6.8%; since the tensor-parallel input-gradient overlap and the refit of the
+shipped coefficients (0a467ae): +43.2%, +32.8%, +7.7%, every row predicted slower than published, most of it in the
 rollout. Its waves are the suspect: `vllm_waves` budgets every row's KV cache at the cap (4,096
 tokens), so Llama's 128 sequences per engine go in 4 waves of 32, while vLLM allocates KV blocks as
 tokens are made and these responses average about 900 tokens. The bench prints the same rows with
-waves by the tokens in flight (`paged_waves`, chosen after the result): -30.7%, +8.8%, -21.7%. The
+waves by the tokens in flight (`paged_waves`, chosen after the result): -30.2%, +9.0%, -21.1%. The
 published step sits between the two for the dense models.
 
     python bench/rlhf_calls.py

@@ -6,7 +6,9 @@ kernels a training step launches and which bytes it keeps. Five presets:
 - ``megatron``: Megatron-LM GPT pretraining as in the vTrain measurements (Narayanan et al. 2021):
   attention scores materialised (baddbmm, fused scale-mask-softmax, dropout, bmm), hidden and
   attention dropout, fp16 gradients accumulated per micro-batch and all-reduced after the last
-  backward (no bucketing, so no overlap with backward), mixed-precision Adam.
+  backward (no bucketing, so no overlap with backward), mixed-precision Adam; like every Megatron
+  stack, each column-parallel GEMM's input-gradient collective runs under its weight gradient
+  (``tp_dgrad_overlap``), which the runtime does not do.
 - ``megatron-core``: Megatron-Core with Transformer Engine and stacks built like it: fused kernels,
   flash attention, bf16 weights beside fp32 master weights and fp32 gradients, communication overlapped.
 - ``rlhf-engine``: verl and OpenRLHF: ``megatron-core``'s training and vLLM's rollouts.
