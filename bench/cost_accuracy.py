@@ -185,7 +185,7 @@
    (``Framework.tp_dgrad_overlap``: ``megatron``, ``megatron-core``, ``rlhf-engine``; off for Table
    1, whose 2021-08-10 run script predates it). The shipped coefficients were then refitted
    (``planner calibrate`` as above): in sample 6.55% -> 6.43% multi-node and 6.79% -> 6.94%
-   single-node. The fit took most of the hidden time back through the NVLink efficiency (0.825
+   single-node; out of sample (``--cross-validate``) 7.90% -> 7.95% and 7.54% -> 7.89%. The fit took most of the hidden time back through the NVLink efficiency (0.825
    -> 0.718; HBM 0.701 -> 0.674, network 0.941 -> 0.921), so the Korthikanti rows hardly move
    (10.23% -> 10.29%). Held out: Table 1 5.74% -> 3.73%, H100 15.95% -> 16.23%, Llama 3 6.70%
    -> 6.76%, MoE 10.83% -> 11.75%, the AutoModel dense row -0.6% -> -3.0%; all 25 pooled 8.78%

@@ -87,6 +87,7 @@ class _Model:
     def __init__(self, problem: Problem, *, horizon_s: float, allowed=None) -> None:  # noqa: ANN001
         self.p = problem
         self.allowed = allowed
+        self.hinted = False  # `hint` gave a schedule of this model
         n_ops = len(problem.slots) * problem.unroll
         self.tick_s, self.horizon = time_grid(horizon_s, n_ops)
         self.m = cp_model.CpModel()
@@ -298,6 +299,7 @@ class _Model:
 
     def hint(self, choice: list[int], sched: Schedule) -> None:
         p, m = self.p, self.m
+        self.hinted = True
         for i, ks in enumerate(self.x):
             for k, var in enumerate(ks):
                 m.add_hint(var, int(choice[i] == k))
@@ -312,6 +314,20 @@ class _Model:
 
     def solve(self, *, time_limit_s: float, work_budget: float, workers: int,
               on_progress: CpsatProgress | None = None) -> CpsatResult:
+        solver, status = self._run(time_limit_s=time_limit_s, work_budget=work_budget, workers=workers,
+                                   on_progress=on_progress, presolve=True)
+        if status == cp_model.INFEASIBLE and self.hinted:
+            # The hint is a schedule of this very model (its horizon is the hint's makespan), so
+            # INFEASIBLE is the presolve's error, not the model's: CP-SAT 9.15's presolve has
+            # declared such models infeasible (PPO 13B+7B on six nodes' aligned meshes: "empty
+            # domain" in an exactly-one of a call's candidates; google/or-tools#5293 is alike).
+            # Solved again without it, the same budget.
+            solver, status = self._run(time_limit_s=time_limit_s, work_budget=work_budget, workers=workers,
+                                       on_progress=on_progress, presolve=False)
+        return self._result(solver, status)
+
+    def _run(self, *, time_limit_s: float, work_budget: float, workers: int, on_progress: CpsatProgress | None,
+             presolve: bool) -> tuple[cp_model.CpSolver, cp_model.CpSolverStatus]:
         solver = cp_model.CpSolver()
         prm = solver.parameters
         prm.max_time_in_seconds = time_limit_s
@@ -329,6 +345,7 @@ class _Model:
         # instances, the same plans and bounds.
         prm.cp_model_probing_level = 1
         prm.log_search_progress = bool(__import__('os').environ.get('PLANNER_CPSAT_LOG'))
+        prm.cp_model_presolve = presolve
         n_ops = len(self.p.slots) * self.p.unroll
         if on_progress is None:
             status = solver.solve(self.m)
@@ -337,6 +354,10 @@ class _Model:
             scale, slack = self.tick_s / self.p.unroll, 3 * n_ops
             solver.best_bound_callback = lambda b: on_progress(None, max(0.0, (b - 1) * OBJECTIVE_STEP - slack) * scale)
             status = solver.solve(self.m, _Incumbents(on_progress, scale=scale, slack=slack))
+        return solver, status
+
+    def _result(self, solver: cp_model.CpSolver, status: cp_model.CpSolverStatus) -> CpsatResult:
+        n_ops = len(self.p.slots) * self.p.unroll
         name = solver.status_name(status)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             bound = 0.0
