@@ -85,10 +85,10 @@ class Comm:
     bytes: float
     group: Literal["tp", "cp", "ep"]
     leaving: float | None = None  # all-to-all: bytes per rank that leave the node, where not the even share
-    # Backward only: the input-gradient collective of a column-parallel GEMM (the backward of the
-    # all-gather or copy that feeds it), which Megatron issues asynchronously before that GEMM's
-    # weight gradient (`Framework.tp_dgrad_overlap`); `LayerWork.dgrad_windows` pairs each with it.
-    dgrad: bool = False
+    # Backward only, on the input-gradient collective of a column-parallel GEMM (the backward of
+    # the all-gather or copy that feeds it): that GEMM's weight gradient, which Megatron computes
+    # while the collective runs (`Framework.tp_dgrad_overlap`).
+    under: Kernel | None = None
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,6 @@ class LayerWork:
     attn_core: tuple[Kernel, ...]  # what selective recompute reruns
     grad_accum: Kernel  # adding the micro-batch's weight gradients into the gradient buffer
     grad_tensors: int  # parameter tensors per layer (one accumulation kernel each)
-    # The weight-gradient GEMMs the `dgrad` collectives of `bwd_comm` can run under, in their order.
-    dgrad_windows: tuple[Kernel, ...] = ()
 
 
 def gemm(m: int, n: int, k: int, batch: int = 1) -> Kernel:
@@ -343,21 +341,19 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     # Per block (attention, MLP): forward, the column-parallel GEMM's input is all-gathered (sequence
     # parallel) and the row-parallel GEMM's output reduce-scattered, or the output all-reduced.
     # Backward, the row-parallel output's gradient is all-gathered (sequence parallel), and the
-    # column-parallel GEMM's input gradient reduce-scattered or all-reduced: the `dgrad` collective.
+    # column-parallel GEMM's input gradient reduce-scattered or all-reduced, under its weight gradient.
     # Sequence parallel's backward all-gather of the saved input for the weight gradient overlaps
     # the input-gradient GEMM (Megatron-LM does it asynchronously), so it is not on the path.
-    if tp == 1:
-        block_f: tuple[Comm, ...] = ()
-        block_b: tuple[Comm, ...] = ()
-    elif sp:
-        block_f = (Comm("all_gather", act, "tp"), Comm("reduce_scatter", act, "tp"))
-        block_b = (Comm("all_gather", act, "tp"), Comm("reduce_scatter", act, "tp", dgrad=True))
-    else:
-        block_f = (Comm("all_reduce", act, "tp"),)
-        block_b = (Comm("all_reduce", act, "tp", dgrad=True),)
-    mlp_cols: tuple[Kernel, ...] = tuple(gemm_bwd(g)[1] for g in ups)[:1]  # a sparse MLP's experts have none here
-    mlp_cf = block_f
-    mlp_cb = block_b if mlp_cols else tuple(dataclasses.replace(c, dgrad=False) for c in block_b)
+    def block(wgrad: Kernel | None) -> tuple[tuple[Comm, ...], tuple[Comm, ...]]:
+        if tp == 1:
+            return (), ()
+        if sp:
+            return ((Comm("all_gather", act, "tp"), Comm("reduce_scatter", act, "tp")),
+                    (Comm("all_gather", act, "tp"), Comm("reduce_scatter", act, "tp", under=wgrad)))
+        return (Comm("all_reduce", act, "tp"),), (Comm("all_reduce", act, "tp", under=wgrad),)
+
+    block_f, block_b = block(gemm_bwd(qkv)[1])
+    mlp_cf, mlp_cb = block(gemm_bwd(ups[0])[1] if ups else None)  # a sparse MLP's experts are not here
     if moe is not None and moe.width == spec.expert_ffn and tp > 1:
         # Whole experts (etp = 1): each tensor-parallel rank routes its own 1/tp of the tokens, so the
         # MLP's tensor-parallel pair goes (sequence parallel: the tokens stay sharded) or becomes an
@@ -370,7 +366,6 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
             mlp_cb += (Comm("all_gather", act, "tp"),)
     fwd_comm = block_f + mlp_cf
     bwd_comm = mlp_cb + block_b  # the backward meets the MLP first
-    windows = (mlp_cols if any(c.dgrad for c in mlp_cb) else ()) + (gemm_bwd(qkv)[1],) if tp > 1 else ()
     if moe is not None and moe.a2a_bytes:
         fwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving),) * 2  # dispatch, combine
         bwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving),) * 2
@@ -391,7 +386,7 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
         params += moe.active * 3 * h * moe.width  # only experts that got tokens have gradients to add
         n_tensors += 1 + (4 if spec.shared_expert_intermediate_size else 0)
     accum = mem(params * fw.grad_accum_bytes)
-    return LayerWork(fwd, tuple(bwd), fwd_comm, bwd_comm, att_f, accum, n_tensors, windows)
+    return LayerWork(fwd, tuple(bwd), fwd_comm, bwd_comm, att_f, accum, n_tensors)
 
 
 @dataclass(frozen=True)

@@ -130,28 +130,27 @@ def comm_time_s(c: Comm, g: comm.Group, hw: Hardware) -> float:
 
 def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dict[str, comm.Group],
                hw: Hardware, *, hidden_comm: str | None = None, hide_under: float = 0.0,
-               tp_pipelined: bool = False, dgrad_windows: tuple[float, ...] | None = None) -> Stretch:
+               tp_pipelined: bool = False, dgrad_overlap: bool = False) -> Stretch:
     """Device, collective and host time of kernels and collectives run in order.
 
     Collectives of the `hidden_comm` group overlap compute worth `hide_under` seconds. With
     `tp_pipelined` (`Framework.tp_comm_overlap`) the tensor-parallel all-gathers and
     reduce-scatters are pipelined with the GEMMs beside them in tp chunks: the longer of one
     chunk of the transfers and what the GEMMs cannot cover stays exposed, and the rest slows the
-    GEMMs it runs under (`comm.overlap_interference_s`). With `dgrad_windows`
-    (`Framework.tp_dgrad_overlap`) each input-gradient collective (`Comm.dgrad`) runs under its
-    GEMM's weight gradient, the i-th taking the i-th window (seconds), exposed only where longer.
+    GEMMs it runs under (`comm.overlap_interference_s`). With `dgrad_overlap`
+    (`Framework.tp_dgrad_overlap`) each input-gradient collective runs under the weight gradient
+    it names (`Comm.under`), exposed only where longer.
     """
     dev = kernels_time_s(kernels, hw)
     t_comm = host = t_cp = t_ep = pipelined = 0.0
     between = (dev + host_launches(kernels) * hw.host_kernel_s) / max(1, len(comms))  # work before each collective
-    windows = iter(dgrad_windows or ())
     for c in comms:
         g = groups[c.group]
         t = comm_time_s(c, g, hw) + comm.skew_wait_s(between, g.n, hw)
         if c.group == hidden_comm:  # ring attention overlaps the key/value exchange with compute
             t = max(0.0, t - hide_under)
-        if c.dgrad and dgrad_windows is not None and not (tp_pipelined and c.op == "reduce_scatter"):
-            t = comm.overlapped_s(t, next(windows), 0.0, hw)
+        if c.under is not None and dgrad_overlap and not (tp_pipelined and c.op == "reduce_scatter"):
+            t = comm.overlapped_s(t, kernel_time_s(c.under, hw), 0.0, hw)
         if c.group == "cp":
             t_cp += t
         elif c.group == "ep":
@@ -251,9 +250,8 @@ def _layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, tp: int, cp: int,
     fwd = stretch_of(w.fwd, w.fwd_comm, groups, hw, hidden_comm=hidden, hide_under=attn_fwd, tp_pipelined=piped)
     if not training:
         return LayerTimes(fwd, Stretch(), fwd)
-    dgrad = tuple(kernel_time_s(k, hw) for k in w.dgrad_windows) if fw.tp_dgrad_overlap else None
     bwd = stretch_of(w.bwd, w.bwd_comm, groups, hw, hidden_comm=hidden, hide_under=2 * attn_fwd, tp_pipelined=piped,
-                     dgrad_windows=dgrad)
+                     dgrad_overlap=fw.tp_dgrad_overlap)
     accum = Stretch(kernels_time_s((w.grad_accum,), hw), 0.0, w.grad_tensors * hw.host_kernel_s)
     if recompute == "full":
         rec = fwd

@@ -88,8 +88,8 @@ class _Model:
         self.p = problem
         self.allowed = allowed
         self.hinted = False  # `hint` gave a schedule of this model
-        n_ops = len(problem.slots) * problem.unroll
-        self.tick_s, self.horizon = time_grid(horizon_s, n_ops)
+        self.n_ops = len(problem.slots) * problem.unroll  # operations of the unrolled iterations
+        self.tick_s, self.horizon = time_grid(horizon_s, self.n_ops)
         self.m = cp_model.CpModel()
         self._variables()
         self._choice_constraints()
@@ -346,23 +346,21 @@ class _Model:
         prm.cp_model_probing_level = 1
         prm.log_search_progress = bool(__import__('os').environ.get('PLANNER_CPSAT_LOG'))
         prm.cp_model_presolve = presolve
-        n_ops = len(self.p.slots) * self.p.unroll
         if on_progress is None:
             status = solver.solve(self.m)
         else:
             # Observers only: they read incumbents and bounds and never steer the search.
-            scale, slack = self.tick_s / self.p.unroll, 3 * n_ops
+            scale, slack = self.tick_s / self.p.unroll, 3 * self.n_ops
             solver.best_bound_callback = lambda b: on_progress(None, max(0.0, (b - 1) * OBJECTIVE_STEP - slack) * scale)
             status = solver.solve(self.m, _Incumbents(on_progress, scale=scale, slack=slack))
         return solver, status
 
     def _result(self, solver: cp_model.CpSolver, status: cp_model.CpSolverStatus) -> CpsatResult:
-        n_ops = len(self.p.slots) * self.p.unroll
         name = solver.status_name(status)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             bound = 0.0
             if status == cp_model.UNKNOWN:
-                bound = self._bound_s(solver.best_objective_bound, n_ops)
+                bound = self._bound_s(solver.best_objective_bound)
             return CpsatResult(None, None, name, bound, None)
         choice = [next(k for k, v in enumerate(ks) if solver.value(v)) for ks in self.x]
         starts = {op: solver.value(v) for op, v in self.S.items()}
@@ -370,11 +368,11 @@ class _Model:
         order = sorted(starts, key=lambda op: (starts[op], default[op]))
         # Durations were rounded up to ticks: each op on a chain may add up to three ticks
         # (duration, reallocation delay, transfer lag), so the bound on the exact problem is lower.
-        bound = self._bound_s(solver.best_objective_bound, n_ops)
+        bound = self._bound_s(solver.best_objective_bound)
         return CpsatResult(choice, order, name, bound, solver.value(self.makespan) * self.tick_s / self.p.unroll)
 
-    def _bound_s(self, best_steps: float, n_ops: int) -> float:
-        return steps_bound_s(best_steps, n_ops=n_ops, tick_s=self.tick_s, unroll=self.p.unroll)
+    def _bound_s(self, best_steps: float) -> float:
+        return steps_bound_s(best_steps, n_ops=self.n_ops, tick_s=self.tick_s, unroll=self.p.unroll)
 
 
 def solve_cpsat(problem: Problem, *, hint: list[int] | None, time_limit_s: float, work_budget: float | None = None,

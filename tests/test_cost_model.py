@@ -264,17 +264,21 @@ def test_megatron_runs_the_input_gradient_collective_under_the_weight_gradient()
         assert exposed * (0.75 if sp else 0.5) < hidden < exposed * (0.95 if sp else 0.85)
         assert cost["megatron-core"].time_s < cost["dgrad-after"].time_s
     # The closed form on one stretch: two input-gradient all-reduces, the first under a weight
-    # gradient longer than it, the second under one a third of its length.
+    # gradient longer than it, the second under a shorter one.
     from cost_models.comm import all_reduce_s, overlap_interference_s
+    from cost_models.compute import kernel_time_s
     from cost_models.ops import Comm, gemm
 
     hw = CostModel(parse_cluster("a100-80gb:1x8"), CAL).hw
     group = Group(8, 8, 1)
     t = all_reduce_s(64e6, group, hw)
-    comms = (Comm("all_reduce", 64e6, "tp", dgrad=True),) * 2
+    long, short = gemm(8192, 8192, 8192), gemm(1024, 1024, 1024)
+    w = kernel_time_s(short, hw)
+    assert kernel_time_s(long, hw) > t > w
+    comms = (Comm("all_reduce", 64e6, "tp", under=long), Comm("all_reduce", 64e6, "tp", under=short))
     kernels = (gemm(4096, 4096, 4096),)
-    out = stretch_of(kernels, comms, {"tp": group}, hw, dgrad_windows=(2 * t, t / 3))
-    assert out.comm_s == pytest.approx(overlap_interference_s(t, hw) + (t - t / 3) + overlap_interference_s(t / 3, hw))
+    out = stretch_of(kernels, comms, {"tp": group}, hw, dgrad_overlap=True)
+    assert out.comm_s == pytest.approx(overlap_interference_s(t, hw) + (t - w) + overlap_interference_s(w, hw))
     assert stretch_of(kernels, comms, {"tp": group}, hw).comm_s == pytest.approx(2 * t)
 
 
