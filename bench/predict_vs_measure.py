@@ -87,7 +87,7 @@ def run_plan(plan_path: Path, out_path: Path, *, steps: int, reference: bool = F
         if out.returncode == 0 or not _killed_by_signal(out.stderr):
             break
         # torch's CPU profiler (--memory-out) has been seen to abort a rank as it stops, rarely
-        # (std::terminate after profiler_stop, SIGABRT; it failed a CI run through one retry): run again
+        # (std::terminate after profiler_stop, SIGABRT; it failed one CI run): run again
         # and say so; a failure after the retries ends the bench.
         print(f"  (the run was killed by a signal; running it again) {out.stderr.strip().splitlines()[-1:]}")
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
