@@ -17,7 +17,8 @@ flash-attention's `benchmarks/benchmark_flash_attention.py`):
 
 - FlashAttention-2 forward+backward on an A100 80GB SXM4 and an H100 80GB SXM5: the
   flash-attention repository's `assets/flash2_a100_fwd_bwd_benchmark.png` and
-  `assets/flash2_h100_fwd_bwd_benchmark.png` (Dao 2023, arXiv:2307.08691), panels (c) and (d).
+  `assets/flash2_h100_fwd_bwd_benchmark.png` (Dao 2023, arXiv:2307.08691), panels (c) and (d);
+  the A100 figure's bars for FlashAttention (version 1) and FlashAttention in Triton too.
 - FlashAttention-2, cuDNN and FlashAttention-3 forward on an H100: `assets/flash3_fp16_fwd.png`
   (Shah et al. 2024, arXiv:2407.08608), panels (b) and (d).
 - cuDNN forward+backward on an H100 is not published with a causal mask; it is taken as
@@ -71,13 +72,20 @@ PUBLISHED: dict[tuple[str, str], tuple[str, dict[int, tuple[tuple[float, ...] | 
         64: ((59, 75, 79, 76, 79, 80), None),
         128: ((50, 61, 68, 74, 78, 80), None),
     }),
+    # FlashAttention (version 1) forward+backward on an A100, the same figure's FlashAttention bars;
+    # the kernel flash-attention's own training scripts ran in 2022 (`bench/cost_accuracy.py`).
+    # No preset runs it.
+    ("fa1", "ampere"): ("a100-80gb", {
+        64: ((58, 70, 77, 87, 92, 97), None),
+        128: ((55, 62, 69, 76, 80, 83), None),
+    }),
     ("fa3", "hopper"): ("h100-sxm", {
         64: (None, (197, 265, 371, 420, 460, 473)),
         128: (None, (292, 423, 521, 579, 602, 616)),
     }),
 }
 KERNEL_NAMES = {"fa2": "FlashAttention-2", "cudnn": "cuDNN fused attention", "fa3": "FlashAttention-3",
-                "triton-fa": "FlashAttention in Triton"}
+                "triton-fa": "FlashAttention in Triton", "fa1": "FlashAttention"}
 # cuDNN's forward+backward: FlashAttention-2's scaled by cuDNN's forward speed-up at each length.
 DERIVED_FROM = {"cudnn": "fa2"}
 

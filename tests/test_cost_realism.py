@@ -273,3 +273,23 @@ def test_llm_foundry_rows_are_the_gpt_the_table_counts_and_every_one_is_costed(b
         assert row[6] in (2, 3) and row[8] > 0 and predicted > 0 and cost.time_s > 0
     row = next(c[0] for c in costed if c[0][:4] == ("13b", 2048, 8, "a100-80gb"))
     assert row[4:8] == (2, 3, 3, False)  # micro-batch 2, 3 accumulations, FULL_SHARD, no checkpointing
+
+
+def test_flash_attention_training_rows_are_configured_as_published(bench) -> None:
+    """flash-attention's 2022 training table: the models are the GPT3 sizes their names give, the
+    accumulation steps are the configs' (global batch over 8 GPUs' micro-batches), and the 2.7B
+    row's 85k tokens/s is the README's 189 TFLOP/s (60.6% MFU) by the Megatron formula less the
+    recompute (a check of the configuration and the formula; the bench prints the errors)."""
+    sizes = {"GPT3-125M": 125e6, "GPT3-355M": 355e6, "GPT3-760M": 760e6, "GPT3-1.3B": 1.3e9, "GPT3-2.7B": 2.7e9}
+    for name, hidden, heads, layers, mb, batch, _, _ in bench.FLASH_TRAINING:
+        spec = bench.flash_training_spec(hidden, heads, layers)
+        assert abs(spec.num_params() / sizes[name] - 1) < 0.03, (name, spec.num_params())
+        assert batch % (8 * mb) == 0
+    assert [b // (8 * mb) for *_, mb, b, _, _ in bench.FLASH_TRAINING] == [1, 1, 2, 8, 16]
+    assert [row[6] for row in bench.FLASH_TRAINING] == [0, 0, 1, 1, 1]  # apex FusedAdam, then ZeroRedundancyOptimizer
+    name, hidden, heads, layers, *_, published = bench.FLASH_TRAINING[-1]
+    tflops = published * bench.korthikanti_flops(1, 2048, layers, hidden, bench.FLASH_TRAINING_VOCAB) / 2048 / 8 / 1e12
+    assert abs(tflops / 189 - 1) < 0.01 and abs(tflops / 312 - 0.606) < 0.005, tflops
+    stack = bench.flash_training_stack()
+    assert (stack.param_bytes, stack.grad_bytes, stack.weight_cast_bytes, stack.dropout) == (4, 4, 6.0, True)
+    assert stack.attention_kernels == (("ampere", "fa1"),) and stack.gpu_calibrated
