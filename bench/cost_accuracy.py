@@ -150,7 +150,13 @@
      shipped coefficients, ``a100-80gb:1x8``, dp 8 with the row's ZeRO stage and micro-batches,
      pooled with the rows above. Seen before the protocol (said plainly): the ``megatron-core``
      preset's MFU for the 1.3B and 2.7B models at 2048 tokens on 8 A100s under a few micro-batch
-     and ZeRO choices (58-70%), from a check of the MFU cap, not of this table.
+     and ZeRO choices (58-70%), from a check of the MFU cap, not of this table. Result as
+     protocol'd: MAPE 4.22%, mean signed -1.16% (125M -4.7%, 355M -3.0%, 760M +7.6%, 1.3B -3.4%,
+     2.7B -2.3%). One change after seeing it, to memory only (no time moves): the 355M row was
+     predicted not to fit (94 GiB, 24.5 of it logits at 8 bytes each) though it ran; the stack's
+     loss, apex's xentropy (``training/src/losses/cross_entropy_apex.py``, ``inplace_backward``),
+     keeps just the bf16 logits and writes their gradient over them: 2 bytes per logit
+     (``Framework.logit_train_bytes``; 8 for every preset, whose losses upcast to fp32).
    - yanring/Megatron-MoE-ModelZoo, ``best_practice/qwen3/readme.md``, "Performance Results, H100"
      (added 2025-05-27): Qwen3-235B-A22B on 256 H100s (8x50 GB/s InfiniBand per node), BF16,
      DeepEP, sequence 4096, global batch 2048, micro-batch 1 (4 with FSDP), the distributed
@@ -658,13 +664,14 @@ def flash_training_stack() -> Framework:
     dense-GELU-dense, dropout-add-LayerNorm), FlashAttention (version 1) with dropout inside the
     kernel, and Lightning's bf16 autocast over fp32 weights as the ``torch`` preset prices it: a
     cast of each weight per forward, fp32 gradients accumulated per micro-batch and reduced in
-    overlapped buckets, fp32 Adam."""
+    overlapped buckets, fp32 Adam. Its loss (apex's xentropy, ``src/losses/cross_entropy_apex.py``
+    with ``inplace_backward``) keeps only the bf16 logits and writes their gradient over them."""
     runtime = resolve_framework("torch")
     return dataclasses.replace(
         resolve_framework("megatron-core"), name="flash-attn training (2022)", dropout=True,
         param_bytes=runtime.param_bytes, grad_bytes=runtime.grad_bytes, optimizer_bytes=runtime.optimizer_bytes,
         optimizer_step_bytes=runtime.optimizer_step_bytes, grad_accum_bytes=runtime.grad_accum_bytes,
-        weight_cast_bytes=runtime.weight_cast_bytes, attention_kernels=(("ampere", "fa1"),))
+        weight_cast_bytes=runtime.weight_cast_bytes, attention_kernels=(("ampere", "fa1"),), logit_train_bytes=2)
 
 
 def flash_training_spec(hidden: int, heads: int, layers: int) -> ModelSpec:

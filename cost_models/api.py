@@ -60,7 +60,6 @@ from plans.sharding import slicing, stage_layers
 # Host-side tensor ops per slice a reallocation packs, unpacks or copies (`runtime.realloc`: index
 # the source, slice the flat buffer, view it, copy).
 REALLOC_PIECE_OPS = 4
-LOGIT_TRAIN_BYTES = 8  # per logit: fp16 logits, fp32 softmax, fp16 gradient
 LOGIT_INFER_BYTES = 6  # fp16 logits and fp32 log-softmax
 # Of a host link's raw rate (`GpuSpec.host_gbps`, after line encoding), what a pinned copy moves:
 # PCIe's transaction-layer packets carry 256 bytes of payload behind about 24 bytes of header,
@@ -460,7 +459,7 @@ class CostModel:
         for st in _peak_stage_candidates(counts):
             nd, ns = counts[st]
             kept = nd * per_layer[False] + (ns * per_layer[True] if ns else 0.0)
-            logits = self._logits_bytes(LOGIT_TRAIN_BYTES, b * s_loc * spec.vocab_size / tp) \
+            logits = self._logits_bytes(self.framework.logit_train_bytes, b * s_loc * spec.vocab_size / tp) \
                 if st == pp - 1 and decl.head == "lm" else None
             out.append((st, int(kept * in_flight_microbatches(layout, st, m) + working), logits,
                         4 * act_bytes if pp > 1 else 0))

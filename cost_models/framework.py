@@ -104,6 +104,10 @@ class Framework:
     # The LM head makes at most this many logits at a time (fused head and log-probs) and its
     # backward makes each chunk again when there is more than one; None: all logits at once.
     logits_chunk_elements: int | None = None
+    # Bytes per logit a training step's head keeps live: fp16 logits, an fp32 softmax and the fp16
+    # gradient (8); a fused cross-entropy that keeps only the logits and writes their gradient over
+    # them (apex's xentropy with inplace_backward, as flash-attention's training scripts run it): 2.
+    logit_train_bytes: int = 8
     # Generation keeps one compute-dtype copy of the weights for the whole call (no per-step cast),
     # and on a GPU each decode step of a group replays one captured CUDA graph: no host launches.
     decode_cuda_graphs: bool = False

@@ -293,3 +293,9 @@ def test_flash_attention_training_rows_are_configured_as_published(bench) -> Non
     stack = bench.flash_training_stack()
     assert (stack.param_bytes, stack.grad_bytes, stack.weight_cast_bytes, stack.dropout) == (4, 4, 6.0, True)
     assert stack.attention_kernels == (("ampere", "fa1"),) and stack.gpu_calibrated
+    cm = CostModel(parse_cluster("a100-80gb:1x8"), default_calibration(), framework=stack)
+    for name, hidden, heads, layers, mb, batch, zero, _ in bench.FLASH_TRAINING:  # they ran without checkpointing
+        call = Call(name="train", model="m", kind="train", seqs=batch, seq_len=2048, loss="sft")
+        decl = ModelDecl(spec=bench.flash_training_spec(hidden, heads, layers), trainable=True)
+        cost = cm.call_cost(call, decl, Mesh.block(0, 8), Layout(dp=8, zero=zero, micro_batches=batch // (8 * mb)))
+        assert cost.peak_mem_bytes <= cm.cluster.usable_mem_bytes, (name, cost.peak_mem_bytes / GIB)
