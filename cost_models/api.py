@@ -403,8 +403,13 @@ class CostModel:
         return expert_load(decl.spec, layout, tokens=tokens, load_cv=decl.expert_load_cv) if decl.spec.moe_layers else None
 
     def _train_memory(self, decl: ModelDecl, layout: Layout, topo: Topology, *, seqs: int, seq_len: int) -> dict[str, int]:
-        spec = decl.spec
-        zero3 = self._zero3_buffer(spec, layout, training=True)
+        spec, fw = decl.spec, self.framework
+        kept = fw.zero3_keeps_gathered and layout.zero == 3 and layout.recompute != "full" and layout.dp * layout.cp > 1
+        # A stack that keeps the gathered weights holds them at the forward's end, with gathers but
+        # no reduce-scatters under way; in backward it scatters but does not gather again.
+        zero3 = self._zero3_buffer(spec, layout, training=not kept) if not kept else max(
+            self._zero3_buffer(spec, layout), self._zero3_buffer(spec, layout, training=True) - self._zero3_buffer(spec, layout))
+        counts = self._stage_params(spec, decl.head, layout)
         best: dict[str, int] = {}
         best_s = -1
         for st, activations, logits, buffers in self._train_transients(decl, layout, seqs=seqs, seq_len=seq_len):
@@ -413,7 +418,14 @@ class CostModel:
             if logits is not None:
                 mem["logits"] = logits
             mem["buffers"] = int(buffers + zero3)
+            if kept:  # every micro-batch in flight keeps its own compute-dtype copies (2 bytes a weight)
+                mem["gathered"] = int(2 * sum(counts[st]) * in_flight_microbatches(layout, st, layout.micro_batches))
             mem = self._compute_dtype(mem)
+            step = self._step_copy_bytes(decl, layout, counts[st])
+            if step:  # the step runs once the micro-batches' tensors are gone
+                over = step - sum(mem.get(k, 0) for k in ("activations", "logits", "buffers", "gathered"))
+                if over > 0:
+                    mem["step"] = int(over)
             # The stage with the most, outside tensors included; of those only the fragmentation
             # differs between stages (`_outside_tensors`), so the rest is added to the winner alone.
             total = sum(mem.values()) + (fragmentation_bytes(mem) if self.cluster.gpu != "cpu" else 0)
@@ -475,7 +487,7 @@ class CostModel:
         compute dtype: the byte counts are bf16's; a CPU run computes in fp32, twice as many."""
         if self.cluster.gpu != "cpu":
             return mem
-        return {k: 2 * v if k in ("activations", "logits", "kv_cache") else v for k, v in mem.items()}
+        return {k: 2 * v if k in ("activations", "logits", "kv_cache", "gathered") else v for k, v in mem.items()}
 
     def _outside_tensors(self, layout: Layout, mem: dict[str, int], topo: Topology, *, moe: bool = False) -> dict[str, int]:
         """Context and workspaces; on GPUs also NCCL buffers of the layout's communicators and the
@@ -490,6 +502,17 @@ class CostModel:
             nccl = self._nccl[key] = nccl_bytes(collectives=len(used), cross_node=sum(g.spans_nodes for g in used),
                                                 p2p_peers=min(2, layout.pp - 1))
         return {"reserve": reserve_bytes(self.cluster.mem_bytes), "nccl": nccl, "fragmentation": fragmentation_bytes(mem)}
+
+    def _step_copy_bytes(self, decl: ModelDecl, layout: Layout, stage_params: tuple[float, float]) -> float:
+        """What a ZeRO-1/2 step of a stack that gathers the updated buffer from a copy of each
+        rank's part (`Framework.zero12_step_copy`) holds beside the states: that copy, and on CPU
+        gloo's staging of the gathered whole, which it allocates before copying into the buffer."""
+        fw = self.framework
+        dp = layout.dp * layout.cp
+        if not (fw.zero12_step_copy and decl.trainable and layout.zero in (1, 2) and dp > 1):
+            return 0.0
+        whole = sum(stage_params) * fw.param_bytes
+        return whole / dp + (whole if self.cluster.gpu == "cpu" else 0.0)
 
     def _zero3_buffer(self, spec: ModelSpec, layout: Layout, *, training: bool = False) -> float:
         """ZeRO-3's gathered layers in flight (`Framework.zero3_gather_layers`) and, in training, the

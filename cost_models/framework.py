@@ -147,6 +147,21 @@ class Framework:
     # and per reduce-scatter the layer's gradients and their packed copy (2, `SCATTERS_IN_FLIGHT` 2).
     zero3_gather_layers: float = 2.0
     zero3_scatter_layers: float = 0.0
+    # ZeRO-3 in training. False: FSDP's way (PyTorch FSDP/FSDP2, Megatron-core's FSDP, DeepSpeed):
+    # a layer's gathered weights are freed after its forward and gathered again for its backward,
+    # where a full recompute's forward uses that same gather (Megatron-core's custom FSDP skips the
+    # prefetch for it, `fully_sharded_data_parallel.py`): two gathers per micro-batch. True: the
+    # planner's runtime, whose gather is an autograd function whose output the layer's matmuls
+    # save, so autograd keeps each layer's gathered weights (their compute-dtype copies) from its
+    # forward to its backward: one gather per micro-batch, two under full recompute (its forward
+    # gathers again inside the checkpoint), and every layer's weights held at the forward's end.
+    zero3_keeps_gathered: bool = False
+    # ZeRO-1 all-reduces the gradients and each rank updates its part (the runtime); False: it
+    # reduce-scatters them (Megatron's distributed optimizer, DeepSpeed).
+    zero1_all_reduce: bool = False
+    # After a ZeRO-1/2 step each rank sends a copy of its updated part to the all-gather of the
+    # whole buffer (the runtime: ``flat[lo:hi].clone()``), one part held beside the states.
+    zero12_step_copy: bool = False
     # Transformer Engine's userbuffers (Megatron-core --tp-comm-overlap, sequence parallel only):
     # each all-gather before a column-parallel GEMM and reduce-scatter after a row-parallel one is
     # cut into tp chunks pipelined with the GEMM's chunks, so one chunk's transfer stays exposed
@@ -222,7 +237,8 @@ FRAMEWORKS: dict[str, Framework] = {
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), attn_out_copy=True,
         weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26, decode_cuda_graphs=True,
         windowed_attention=False, cp_comm="all_gather", cp_overlaps_grad_reduce=False,
-        grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0, expert_gemms="loop",
+        grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0, zero3_keeps_gathered=True,
+        zero1_all_reduce=True, zero12_step_copy=True, expert_gemms="loop",
         attention_kernels=SDPA_ATTENTION,
     ),
 }

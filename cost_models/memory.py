@@ -9,6 +9,14 @@
   selective recompute drops the ``5*a*s/h`` attention term; full recompute keeps only the layer
   input, ``2*s*b*h`` (divided by t under sequence parallelism). Llama layers (SwiGLU, grouped-
   query attention, no dropout) are counted from the same list of saved tensors.
+- ZeRO-3 buffers (``buffers``): gathered layers in flight and, in training, gradients on their way
+  to the reduce-scatter (`Framework.zero3_gather_layers`, `zero3_scatter_layers`). Where autograd
+  keeps the gathered weights (`Framework.zero3_keeps_gathered`: the planner's runtime, without
+  full recompute), ``gathered``: every layer's compute-dtype copy of its weights, per micro-batch
+  in flight, held at the forward's end (with the gathers in flight, not the scatters).
+- ``step``: what a ZeRO-1/2 optimizer step holds beyond the micro-batches' transients (gone by
+  then) where the stack gathers the updated buffer from a copy of each rank's part
+  (`Framework.zero12_step_copy`): that copy, and on CPU ranks gloo's staging of the whole buffer.
 - 1F1B keeps ``pp - stage`` micro-batches in flight on a stage; the interleaved schedule keeps
   ``pp * (1 + (pp-1)/(pp*v))`` on the first stage (Korthikanti et al. 2022, section 4.2.3).
 - Outside tensors, on a GPU (none of it on CPU ranks, which use gloo and malloc):
@@ -42,7 +50,7 @@ RESERVE_FRACTION = 0.05  # ... bounded by this share of a small device
 NCCL_CHANNEL_BYTES = 12 * MIB  # one connection's buffers per channel (10 MiB + 2 MiB)
 NCCL_P2P_CHANNELS = 4  # channels of one send/recv peer
 FRAGMENTATION = 0.15  # of the transient tensors' bytes (GMLake's average)
-TRANSIENT = ("activations", "logits", "buffers")
+TRANSIENT = ("activations", "logits", "buffers", "gathered", "step")
 
 
 def sparse_mlp_saved_bytes(spec: ModelSpec, *, tokens: int, tp: int, moe: ExpertLoad) -> float:

@@ -470,11 +470,16 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
                 group: str = "dpcp") -> float:
     """Exposed time of the data-parallel gradient reduction (and ZeRO-3 weight gathers).
 
-    ZeRO 0/1 reduce once after the last backward (all-reduce, or reduce-scatter for ZeRO-1), in
-    full unless the framework buckets gradients and overlaps them with that backward, leaving the
-    last bucket exposed. ZeRO-2/3 cannot keep unsharded gradients, so they reduce-scatter after
-    every micro-batch, under the next one's compute; ZeRO-3 also all-gathers the weights for the
-    forward, the backward (and the recompute), prefetched under each micro-batch's compute.
+    Below `Framework.grads_sharded_from_zero` (ZeRO 0/1, and 2 in the runtime) whole gradients
+    are kept and reduced once after the last backward (all-reduce, or reduce-scatter for ZeRO-1
+    unless `Framework.zero1_all_reduce`), in full unless the framework buckets gradients and
+    overlaps them with that backward, leaving the last bucket exposed. From that stage on they
+    cannot be kept whole, so they are reduce-scattered every micro-batch, each parameter group's
+    as its backward ends: under the next micro-batch's compute, and for the last micro-batch under
+    its own backward, one group's share exposed. ZeRO-3 also all-gathers the weights, prefetched
+    under each micro-batch's compute: for the forward and again for the backward, whose gather a
+    full recompute's forward shares (FSDP's way), or, where autograd keeps the gathered weights
+    (`Framework.zero3_keeps_gathered`), for the forward and a full recompute only.
     A framework that does not prefetch (`Framework.zero3_prefetch`) gathers each of the
     `zero3_groups` parameter groups when it runs and reduce-scatters its gradient in backward,
     each a blocking collective paying its own latency; it keeps the gathered weights for the
@@ -491,22 +496,28 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
         return 0.0
     grad = params * fw.grad_bytes
     wait = comm.skew_wait_s(since_sync_s, g.n, hw)
-    if layout.zero <= 1:
-        t = comm.all_reduce_s(grad, g, hw) if layout.zero == 0 else comm.reduce_scatter_s(grad, g, hw)
+    if layout.zero < fw.grads_sharded_from_zero:  # whole gradients kept: one reduction, after the last backward
+        whole = layout.zero == 0 or (layout.zero == 1 and fw.zero1_all_reduce)
+        t = comm.all_reduce_s(grad, g, hw) if whole else comm.reduce_scatter_s(grad, g, hw)
         if fw.overlap_grad_reduce and (layout.cp == 1 or fw.cp_overlaps_grad_reduce):
             return comm.overlapped_s(t, last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw), hw) + wait
         return t + wait
+    # Gathers of the weights per micro-batch (`Framework.zero3_keeps_gathered`).
+    k = (2 if layout.recompute == "full" else 1) if fw.zero3_keeps_gathered or not fw.zero3_prefetch else 2
     if layout.zero == 3 and not fw.zero3_prefetch:
         n = zero3_groups
-        k = 2 if layout.recompute == "full" else 1
         gathers = k * n * comm.all_gather_s(params * fw.param_bytes / n, g, hw)
         waits = (k + 1) * n * comm.skew_wait_s(microbatch_s / ((k + 1) * n), g.n, hw)
         return m * (gathers + n * comm.reduce_scatter_s(grad / n, g, hw) + waits)
+    # Each parameter group's gradients are reduce-scattered as its backward ends, under the
+    # backward of the groups before it and the next micro-batch: the last micro-batch's leave
+    # exposed what its own backward cannot cover, at least one group's share.
     rs = comm.reduce_scatter_s(grad, g, hw)
-    exposed = rs + (m - 1) * max(0.0, rs - microbatch_s) + wait
+    last = comm.overlapped_s(rs, last_bwd_s, rs / max(1, zero3_groups), hw) if fw.overlap_grad_reduce else rs
+    exposed = last + (m - 1) * max(0.0, rs - microbatch_s) + wait
     hidden = (m - 1) * min(rs, microbatch_s)
     if layout.zero == 3:
-        gathers = (3 if layout.recompute == "full" else 2) * comm.all_gather_s(params * fw.param_bytes, g, hw)
+        gathers = k * comm.all_gather_s(params * fw.param_bytes, g, hw)
         exposed += m * max(0.0, gathers - microbatch_s)
         hidden += m * min(gathers, microbatch_s)
     return exposed + comm.overlap_interference_s(hidden, hw)

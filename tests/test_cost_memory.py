@@ -166,3 +166,47 @@ def test_every_vtrain_configuration_fits_in_80gb():
             if cost.peak_mem_bytes > cluster.mem_bytes:
                 over.append(f"{r.source}: {cost.peak_mem_bytes / 2**30:.1f} GiB")
     assert not over, over
+
+
+def test_the_runtime_keeps_its_zero3_gathers_for_backward_and_fsdp_stacks_do_not():
+    """ZeRO-3 without full recompute: the runtime's gather is an autograd function whose outputs
+    the matmuls save, so every layer's compute-dtype weights (2 bytes each) stay until backward
+    (`Framework.zero3_keeps_gathered`); FSDP stacks free them after the forward. Full recompute
+    frees them in the runtime too. On a CPU the runtime computes in fp32: 4 bytes."""
+    spec = resolve_model("llama-2-7b")
+    call = Call(name="t", model="m", kind="train", seqs=64, seq_len=512, loss="sft")
+    decl = ModelDecl(spec=spec, trainable=True)
+
+    def mem(framework: str, cluster: str, **kw) -> dict[str, int]:
+        cm = CostModel(parse_cluster(cluster), framework=framework)
+        n = cm.cluster.nodes * cm.cluster.gpus_per_node
+        return cm.call_cost(call, decl, Mesh.block(0, n), Layout(dp=n, zero=3, micro_batches=8, **kw)).mem_breakdown_bytes
+
+    assert mem("torch", "a100-80gb:1x8")["gathered"] == pytest.approx(2 * spec.num_params(), rel=1e-6)
+    assert "gathered" not in mem("torch", "a100-80gb:1x8", recompute="full")
+    assert "gathered" not in mem("megatron-core", "a100-80gb:1x8")
+    tiny = resolve_model("tiny-llama")
+    decl = ModelDecl(spec=tiny, trainable=True)
+    assert mem("torch", "cpu:1x4")["gathered"] == pytest.approx(4 * tiny.num_params(), rel=1e-6)
+
+
+@pytest.mark.parametrize("cluster,staging", [("a100-80gb:1x8", False), ("cpu:1x4", True)])
+def test_a_runtime_zero1_step_holds_a_copy_of_its_part_and_gloo_the_whole(cluster, staging):
+    """After a ZeRO-1/2 step the runtime all-gathers the flat buffer from a copy of each rank's
+    part (`DataParallel.step`), and gloo stages the gathered whole before copying it in: with
+    activations smaller than that (a tiny batch), the step is the peak. Megatron's distributed
+    optimizer gathers in place."""
+    spec = resolve_model("llama-2-7b")
+    call = Call(name="t", model="m", kind="train", seqs=4, seq_len=64, loss="sft")
+    decl = ModelDecl(spec=spec, trainable=True)
+    for framework in ("torch", "megatron-core"):
+        cm = CostModel(parse_cluster(cluster), framework=framework)
+        n = cm.cluster.nodes * cm.cluster.gpus_per_node
+        for zero in (1, 2):
+            got = cm.call_cost(call, decl, Mesh.block(0, n), Layout(dp=n, zero=zero)).mem_breakdown_bytes
+            transient = sum(got.get(k, 0) for k in ("activations", "logits", "buffers", "step"))
+            if framework == "megatron-core":
+                assert "step" not in got
+                continue
+            whole = 4 * spec.num_params()
+            assert transient == pytest.approx(whole / n + (whole if staging else 0), rel=1e-6)

@@ -7,10 +7,11 @@ import math
 
 import pytest
 
-from cost_models import Calibration, CostModel, model_flops
+from cost_models import Calibration, CostModel, comm, model_flops
 from cost_models.calibration import Coefficients
 from cost_models.comm import Group, all_gather_s, all_reduce_s, group_at
-from cost_models.training import pipeline_s
+from cost_models.framework import resolve_framework
+from cost_models.training import Topology, grad_sync_s, pipeline_s
 from cost_models.transfer import rank_volumes
 from plans import Call, Layout, Mesh, ModelDecl, PlannerError, parse_cluster, resolve_model
 from plans.sharding import transfer_plan, transfer_volume
@@ -513,3 +514,52 @@ def test_train_candidates_priced_lazily_are_those_pricing_every_layout_keeps(kee
             compared += 1
             priced_fewer += len(lazy) < len(every)
     assert compared == 6 and priced_fewer >= 4  # and the bound saves work
+
+
+def _zero_sync(framework: str, *, zero: int, recompute: str = "none", m: int = 4, window_s: float = 0.0):
+    """The exposed data-parallel time of 1e9 parameters on 32 A100s, with what computed it."""
+    cm = CostModel(parse_cluster("a100-80gb:4x8"), framework=framework)
+    topo = Topology(0, 32, 8)
+    layout = Layout(dp=32, zero=zero, recompute=recompute, micro_batches=m)
+    return grad_sync_s(1e9, resolve_framework(framework), cm.hw, layout, topo, m=m, microbatch_s=window_s,
+                       last_bwd_s=window_s, zero3_groups=32), cm, topo, layout
+
+
+def test_zero3_gathers_per_micro_batch_by_stack():
+    """Nothing hidden (no compute to hide under): FSDP stacks gather twice per micro-batch, for the
+    forward and the backward, a full recompute's forward sharing the backward's gather; the
+    runtime, whose autograd keeps its gathers, once, and twice under full recompute."""
+    for fw, none, full in (("megatron-core", 2, 2), ("torch", 1, 2)):
+        t_none, cm, topo, layout = _zero_sync(fw, zero=3)
+        t_full, *_ = _zero_sync(fw, zero=3, recompute="full")
+        g = topo.group(layout, "dpcp")
+        f = resolve_framework(fw)
+        ag = comm.all_gather_s(1e9 * f.param_bytes, g, cm.hw)
+        assert t_full - t_none == pytest.approx(4 * (full - none) * ag, rel=1e-6)
+        rs = comm.reduce_scatter_s(1e9 * f.grad_bytes, g, cm.hw)
+        assert t_none >= 4 * (rs + none * ag)
+
+
+def test_the_last_micro_batch_reduces_under_its_own_backward():
+    """Each parameter group's gradients leave as its backward ends: with a backward long enough,
+    the last micro-batch exposes one group's share (of 32) and the interference, not the whole
+    reduce-scatter."""
+    exposed, cm, topo, layout = _zero_sync("megatron-core", zero=2, m=1, window_s=100.0)
+    rs = comm.reduce_scatter_s(1e9 * 4, topo.group(layout, "dpcp"), cm.hw)
+    assert exposed == pytest.approx(rs / 32 + comm.overlap_interference_s(rs - rs / 32, cm.hw), rel=1e-9)
+    assert exposed < 0.5 * rs
+
+
+def test_the_runtime_all_reduces_under_zero1_and_reduces_once_under_zero2():
+    """The runtime keeps whole gradients until ZeRO-3 (`grads_sharded_from_zero`): ZeRO-1 all-reduces
+    them and ZeRO-2 sums each bucket on its owner, once per step; Megatron's distributed optimizer
+    reduce-scatters (ZeRO-1) and DeepSpeed's ZeRO-2 every micro-batch."""
+    z1, cm, topo, layout = _zero_sync("torch", zero=1)
+    g = topo.group(layout, "dpcp")
+    assert z1 >= comm.all_reduce_s(4e9, g, cm.hw)
+    z2, *_ = _zero_sync("torch", zero=2)
+    assert comm.reduce_scatter_s(4e9, g, cm.hw) <= z2 < 2 * comm.reduce_scatter_s(4e9, g, cm.hw)
+    mc1, *_ = _zero_sync("megatron-core", zero=1)
+    assert mc1 < comm.all_reduce_s(4e9, g, cm.hw)
+    mc2, *_ = _zero_sync("megatron-core", zero=2)
+    assert mc2 >= 4 * comm.reduce_scatter_s(4e9, g, cm.hw)
