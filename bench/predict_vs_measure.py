@@ -74,12 +74,14 @@ def step_s(items: list[Span], *, skip_steps: int = 1) -> float:
 SIGNAL_RETRIES = 3  # runs again after a rank died by a signal (`_killed_by_signal`)
 
 
-def run_plan(plan_path: Path, out_path: Path, *, steps: int, reference: bool = False, memory: bool = False) -> None:
-    """Run the plan; write its trace (or, with `memory`, its allocator peaks) to `out_path`."""
+def run_plan(plan_path: Path, out_path: Path, *, steps: int, reference: bool = False, memory: bool = False,
+             ranks: int = RANKS) -> None:
+    """Run the plan on `ranks` gloo ranks; write its trace (or, with `memory`, its allocator
+    peaks) to `out_path`."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"  # what torchrun gives each rank anyway, said out loud
     launch = ["-m", "runtime", str(plan_path), "--reference"] if reference else \
-        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", "-m", "runtime", str(plan_path)]
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", "runtime", str(plan_path)]
     what = ["--memory-out" if memory else "--trace-out", str(out_path)]
     cmd = [sys.executable, *launch, "--steps", str(steps), "--quiet", *what]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
