@@ -19,7 +19,9 @@ kernels a training step launches and which bytes it keeps. Five presets:
   autocast, so every matmul weight is cast to bf16 on each forward pass and every weight gradient
   cast back and accumulated in fp32; the residual stream stays fp32, and RMSNorm, rotary
   embedding and residual adds run as separate eager kernels (`runtime/model.py`); gradients are
-  reduced in fp32 buckets during the last backward and ZeRO-3 gathers one use ahead; a rank's
+  reduced in fp32 buckets during the last backward (all-reduced under ZeRO-1, summed on their
+  owner under ZeRO-2, whose step then gathers the buffer from a copy of each rank's part), and
+  ZeRO-3 gathers one use ahead and keeps what it gathered until the backward; a rank's
   routed experts run one by one in a Python loop (`expert_gemms="loop"`). Not yet
   calibrated on a GPU (`bench/gpu_check.sh` measures it): its GEMM and bandwidth efficiencies
   are those fitted on Megatron-LM runs, its attention (PyTorch's default fused attention,
