@@ -709,8 +709,16 @@ def from_deepspeed(cfg: dict[str, Any], cluster: ClusterSpec, models: dict[str, 
     lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=_zero(zero, dp), micro_batches=gas)
     graph = sft(models["model"], batch=seqs, seq_len=seq_len, name="deepspeed_import",
                 lr=float(cfg.get("optimizer", {}).get("params", {}).get("lr", 1e-5)))
-    return Imported(graph, {"model_train": (Mesh.block(0, size), lay, None)},
-                    ["activation checkpointing is set in model code: costed without it"])
+    notes = ["activation checkpointing is set in model code: costed without it"]
+    overlap = cfg.get("zero_optimization", {}).get("overlap_comm")
+    if dp * cp > 1 and (lay.zero == 0 or (lay.zero in (1, 2) and overlap is not True)):
+        # `megatron-core` prices the reduction under the backward; DeepSpeed overlaps it only at
+        # stage 3 unless told (`DeepSpeedZeroConfig.overlap_comm_valid`), and never without ZeRO.
+        notes.append("the gradient reduction is costed under the backward, but DeepSpeed runs it after the backward "
+                     + ("without ZeRO" if lay.zero == 0 else "unless zero_optimization.overlap_comm is true")
+                     + ": this config runs slower than costed"
+                     + ("" if lay.zero == 0 else ". Set overlap_comm (planner export does)"))
+    return Imported(graph, {"model_train": (Mesh.block(0, size), lay, None)}, notes)
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -229,3 +229,29 @@ def test_an_moe_rollout_splits_its_experts_over_vllm_tensor_parallelism() -> Non
     dense = imports.from_openrlhf(imports.command_words(flags.replace("qwen3-30b-a3b", "llama-3-8b")),
                                   parse_cluster("h100-sxm:1x8"), {})
     assert dense.placements["actor_generate"][1].etp == 1
+
+
+def test_deepspeed_imports_say_when_the_reduction_runs_after_the_backward() -> None:
+    """`megatron-core` prices the gradient reduction under the backward. DeepSpeed overlaps it only
+    at ZeRO-3 unless `overlap_comm` is set, and never without ZeRO: the import says so; the
+    export sets `overlap_comm` at ZeRO-1/2, so its own config has no such note."""
+    from plans.cluster import parse_cluster
+
+    cluster = parse_cluster("a100-80gb:1x8")
+    models = {"model": "llama-2-7b"}
+
+    def notes(zero_optimization: dict) -> list[str]:
+        cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+               "zero_optimization": zero_optimization}
+        got = imports.from_deepspeed(cfg, cluster, models, world=8, seq_len=1024, pp=1)
+        return [n for n in got.notes if "gradient reduction" in n]
+
+    assert len(notes({"stage": 1})) == 1 and "overlap_comm" in notes({"stage": 2})[0]
+    assert "without ZeRO" in notes({"stage": 0})[0]
+    assert notes({"stage": 1, "overlap_comm": True}) == [] and notes({"stage": 3}) == []
+    plan = matrix()["sft_7b_dp_z1"]
+    exp = export_plan(plan, "deepspeed", call="model_train")
+    c = next(x for x in plan.calls if x.name == "model_train")
+    got = imports.from_deepspeed(exp.data, plan.cluster, {"model": "llama-2-7b"}, world=c.mesh.size,
+                                 seq_len=c.seq_len, pp=c.layout.pp)
+    assert not any("gradient reduction" in n for n in got.notes)

@@ -248,6 +248,8 @@ def test_deepspeed_batch_holds_for_the_world_deepspeed_sees(layout: Layout) -> N
     world = 64 // layout.pp // layout.tp if layout.pp > 1 else 64 // layout.cp  # grid dp / processes over Ulysses
     assert cfg["train_batch_size"] == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
     assert cfg["zero_optimization"]["stage"] == layout.zero
+    # what the plan priced: the reduction under the backward (DeepSpeed's default only at stage 3)
+    assert cfg["zero_optimization"].get("overlap_comm", layout.zero == 3) is True
     assert cfg.get("sequence_parallel_size", 1) == layout.cp
 
 

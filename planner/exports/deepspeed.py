@@ -50,6 +50,14 @@ def config(plan: Plan, call: PlanCall, limits: list[str], notes: list[str]) -> d
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": lay.zero},
     }
+    if lay.zero in (1, 2):
+        # The plan prices the gradient reduction overlapped with the backward; DeepSpeed does that
+        # under ZeRO-1/2 only when asked (`overlap_comm` defaults to stage 3 alone,
+        # `DeepSpeedZeroConfig.overlap_comm_valid`).
+        cfg["zero_optimization"]["overlap_comm"] = True
+    elif lay.zero == 0 and lay.dp * lay.cp > 1:
+        notes.append(f"{call.name}: without ZeRO DeepSpeed all-reduces the gradients after the backward, not under "
+                     "it as the plan costs them; ZeRO-1 (--zero 1 in the plan) overlaps them (overlap_comm)")
     if lay.offload == "optimizer":
         if lay.zero:
             cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}

@@ -33,6 +33,8 @@ def test_deepspeed_config_accepts_each_export(path, monkeypatch) -> None:  # noq
     mpu = DataParallelWorld(processes // (lay["pp"] * lay["tp"])) if lay["pp"] > 1 else None
     cfg = DeepSpeedConfig(doc["settings"], mpu=mpu)
     assert cfg.zero_optimization_stage == lay["zero"]
+    if lay["zero"] >= 1:  # the plan prices the gradient reduction under the backward
+        assert cfg.zero_config.overlap_comm is True
     assert cfg.bfloat16_config.enabled if hasattr(cfg, "bfloat16_config") else cfg.bfloat16_enabled
     per_step = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * lay["dp"]
     minibatches = call.get("minibatches", 1)
