@@ -358,7 +358,7 @@ OPENRLHF_DEFAULTS: dict[str, Any] = {
     "actor.num_nodes": 1, "actor.num_gpus_per_node": 8, "ref.num_nodes": 1, "ref.num_gpus_per_node": 8,
     "critic.num_nodes": 1, "critic.num_gpus_per_node": 8, "reward.num_nodes": 1, "reward.num_gpus_per_node": 8,
     "vllm.num_engines": None, "vllm.tensor_parallel_size": 1, "train.colocate_all": False,
-    "train.colocate_actor_ref": False, "train.colocate_critic_reward": False, "ds.zero_stage": 2,
+    "train.colocate_actor_ref": False, "train.colocate_critic_reward": False, "ds.zero_stage": 2, "ds.overlap_comm": False,
     "ds.tensor_parallel_size": 1, "ds.ring_attn_size": 1, "actor.gradient_checkpointing_enable": False,
     "train.micro_batch_size": 1, "train.batch_size": 128, "rollout.micro_batch_size": 1, "rollout.batch_size": 1024,
     "rollout.n_samples_per_prompt": 1, "data.max_len": 2048, "rollout.max_new_tokens": None,
@@ -534,6 +534,10 @@ def from_openrlhf(words: list[str], cluster: ClusterSpec, models: dict[str, str]
     roll = _int(get("rollout.micro_batch_size"), "--rollout.micro_batch_size")
     rc = "full" if get("actor.gradient_checkpointing_enable") else "none"
     zero = _int(get("ds.zero_stage"), "--ds.zero_stage")
+    if zero in (1, 2) and not get("ds.overlap_comm"):
+        notes.append("--ds.overlap_comm is not set: DeepSpeed then reduces the gradients after the backward at ZeRO "
+                     f"{zero} (it overlaps them by default at stage 3 alone), where the plan costs them under it: "
+                     "this command trains slower than costed. Add --ds.overlap_comm (planner export sets it)")
 
     # Optimizer states in host memory between calls (DeepSpeed also steps Adam on the CPU, which
     # the plan does not cost).

@@ -160,6 +160,8 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
     trained = [c for c in (r.actor_train, r.critic_train) if c is not None]
     zero = _one_value(trained, "ZeRO stage", lambda c: c.layout.zero, limits)
     flags.append(("--ds.zero_stage", zero))
+    if zero in (1, 2):  # the reduction under the backward, as the plan prices it (DeepSpeed: stage 3 alone by default)
+        flags.append(("--ds.overlap_comm", None))
     tp = _one_value(deepspeed, "DeepSpeed tensor-parallel size", lambda c: c.layout.tp, limits)
     if tp > 1:
         flags.append(("--ds.tensor_parallel_size", tp))

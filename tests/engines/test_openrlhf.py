@@ -137,12 +137,15 @@ def ds_batch_ok(args, gpus: int) -> None:  # noqa: ANN001
 
     get_train_ds_config = _module("openrlhf/utils/deepspeed/deepspeed_utils.py").get_train_ds_config
     cfg = get_train_ds_config(offload=False, adam_offload=args.ds.adam_offload, stage=args.ds.zero_stage,
-                              param_dtype=args.ds.param_dtype, tensor_parallel_size=args.ds.tensor_parallel_size)
+                              param_dtype=args.ds.param_dtype, tensor_parallel_size=args.ds.tensor_parallel_size,
+                              overlap_comm=args.ds.overlap_comm)
     cfg["train_micro_batch_size_per_gpu"] = args.train.micro_batch_size
     cfg["train_batch_size"] = args.train.batch_size * args.ds.ring_attn_size * args.ds.tensor_parallel_size
     for k in [k for k, v in cfg["zero_optimization"].items() if v == "auto"]:
         del cfg["zero_optimization"][k]  # "auto" is filled by HF's integration; DeepSpeed itself needs numbers
-    DeepSpeedConfig(cfg, mpu=DataParallelWorld(gpus))
+    ds = DeepSpeedConfig(cfg, mpu=DataParallelWorld(gpus))
+    if ds.zero_optimization_stage >= 1:  # the plan prices the gradient reduction under the backward
+        assert ds.zero_config.overlap_comm is True
 
 
 def _module(relative: str) -> types.ModuleType:
