@@ -407,8 +407,8 @@ class CostModel:
         kept = fw.zero3_keeps_gathered and layout.zero == 3 and layout.recompute != "full" and layout.dp * layout.cp > 1
         # A stack that keeps the gathered weights holds them at the forward's end, with gathers but
         # no reduce-scatters under way; in backward it scatters but does not gather again.
-        zero3 = self._zero3_buffer(spec, layout, training=not kept) if not kept else max(
-            self._zero3_buffer(spec, layout), self._zero3_buffer(spec, layout, training=True) - self._zero3_buffer(spec, layout))
+        gathers, both = self._zero3_buffer(spec, layout), self._zero3_buffer(spec, layout, training=True)
+        zero3 = max(gathers, both - gathers) if kept else both
         counts = self._stage_params(spec, decl.head, layout)
         best: dict[str, int] = {}
         best_s = -1
