@@ -404,7 +404,7 @@ class CostModel:
 
     def _train_memory(self, decl: ModelDecl, layout: Layout, topo: Topology, *, seqs: int, seq_len: int) -> dict[str, int]:
         spec, fw = decl.spec, self.framework
-        kept = fw.zero3_keeps_gathered and layout.zero == 3 and layout.recompute != "full" and layout.dp * layout.cp > 1
+        kept = fw.zero3_keeps_gathered and layout.zero == 3 and layout.recompute != "full" and fw.zero_ranks(layout) > 1
         # A stack that keeps the gathered weights holds them at the forward's end, with gathers but
         # no reduce-scatters under way; in backward it scatters but does not gather again.
         gathers, both = self._zero3_buffer(spec, layout), self._zero3_buffer(spec, layout, training=True)
@@ -497,7 +497,7 @@ class CostModel:
         key = (layout.tp, layout.cp, layout.dp, layout.ep, layout.etp, layout.pp, topo, moe)
         nccl = self._nccl.get(key)
         if nccl is None:
-            kinds = ("tp", "cp", "dpcp") + (("ep", "edp") if moe else ())
+            kinds = ("tp", "cp", self.framework.zero_group) + (("ep", "edp") if moe else ())
             used = [g for g in (topo.group(layout, k) for k in kinds) if g.n > 1]
             nccl = self._nccl[key] = nccl_bytes(collectives=len(used), cross_node=sum(g.spans_nodes for g in used),
                                                 p2p_peers=min(2, layout.pp - 1))
@@ -508,7 +508,7 @@ class CostModel:
         rank's part (`Framework.zero12_step_copy`) holds beside the states: that copy, and on CPU
         gloo's staging of the gathered whole, which it allocates before copying into the buffer."""
         fw = self.framework
-        dp = layout.dp * layout.cp
+        dp = fw.zero_ranks(layout)
         if not (fw.zero12_step_copy and decl.trainable and layout.zero in (1, 2) and dp > 1):
             return 0.0
         whole = sum(stage_params) * fw.param_bytes

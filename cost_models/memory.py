@@ -143,9 +143,11 @@ def stage_params(spec: ModelSpec, *, head: Head, layers: int, first: bool, last:
 def state_bytes(params: float, fw: Framework, *, layout: Layout, trainable: bool,
                 expert_params: float = 0.0, galore: GaLoreLayer | None = None) -> dict[str, int]:
     """Weights (+ gradients and optimizer states when trainable) per rank, by ZeRO stage: dense
-    weights sharded over the data-parallel group, routed experts over theirs (`Layout.edp`);
-    with a GaLore optimizer the stage's projected matrices (`galore`) keep low-rank moments."""
-    dp = layout.dp * layout.cp  # context-parallel ranks hold replicas and reduce gradients too
+    weights sharded over the data-parallel group (with the context-parallel ranks, or without
+    them where they hold replicas: `Framework.cp_replicas`), routed experts over theirs
+    (`Layout.edp`); with a GaLore optimizer the stage's projected matrices (`galore`) keep
+    low-rank moments."""
+    dp = fw.zero_ranks(layout)
     edp = layout.edp
     z = layout.zero
 

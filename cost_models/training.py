@@ -357,14 +357,14 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
         out.add("dp_comm", grad_sync_s(experts, fw, hw, layout, topo, m=m, microbatch_s=pipe.microbatch_s,
                                        last_bwd_s=pipe.last_bwd_s, zero3_groups=groups, since_sync_s=pipe.since_sync_s,
                                        group="edp"))
-    zero_div = layout.dp * layout.cp if layout.zero >= 1 else 1
+    zero_div = fw.zero_ranks(layout) if layout.zero >= 1 else 1
     expert_div = layout.edp if layout.zero >= 1 else 1
     optimizer_s = (params / zero_div + experts / expert_div) * fw.optimizer_step_bytes / hw.mem_bytes_s
     if layout.galore is not None:
         optimizer_s += _galore_step(spec, fw, hw, layout, topo, out, heavy=heavy, zero_div=zero_div)
     out.add("optimizer", optimizer_s)
     if 1 <= layout.zero < 3:  # ZeRO gathers the updated weight shards back to every rank
-        g = topo.group(layout, "dpcp")
+        g = topo.group(layout, fw.zero_group)
         gather = comm.all_gather_s(params * fw.param_bytes, g, hw)
         if fw.overlap_param_gather:  # under the next step's first forward, one bucket exposed
             forward_s = max(0.0, pipe.microbatch_s - pipe.last_bwd_s)
@@ -452,11 +452,11 @@ def _galore_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
     # Adam over the low-rank moments, and the update added to each weight (read the projected-back
     # step, read and write the weight: 12 bytes), in place of Adam over the full matrix.
     adam_s = ((stage.moment - stage.params) * fw.optimizer_step_bytes + stage.params * 3 * 4) / zero_div / hw.mem_bytes_s
-    owners = layout.dp * layout.cp
+    owners = fw.zero_ranks(layout)
     svd_s = (stage.svd_gemm_flops / hw.gemm_flops + stage.svd_stream_bytes / hw.mem_bytes_s) / owners
     out.add("galore", stage.project_flops / zero_div / hw.gemm_flops + svd_s / galore.update_interval)
     if layout.zero == 0 and owners > 1:
-        out.add("dp_comm", comm.all_gather_s(stage.projector * 4, topo.group(layout, "dpcp"), hw) / galore.update_interval)
+        out.add("dp_comm", comm.all_gather_s(stage.projector * 4, topo.group(layout, fw.zero_group), hw) / galore.update_interval)
     if layout.tp > 1:
         tp = topo.group(layout, "tp")
         refresh = comm.all_gather_s(stage.tp_gather * 4, tp, hw) + comm.broadcast_s(stage.tp_projector * 4, tp, hw)
@@ -467,7 +467,7 @@ def _galore_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
 
 def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, m: int,
                 microbatch_s: float, last_bwd_s: float, zero3_groups: int = 1, since_sync_s: float = 0.0,
-                group: str = "dpcp") -> float:
+                group: str | None = None) -> float:
     """Exposed time of the data-parallel gradient reduction (and ZeRO-3 weight gathers).
 
     Below `Framework.grads_sharded_from_zero` (ZeRO 0/1, and 2 in the runtime) whole gradients
@@ -485,30 +485,36 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
     each a blocking collective paying its own latency; it keeps the gathered weights for the
     backward, so only the forward and a full recompute gather.
 
-    `group` is the reduction group: dpcp for dense weights, edp for routed experts.
+    `group` is the reduction group: the framework's `zero_group` for dense weights (default),
+    edp for routed experts. Where context-parallel ranks hold replicas (`Framework.cp_replicas`),
+    the whole gradient buffer, or under ZeRO-3 the rank's slices, is first all-reduced over the
+    cp group after the backward, and nothing is overlapped.
 
     The last reduction also waits for the group's slowest rank, `since_sync_s` of work after the
     ranks last met (`comm.skew_wait_s`; a blocking ZeRO-3 gather or reduction waits after its
     share of a micro-batch).
     """
-    g = topo.group(layout, group)
-    if g.n == 1:
-        return 0.0
+    g = topo.group(layout, group or fw.zero_group)
     grad = params * fw.grad_bytes
-    wait = comm.skew_wait_s(since_sync_s, g.n, hw)
+    replicas = group is None and fw.cp_replicas and layout.cp > 1
+    cp_sum = comm.all_reduce_s(grad / (g.n if layout.zero == 3 else 1), topo.group(layout, "cp"), hw) if replicas else 0.0
+    # The first reduction waits for the slowest of all the ranks the gradients are summed over.
+    wait = comm.skew_wait_s(since_sync_s, g.n * (layout.cp if replicas else 1), hw)
+    if g.n == 1:
+        return cp_sum + (wait if replicas else 0.0)
     if layout.zero < fw.grads_sharded_from_zero:  # whole gradients kept: one reduction, after the last backward
         whole = layout.zero == 0 or (layout.zero == 1 and fw.zero1_all_reduce)
         t = comm.all_reduce_s(grad, g, hw) if whole else comm.reduce_scatter_s(grad, g, hw)
-        if fw.overlap_grad_reduce and (layout.cp == 1 or fw.cp_overlaps_grad_reduce):
+        if fw.overlap_grad_reduce and not replicas:
             return comm.overlapped_s(t, last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw), hw) + wait
-        return t + wait
+        return cp_sum + t + wait
     # Gathers of the weights per micro-batch (`Framework.zero3_keeps_gathered`).
     k = (2 if layout.recompute == "full" else 1) if fw.zero3_keeps_gathered or not fw.zero3_prefetch else 2
     if layout.zero == 3 and not fw.zero3_prefetch:
         n = zero3_groups
         gathers = k * n * comm.all_gather_s(params * fw.param_bytes / n, g, hw)
         waits = (k + 1) * n * comm.skew_wait_s(microbatch_s / ((k + 1) * n), g.n, hw)
-        return m * (gathers + n * comm.reduce_scatter_s(grad / n, g, hw) + waits)
+        return cp_sum + (wait if replicas else 0.0) + m * (gathers + n * comm.reduce_scatter_s(grad / n, g, hw) + waits)
     # Each parameter group's gradients are reduce-scattered as its backward ends, under the
     # backward of the groups before it and the next micro-batch: the last micro-batch's leave
     # exposed what its own backward cannot cover, at least one group's share.
@@ -520,7 +526,7 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
         gathers = k * comm.all_gather_s(params * fw.param_bytes, g, hw)
         exposed += m * max(0.0, gathers - microbatch_s)
         hidden += m * min(gathers, microbatch_s)
-    return exposed + comm.overlap_interference_s(hidden, hw)
+    return cp_sum + exposed + comm.overlap_interference_s(hidden, hw)
 
 
 def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head,
@@ -560,13 +566,13 @@ def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
     out.add("pp_comm", sends * m)
     out.add("overhead", hw.microbatch_overhead_s * m)
     out.add("pp_bubble", bubble)
-    if layout.zero == 3 and layout.dp * layout.cp > 1:
+    if layout.zero == 3 and fw.zero_ranks(layout) > 1:
         # Sharded parameters (FSDP / ZeRO-3 inference, as verl runs its reference): every
         # micro-batch's forward gathers the stage's weights, prefetched under its compute or, without
         # prefetch, one blocking gather per parameter group.
         counts = stage_param_counts(spec, head, layout)
         params, experts = counts[max(range(pp), key=lambda i: sum(counts[i]))]
-        gather = comm.all_gather_s(params * fw.param_bytes, topo.group(layout, "dpcp"), hw) + \
+        gather = comm.all_gather_s(params * fw.param_bytes, topo.group(layout, fw.zero_group), hw) + \
             comm.all_gather_s(experts * fw.param_bytes, topo.group(layout, "edp"), hw)
         if fw.zero3_prefetch:
             hidden = min(gather, stage_s[crit])

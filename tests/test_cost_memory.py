@@ -89,6 +89,27 @@ def test_model_states_by_zero_stage(framework, zero, per_param, frozen_bytes):
     assert frozen.state_mem_bytes == spec.num_params() * frozen_bytes
 
 
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_context_parallel_ranks_share_zero_states_only_where_the_stack_shards_over_them(zero):
+    """Megatron-core shards the ZeRO states over the data-parallel group with its context-parallel
+    ranks (dp x cp); the runtime's cp ranks hold replicas (`runtime/data_parallel.py` partitions
+    its buffer, and slices its ZeRO-3 weights, over the dp group alone), so there they count as
+    replicas: dp 2 x cp 4 holds what dp 2 holds, not what dp 8 does."""
+    spec = resolve_model("llama-2-7b")
+    call = Call(name="t", model="m", kind="train", seqs=16, seq_len=32768, loss="sft")
+    decl = ModelDecl(spec=spec, trainable=True)
+    states = {}
+    for framework in ("torch", "megatron-core"):
+        cm = CostModel(parse_cluster("a100-80gb:1x8"), framework=framework)
+        states[framework] = [cm.call_cost(call, decl, Mesh.block(0, lay.size), lay).state_mem_bytes for lay in
+                             (Layout(dp=2, cp=4, zero=zero, micro_batches=8), Layout(dp=2, zero=zero, micro_batches=8),
+                              Layout(dp=8, zero=zero, micro_batches=2))]
+    with_cp, dp2, dp8 = states["torch"]
+    assert with_cp == dp2 and with_cp > dp8
+    with_cp, dp2, dp8 = states["megatron-core"]
+    assert with_cp == dp8 and with_cp < dp2
+
+
 def test_full_recompute_keeps_only_layer_inputs_in_flight():
     """1F1B: stage 0 holds pp micro-batches of its layers' inputs (2sbh each), plus one layer's
     full activations while it recomputes (a small vocabulary keeps stage 0 the peak)."""
