@@ -221,6 +221,24 @@
    -> 6.76%, MoE 10.83% -> 11.75%, the AutoModel dense row -0.6% -> -3.0%; all 25 pooled 8.78%
    -> 8.28% (mean signed -0.75% -> -2.03%).
 
+   - pytorch/torchtitan, ``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md`` (June 2025; the
+     page's own version table: torch 38410cf9, torchtitan 820504e): async tensor parallel against
+     the vanilla one, the two bf16 rows. Llama 3 70B on 256 H100s, FSDP 32 x TP 8, torch.compile,
+     full activation checkpointing, local batch 16: 597.3 and 652.4 tokens/s per GPU (1.09x); Llama
+     3 8B on 64 H100s, FSDP 8 x TP 8, torch.compile, per-op selective checkpointing, local batch 12:
+     4,378 and 4,809.4 (1.10x). Their H100s are Grand Teton's (96 GB of HBM2e at 2.4 TB/s, a 500 W
+     limit, NVLink, 400 Gbit/s per GPU), whose peak torchtitan's own benchmark page calls unknown
+     (between the SXM's and the NVL's). What is checked is therefore the speed-up, a ratio on one
+     machine. Protocol fixed (and committed) before any prediction of these rows was looked at:
+     the predicted throughput with ``Framework.tp_comm_overlap`` over that without; the
+     ``megatron-core`` stack (torch.compile fuses the elementwise kernels) with PyTorch SDPA's
+     attention kernels (``SDPA_ATTENTION``), ZeRO-3 over the FSDP degree (FSDP2: bf16 gathers, fp32
+     gradient reduction), tp 8 with sequence parallel (torchtitan's plan shards the norms by
+     sequence), sequence 8192 (the models' ``train_configs`` tomls), one micro-batch of the local
+     batch, full recompute for 70B and, for per-op selective checkpointing, ``selective``; the
+     ``h100-sxm`` datasheet with the page's 2.4 TB/s of HBM. The absolute throughputs are printed
+     beside the ratios, not pooled: the datasheet peak is an upper bound for these GPUs.
+
 3. Out of sample on the vTrain rows (``--cross-validate``): leave one model size out. For each
    size, the coefficients are fitted again, from the same fixed start as `planner calibrate`, on
    every row of the other sizes (both files, equal weight), and the held-out size's rows are
