@@ -8,7 +8,7 @@ plan's peak per rank, the most any rank's allocator held, their difference, the 
 the call began and the estimate's parts. The aim of issue 18: within 10%.
 
 What to expect (`README.md`, "Memory a plan can trust"): ZeRO 0-2, tp 2, pp 2 and dp 2 x cp 2
-(whose cp ranks hold replicas of the states) within 5%; ZeRO-3 4-28% under, because gloo stages each collective in flight in copies of its own and the
+(ZeRO 1/2 partitioned over all four ranks) within 5%; ZeRO-3 4-28% under, because gloo stages each collective in flight in copies of its own and the
 peak moves by about 15% from run to run with the timing of the asynchronous reduce-scatters.
 
     .venv/bin/python bench/zero_memory.py            # about two minutes

@@ -497,7 +497,7 @@ class CostModel:
         key = (layout.tp, layout.cp, layout.dp, layout.ep, layout.etp, layout.pp, topo, moe)
         nccl = self._nccl.get(key)
         if nccl is None:
-            kinds = ("tp", "cp", self.framework.zero_group) + (("ep", "edp") if moe else ())
+            kinds = ("tp", "cp", self.framework.zero_group(layout)) + (("ep", "edp") if moe else ())
             used = [g for g in (topo.group(layout, k) for k in kinds) if g.n > 1]
             nccl = self._nccl[key] = nccl_bytes(collectives=len(used), cross_node=sum(g.spans_nodes for g in used),
                                                 p2p_peers=min(2, layout.pp - 1))

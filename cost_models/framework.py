@@ -143,14 +143,13 @@ class Framework:
     # Megatron-core runs), hidden under that attention; "all_gather": every chunk is all-gathered
     # before attention and the gradients reduce-scattered after, not overlapped (the planner's runtime).
     cp_comm: CpComm = "ring"
-    # What context-parallel ranks hold. False: one data-parallel group of dp x cp ranks shards the
-    # ZeRO states and reduces the gradients, overlapped as the stack overlaps (Megatron-core's
-    # distributed optimizer and DDP over the data-parallel group with context parallel; FSDP over a
-    # dp x cp mesh). True: the planner's runtime (`runtime/data_parallel.py`): context-parallel
-    # ranks hold replicas of their data-parallel rank's states, so ZeRO shards over dp alone, and
-    # after the backward the whole gradient buffer (under ZeRO-3, the rank's slices) is all-reduced
-    # over the cp group, then reduced over the dp group, neither overlapped.
-    cp_replicas: bool = False
+    # Under context parallel, one data-parallel group of dp x cp ranks shards the ZeRO states and
+    # reduces the gradients, overlapped as the stack overlaps (Megatron-core's distributed
+    # optimizer and DDP over the data-parallel group with context parallel; FSDP over a dp x cp
+    # mesh; the planner's runtime for ZeRO 0-2). True: ZeRO-3 slices the weights over dp alone,
+    # the cp ranks holding the same slices, whose gradients are summed over the cp group after the
+    # backward, not overlapped (the planner's runtime: `runtime/data_parallel.py`, `plans.sharding`).
+    cp_zero3_replicas: bool = False
     # ZeRO-3 buffers, in layers' weights: gathered weights in flight (the layer computing and the
     # one prefetched) and, in training, gradients on their way to the reduce-scatter. The runtime
     # keeps per gather the gathered buffer and the unpacked weights (2 copies, 2 gathers in flight)
@@ -191,15 +190,15 @@ class Framework:
     # the calibration's `attention_efficiency` at every length.
     attention_kernels: tuple[tuple[str, str], ...] = ()
 
-    @property
-    def zero_group(self) -> str:
-        """The group (`cost_models.training.Topology.group`) that shards the ZeRO states and reduces
-        the gradients: dp x cp, or dp alone where context-parallel ranks hold replicas."""
-        return "dp" if self.cp_replicas else "dpcp"
+    def zero_group(self, layout: Layout) -> str:
+        """The group (`cost_models.training.Topology.group`) that shards `layout`'s ZeRO states and
+        reduces its gradients: dp x cp, or dp alone where the cp ranks hold replicas of ZeRO-3's
+        slices (`cp_zero3_replicas`)."""
+        return "dp" if self.cp_zero3_replicas and layout.zero == 3 else "dpcp"
 
     def zero_ranks(self, layout: Layout) -> int:
         """The ranks of `zero_group` under `layout`."""
-        return layout.dp if self.cp_replicas else layout.dp * layout.cp
+        return layout.dp if self.zero_group(layout) == "dp" else layout.dp * layout.cp
 
 
 # Transformer Engine prefers cuDNN's fused attention on Hopper and FlashAttention-2 on Ampere (NVIDIA
@@ -256,7 +255,7 @@ FRAMEWORKS: dict[str, Framework] = {
         residual_fwd=(10.0,), residual_bwd=(6.0, 12.0), rope_fwd=(4.0, 4.0, 4.0, 6.0), rope_bwd=(4.0, 4.0, 4.0, 6.0),
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), attn_out_copy=True,
         weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26, decode_cuda_graphs=True,
-        windowed_attention=False, cp_comm="all_gather", cp_replicas=True,
+        windowed_attention=False, cp_comm="all_gather", cp_zero3_replicas=True,
         grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0, zero3_keeps_gathered=True,
         zero1_all_reduce=True, zero12_step_copy=True, expert_gemms="loop",
         attention_kernels=SDPA_ATTENTION,

@@ -144,7 +144,7 @@ def state_bytes(params: float, fw: Framework, *, layout: Layout, trainable: bool
                 expert_params: float = 0.0, galore: GaLoreLayer | None = None) -> dict[str, int]:
     """Weights (+ gradients and optimizer states when trainable) per rank, by ZeRO stage: dense
     weights sharded over the data-parallel group (with the context-parallel ranks, or without
-    them where they hold replicas: `Framework.cp_replicas`), routed experts over theirs
+    them where they hold replicas of ZeRO-3's slices: `Framework.cp_zero3_replicas`), routed experts over theirs
     (`Layout.edp`); with a GaLore optimizer the stage's projected matrices (`galore`) keep
     low-rank moments."""
     dp = fw.zero_ranks(layout)

@@ -364,7 +364,7 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
         optimizer_s += _galore_step(spec, fw, hw, layout, topo, out, heavy=heavy, zero_div=zero_div)
     out.add("optimizer", optimizer_s)
     if 1 <= layout.zero < 3:  # ZeRO gathers the updated weight shards back to every rank
-        g = topo.group(layout, fw.zero_group)
+        g = topo.group(layout, fw.zero_group(layout))
         gather = comm.all_gather_s(params * fw.param_bytes, g, hw)
         if fw.overlap_param_gather:  # under the next step's first forward, one bucket exposed
             forward_s = max(0.0, pipe.microbatch_s - pipe.last_bwd_s)
@@ -456,7 +456,7 @@ def _galore_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
     svd_s = (stage.svd_gemm_flops / hw.gemm_flops + stage.svd_stream_bytes / hw.mem_bytes_s) / owners
     out.add("galore", stage.project_flops / zero_div / hw.gemm_flops + svd_s / galore.update_interval)
     if layout.zero == 0 and owners > 1:
-        out.add("dp_comm", comm.all_gather_s(stage.projector * 4, topo.group(layout, fw.zero_group), hw) / galore.update_interval)
+        out.add("dp_comm", comm.all_gather_s(stage.projector * 4, topo.group(layout, fw.zero_group(layout)), hw) / galore.update_interval)
     if layout.tp > 1:
         tp = topo.group(layout, "tp")
         refresh = comm.all_gather_s(stage.tp_gather * 4, tp, hw) + comm.broadcast_s(stage.tp_projector * 4, tp, hw)
@@ -486,18 +486,18 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
     backward, so only the forward and a full recompute gather.
 
     `group` is the reduction group: the framework's `zero_group` for dense weights (default),
-    edp for routed experts. Where context-parallel ranks hold replicas (`Framework.cp_replicas`),
-    the whole gradient buffer, or under ZeRO-3 the rank's slices, is first all-reduced over the
-    cp group after the backward, and nothing is overlapped.
+    edp for routed experts. Where context-parallel ranks hold replicas of ZeRO-3's slices
+    (`Framework.cp_zero3_replicas`), their gradients are also all-reduced over the cp group after
+    the backward.
 
     The last reduction also waits for the group's slowest rank, `since_sync_s` of work after the
     ranks last met (`comm.skew_wait_s`; a blocking ZeRO-3 gather or reduction waits after its
     share of a micro-batch).
     """
-    g = topo.group(layout, group or fw.zero_group)
+    g = topo.group(layout, group or fw.zero_group(layout))
     grad = params * fw.grad_bytes
-    replicas = group is None and fw.cp_replicas and layout.cp > 1
-    cp_sum = comm.all_reduce_s(grad / (g.n if layout.zero == 3 else 1), topo.group(layout, "cp"), hw) if replicas else 0.0
+    replicas = group is None and fw.zero_group(layout) == "dp" and layout.cp > 1
+    cp_sum = comm.all_reduce_s(grad / g.n, topo.group(layout, "cp"), hw) if replicas else 0.0
     # The first reduction waits for the slowest of all the ranks the gradients are summed over.
     wait = comm.skew_wait_s(since_sync_s, g.n * (layout.cp if replicas else 1), hw)
     if g.n == 1:
@@ -572,7 +572,7 @@ def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
         # prefetch, one blocking gather per parameter group.
         counts = stage_param_counts(spec, head, layout)
         params, experts = counts[max(range(pp), key=lambda i: sum(counts[i]))]
-        gather = comm.all_gather_s(params * fw.param_bytes, topo.group(layout, fw.zero_group), hw) + \
+        gather = comm.all_gather_s(params * fw.param_bytes, topo.group(layout, fw.zero_group(layout)), hw) + \
             comm.all_gather_s(experts * fw.param_bytes, topo.group(layout, "edp"), hw)
         if fw.zero3_prefetch:
             hidden = min(gather, stage_s[crit])

@@ -25,9 +25,13 @@ of its parameters' gradients has been accumulated (a post-accumulate-grad hook);
 for them all. Parameters whose gradients need another reduction first (replicated parameters
 under sequence parallel, summed over the tensor-parallel group; a tied embedding shared by two
 stages) are reduced after the backward, in that order. Under context parallel every gradient is
-a share over the rank's positions: the whole buffer is summed over the cp group after the
-backward (its ranks hold the same slices), then reduced as above. Buckets fire in the order autograd
-reaches them, the same on every rank of the group.
+a share over the rank's positions, so ZeRO 0-2 treat the data-parallel and context-parallel
+ranks as one group (`RankGroups.dpcp`, as Megatron-core's distributed optimizer does): one
+reduction sums both, bucketed as above, and ZeRO 1/2 partition the buffer over all of them.
+ZeRO-3's slices are the data-parallel axis's (`plans.sharding`), the cp ranks holding the same
+ones: their gradients are reduce-scattered over dp in backward, then the slices summed over the
+cp group after it. Buckets fire in the order autograd reaches them, the same on every rank of
+the group.
 
 With a GaLore optimizer (`runtime.galore`, `Layout.galore`) the projected matrices leave Adam's
 runs of the buffer and get their low-rank step instead; under ZeRO-1 the buffer's partitions
@@ -253,7 +257,9 @@ class DataParallel:
     def __init__(self, shard: Shard, *, groups: RankGroups, zero: int, adam: AdamConfig,
                  galore: GaLore | None = None) -> None:
         self.shard, self.groups, self.zero, self.adam = shard, groups, zero, adam
-        dp = groups.dp
+        # ZeRO 0-2 reduce (and partition) over the data-parallel and context-parallel ranks
+        # together; ZeRO-3's slices are the dp axis's, the cp ranks holding the same ones.
+        dp = self.dp = groups.dpcp if groups.dpcp is not None and zero != 3 else groups.dp
         names = list(shard.params)
         # Each parameter starts at a multiple of ALIGN_ELEMENTS (64 bytes): matmul kernels run
         # slower on weights at an arbitrary offset than on separately allocated ones.
@@ -312,7 +318,7 @@ class DataParallel:
         self.partial = [n for n in names if shard.spec.qk_norm == "head" and n.endswith(("q_norm.weight", "k_norm.weight"))]
         self.embed = "model.embed_tokens.weight" if "model.embed_tokens.weight" in shard.params else None
         self._late = self._late_names(names)
-        self._buckets = self._make_buckets(names) if dp.size > 1 and self.zero != 3 and groups.cp.size == 1 else []
+        self._buckets = self._make_buckets(names) if dp.size > 1 and self.zero != 3 else []
         self._armed = False
         self._waiting: list[Any] = []
         for b, bucket in enumerate(self._buckets):
@@ -323,8 +329,6 @@ class DataParallel:
         """Parameters reduced after the backward: those needing a tensor-parallel or tied-stage
         sum before the data-parallel one, and a tied embedding used twice by one stage (its
         gradient is accumulated twice, so no single accumulation says it is complete)."""
-        if self.groups.cp.size > 1:  # every gradient is summed over the context-parallel group first
-            return set(names)
         late = set(self._tp_summed())
         # Routed experts a rank's tokens miss get no gradient, so their buckets would fill in a
         # different order on different ranks: they are reduced after the backward, in order.
@@ -386,7 +390,7 @@ class DataParallel:
         """Start summing gradients [lo, hi) of the flat buffer over the data-parallel group (or
         `axis`): everywhere (ZeRO 0/1), or on the rank whose partition holds them (ZeRO 2); the
         work handles to wait on."""
-        dp = axis if axis is not None else self.groups.dp
+        dp = axis if axis is not None else self.dp
         if dp.size == 1:
             return []
         if self.zero in (0, 1):
@@ -417,7 +421,7 @@ class DataParallel:
         if self._buckets:
             self._finish_buckets()
         cp = self.groups.cp
-        if cp.size > 1:  # each rank's gradients are its positions' share (ZeRO-3: of its slices)
+        if cp.size > 1 and self.zero == 3:  # each rank's slices' gradients are its positions' share
             dist.all_reduce(self.grad, group=cp.group)
         tp = self.groups.tp
         summed = self._tp_summed()
@@ -433,15 +437,11 @@ class DataParallel:
         if tied is not None and self.embed is not None:
             g = self.grad[slice(*self.views[self.embed])]
             dist.all_reduce(g, group=tied.group)
-        dp = self.groups.dp
-        if dp.size == 1 or self.zero == 3:  # ZeRO-3 gradients were reduce-scattered in backward
+        if self.dp.size == 1 or self.zero == 3:  # ZeRO-3 gradients were reduce-scattered in backward
             return
         experts = set(self._experts)
-        if cp.size > 1:  # every gradient is late (no expert parallel with cp): the whole buffer at once
-            works = self._reduce_range(0, self.grad.numel())
-        else:
-            works = [w for n in sorted(self._late, key=lambda n: self.views[n][0])
-                     for w in self._reduce_range(*self.views[n], self.groups.expert_dp if n in experts else None)]
+        works = [w for n in sorted(self._late, key=lambda n: self.views[n][0])
+                 for w in self._reduce_range(*self.views[n], self.groups.expert_dp if n in experts else None)]
         for work in works:  # issued together, waited once
             work.wait()
 
@@ -477,8 +477,8 @@ class DataParallel:
                                  {n: self.grad[a:b].view(self.shard.params[n].shape) for n, (a, b) in views.items()},
                                  step=self.steps, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
                                  weight_decay=cfg.weight_decay)
-            if self.zero in (1, 2) and self.groups.dp.size > 1:
-                all_gather_into(self.flat, self.flat[lo:hi].clone(), group=self.groups.dp.group)
+            if self.zero in (1, 2) and self.dp.size > 1:
+                all_gather_into(self.flat, self.flat[lo:hi].clone(), group=self.dp.group)
 
     def optimizer_to_host(self) -> None:
         """Move Adam's moments to host memory (`Layout.offload` ``optimizer``), releasing the
@@ -507,9 +507,9 @@ class DataParallel:
         m, v = self.m, self.v
         if self.on_host:  # gathered on the device (NCCL sends device tensors), as a step would use them
             m, v = to_device(m, self.flat.device), to_device(v, self.flat.device)
-        if self.zero in (1, 2) and self.groups.dp.size > 1:
-            both = torch.empty(self.groups.dp.size * 2, m.numel(), dtype=m.dtype, device=m.device)
-            all_gather_into(both, torch.stack([m, v]), group=self.groups.dp.group)
+        if self.zero in (1, 2) and self.dp.size > 1:
+            both = torch.empty(self.dp.size * 2, m.numel(), dtype=m.dtype, device=m.device)
+            all_gather_into(both, torch.stack([m, v]), group=self.dp.group)
             m, v = both[0::2].reshape(-1), both[1::2].reshape(-1)  # rank r's pair sits at rows 2r, 2r+1
         return {n: (m[lo:hi].view(self.shard.params[n].shape), v[lo:hi].view(self.shard.params[n].shape))
                 for n, (lo, hi) in self.views.items()}

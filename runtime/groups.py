@@ -49,6 +49,9 @@ class RankGroups:
     tied: Axis | None  # first and last stage sharing a tied embedding (pp > 1), else None
     ep: Axis = SOLO  # the stage's ranks holding the other experts (`Layout.expert_coord`)
     cp: Axis = SOLO  # the ranks sharing this rank's sequences: same (pp, dp, tp) coordinates
+    # The data-parallel and context-parallel ranks together, same (pp, tp) coordinates (cp > 1;
+    # None: the dp axis): ZeRO 0-2 partition their buffers and reduce their gradients over it.
+    dpcp: Axis | None = None
     edp: Axis | None = None  # the ranks holding this rank's expert slices (None: the dp axis)
 
     @property
@@ -92,6 +95,7 @@ class Groups:
         axes = {"tp": ("pp", "dp", "cp"), "dp": ("pp", "cp", "tp"), "pp": ("dp", "cp", "tp")}
         if layout.cp > 1:
             axes["cp"] = ("pp", "dp", "tp")
+            axes["dpcp"] = ("pp", "tp")
         mine: dict[str, Axis] = {}
         for name, fixed_axes in axes.items():
             seen: set[tuple[int, ...]] = set()
@@ -101,7 +105,9 @@ class Groups:
                 if ranks in seen:
                     continue
                 seen.add(ranks)
-                group = self._group(ranks) if name != "pp" else None  # stages talk point to point
+                # Stages talk point to point; gradient buckets on the dp x cp group run while the cp
+                # group's attention collectives do, so it gets a communicator of its own.
+                group = None if name == "pp" else self._group(ranks, tag="dpcp" if name == "dpcp" else "")
                 if rank in ranks:
                     mine[name] = Axis(ranks=ranks, index=ranks.index(rank), group=group)
         if layout.ep > 1:  # the experts' axes: same stage, same (etp, edp) / (ep, etp) coordinates
@@ -133,7 +139,7 @@ class Groups:
         local = mesh.ranks.index(rank)
         return RankGroups(layout=layout, local=local, coord=layout.coord(local), tp=mine["tp"], dp=mine["dp"],
                           pp=mine["pp"], tied=tied_axis, ep=mine.get("ep", SOLO), edp=mine.get("edp"),
-                          cp=mine.get("cp", SOLO))
+                          cp=mine.get("cp", SOLO), dpcp=mine.get("dpcp"))
 
 
 def init_default_group(backend: str, *, timeout_s: float) -> None:

@@ -362,7 +362,7 @@ def test_context_parallel_all_gather_is_priced_unhidden_for_the_runtime():
     gather = torch_fw.call_cost(call, decl, Mesh.block(0, 8), lay)
     assert "cp_comm" not in ring.breakdown_s  # 16k tokens of attention hide the ring
     assert gather.breakdown_s["cp_comm"] > 0
-    unfolded = dataclasses.replace(torch_fw.framework, cp_comm="ring", cp_replicas=False)
+    unfolded = dataclasses.replace(torch_fw.framework, cp_comm="ring")
     hidden = CostModel(parse_cluster("a100-80gb:1x8"), CAL, framework=unfolded).call_cost(call, decl, Mesh.block(0, 8), lay)
     assert "cp_comm" not in hidden.breakdown_s and hidden.time_s < gather.time_s
 
@@ -541,26 +541,26 @@ def test_zero3_gathers_per_micro_batch_by_stack():
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_the_runtime_sums_gradients_over_context_parallel_replicas_first(zero):
-    """The runtime's context-parallel ranks hold replicas: after the backward it all-reduces the
-    whole gradient buffer (under ZeRO-3 the rank's slices) over the cp group, then reduces over the
-    dp group, neither overlapped; Megatron-core reduces once over dp x cp, bucketed under the
-    backward."""
+def test_the_runtime_reduces_over_dp_and_cp_together_but_for_zero3_slices(zero):
+    """Under context parallel the runtime's ZeRO 0-2 reduce over the dp x cp ranks as one group,
+    bucketed under the backward as Megatron-core does (the same time); its ZeRO-3 slices are the dp
+    axis's, the cp ranks holding the same ones, so their gradients are reduce-scattered over dp and
+    then all-reduced over the cp group after the backward."""
     cm = CostModel(parse_cluster("a100-80gb:4x8"), framework="torch")
-    fw, topo = resolve_framework("torch"), Topology(0, 32, 8)
+    fw, core, topo = resolve_framework("torch"), resolve_framework("megatron-core"), Topology(0, 32, 8)
     layout = Layout(dp=8, cp=4, zero=zero)
     got = grad_sync_s(1e9, fw, cm.hw, layout, topo, m=1, microbatch_s=0.0, last_bwd_s=10.0)
-    cp_sum = comm.all_reduce_s(1e9 * fw.grad_bytes / (8 if zero == 3 else 1), topo.group(layout, "cp"), cm.hw)
-    dp = topo.group(layout, fw.zero_group)
-    reduce = comm.reduce_scatter_s if zero == 2 else comm.all_reduce_s  # its ZeRO-1 all-reduces
-    assert dp.n == 8 and cp_sum > 0
-    if zero < 3:  # after the backward, in full, however long the backward was
-        assert got == pytest.approx(cp_sum + reduce(1e9 * fw.grad_bytes, dp, cm.hw), rel=1e-9)
-    else:
-        assert got > cp_sum
-    core = resolve_framework("megatron-core")
-    hidden = grad_sync_s(1e9, core, cm.hw, layout, topo, m=1, microbatch_s=0.0, last_bwd_s=10.0)
-    assert topo.group(layout, core.zero_group).n == 32 and hidden < got
+    if zero < 3:
+        assert fw.zero_group(layout) == "dpcp" and fw.zero_ranks(layout) == 32
+        unfolded = dataclasses.replace(core, zero1_all_reduce=fw.zero1_all_reduce,
+                                       grads_sharded_from_zero=fw.grads_sharded_from_zero, grad_bytes=fw.grad_bytes)
+        assert got == pytest.approx(grad_sync_s(1e9, unfolded, cm.hw, layout, topo, m=1, microbatch_s=0.0, last_bwd_s=10.0))
+        return
+    assert fw.zero_group(layout) == "dp" and fw.zero_ranks(layout) == 8 and core.zero_ranks(layout) == 32
+    cp_sum = comm.all_reduce_s(1e9 * fw.grad_bytes / 8, topo.group(layout, "cp"), cm.hw)
+    without = grad_sync_s(1e9, fw, cm.hw, layout.model_copy(update={"cp": 1}), Topology(0, 8, 8), m=1,
+                          microbatch_s=0.0, last_bwd_s=10.0)
+    assert cp_sum > 0 and got > cp_sum and got > without
 
 
 def test_the_last_micro_batch_reduces_under_its_own_backward():

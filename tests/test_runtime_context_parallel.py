@@ -26,6 +26,7 @@ CASES = [
     (1, 1, 1, {"cp": 4, "recompute": "selective"}),
     (2, 1, 1, {"cp": 2, "micro_batches": 2}),
     (2, 1, 1, {"cp": 2, "zero": 1}),
+    (2, 1, 1, {"cp": 2, "zero": 2, "micro_batches": 2}),  # ZeRO 1/2 partition over dp x cp
     (2, 1, 1, {"cp": 2, "zero": 3, "recompute": "full"}),
     (1, 2, 1, {"cp": 2, "sequence_parallel": True}),
     (1, 2, 1, {"cp": 2}),
