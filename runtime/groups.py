@@ -92,7 +92,7 @@ class Groups:
                     out.append(mesh.ranks[local])
             return tuple(out)
 
-        axes = {"tp": ("pp", "dp", "cp"), "dp": ("pp", "cp", "tp"), "pp": ("dp", "cp", "tp")}
+        axes: dict[str, tuple[str, ...]] = {"tp": ("pp", "dp", "cp"), "dp": ("pp", "cp", "tp"), "pp": ("dp", "cp", "tp")}
         if layout.cp > 1:
             axes["cp"] = ("pp", "dp", "tp")
             axes["dpcp"] = ("pp", "tp")

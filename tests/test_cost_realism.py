@@ -306,7 +306,7 @@ def test_torchtitan_async_tp_rows_are_configured_as_published(bench) -> None:
     page's 1.09x and 1.10x, the costing reads the page's 2.4 TB/s of HBM and SDPA's attention, and
     the model's own speed-up is a gain (the bench prints its error against the published one)."""
     assert [round(a / v, 2) for *_, v, a in bench.TORCHTITAN_ASYNC_TP] == [1.09, 1.10]
-    for model, gpus, fsdp, local, rc, *_ in bench.TORCHTITAN_ASYNC_TP:
+    for _, gpus, fsdp, _, rc, *_ in bench.TORCHTITAN_ASYNC_TP:
         assert fsdp * 8 == gpus and rc in ("full", "selective")
     errs = bench.report_torchtitan_async_tp(default_calibration())
     speedups = [a / v * (1 + e / 100) for (*_, v, a), e in zip(bench.TORCHTITAN_ASYNC_TP, errs)]
