@@ -72,14 +72,15 @@ def plan_for(model: ModelSpec, ranks: int, layout: Layout) -> tuple[Plan, dict[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", help="run the cases whose label contains this text")
+    ap.add_argument("--only", action="append", metavar="TEXT",
+                    help="run the cases whose label contains this text (repeat for several)")
     args = ap.parse_args()
     mib = 2.0**20
     print(f"{'case':18s} {'estimated':>10s} {'measured':>10s} {'error':>7s} {'at start':>9s}  estimate's parts (MiB)")
     errors = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, model, ranks, layout in CASES:
-            if args.only and args.only not in label:
+            if args.only and not any(text in label for text in args.only):
                 continue
             plan, parts = plan_for(model, ranks, layout)
             path, out = Path(tmp) / "plan.json", Path(tmp) / "memory.json"
