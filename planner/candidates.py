@@ -185,7 +185,7 @@ def _layouts_for(train: bool, seqs: int, seq_len: int, spec: ModelSpec, size: in
         for ep, etp in expert_degrees(spec, tp=tp, stage=tp * cp * dp):
             if train:
                 mbs = _micro_batch_counts(per_dp)
-                zeros = [0, 1, 2, 3] if dp > 1 else [0]
+                zeros = [0, 1, 2, 3] if dp * cp > 1 else [0]
                 for mb, zero, rc in product(mbs, zeros, RECOMPUTE_MODES):
                     out.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batches=mb, recompute=rc,
                                       sequence_parallel=tp > 1, ep=ep, etp=etp))

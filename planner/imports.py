@@ -75,6 +75,7 @@ def _model(role: str, path: str | None, models: dict[str, str], where: str) -> s
 
 
 def _zero(zero: int, dp: int) -> int:
+    """`zero`, or 0 where `dp` (the data-parallel ranks times the context-parallel ones) is 1."""
     return zero if dp > 1 else 0
 
 
@@ -299,12 +300,12 @@ def from_verl(tree: dict[str, Any], cluster: ClusterSpec, models: dict[str, str]
             dp = _div(pool, tp * pp * cp, f"{role}: {pool} GPUs over tp x pp x cp")
             zero = 3 if b["use_megatron_fsdp"] else (1 if b["use_distributed_optimizer"] else 0)
             vpp = b["virtual_pipeline_model_parallel_size"]
-            return Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=_zero(zero, dp), interleave=_int(vpp, "vpp") if vpp else 1,
+            return Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=_zero(zero, dp * cp), interleave=_int(vpp, "vpp") if vpp else 1,
                           micro_batches=_div(rows // minibatches, dp * micro, f"{role} mini-batch over dp x micro"),
                           recompute=rc, sequence_parallel=bool(b["sequence_parallel"]) and tp > 1, offload=off)
         sp = _int(get(f"{role}.ulysses_sequence_parallel_size"), f"{role}.ulysses_sequence_parallel_size")
         dp = _div(pool, sp, f"{role}: {pool} GPUs over the Ulysses size")
-        return Layout(dp=dp, cp=sp, zero=_zero(3, dp), recompute=rc, offload=off,
+        return Layout(dp=dp, cp=sp, zero=_zero(3, dp * sp), recompute=rc, offload=off,
                       micro_batches=_div(rows // minibatches, dp * micro, f"{role} mini-batch over dp x micro"))
 
     def forward_layout(role: str, micro: int, on: Mesh) -> Layout:
@@ -549,7 +550,7 @@ def from_openrlhf(words: list[str], cluster: ClusterSpec, models: dict[str, str]
     def train(role: str) -> Layout:
         m = groups[role]
         dp = _div(m.size, tp * ring, f"{role}: {m.size} GPUs over ds tp x ring")
-        return Layout(dp=dp, tp=tp, cp=ring, zero=_zero(zero, dp), recompute=rc,
+        return Layout(dp=dp, tp=tp, cp=ring, zero=_zero(zero, dp * ring), recompute=rc,
                       micro_batches=_div(train_batch, dp * micro, f"{role}: --train.batch_size over dp x micro"),
                       offload="optimizer" if opt_offload else "none")
 
@@ -660,7 +661,7 @@ def from_megatron(words: list[str], cluster: ClusterSpec, models: dict[str, str]
         interleave = _int(f["num-virtual-stages-per-pipeline-rank"], "--num-virtual-stages-per-pipeline-rank")
     zero = 3 if f.get("use-megatron-fsdp") else (1 if f.get("use-distributed-optimizer") else 0)
     rc = {"full": "full", "selective": "selective"}.get(str(f.get("recompute-granularity", "")), "none")
-    lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=_zero(zero, dp), interleave=interleave, recompute=rc,
+    lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=_zero(zero, dp * cp), interleave=interleave, recompute=rc,
                  sequence_parallel=bool(f.get("sequence-parallel")) and tp > 1,
                  micro_batches=_div(gbs, dp * micro, "--global-batch-size over dp x --micro-batch-size"))
     graph = sft(model, batch=gbs, seq_len=seq, name="megatron_import", lr=float(f.get("lr", 1e-5)))
@@ -710,7 +711,7 @@ def from_deepspeed(cfg: dict[str, Any], cluster: ClusterSpec, models: dict[str, 
                            "DeepSpeed rejects this config")
     seqs = micro * gas * dp
     zero = _int(cfg.get("zero_optimization", {}).get("stage", 0), "zero_optimization.stage")
-    lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=_zero(zero, dp), micro_batches=gas)
+    lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=_zero(zero, dp * cp), micro_batches=gas)
     graph = sft(models["model"], batch=seqs, seq_len=seq_len, name="deepspeed_import",
                 lr=float(cfg.get("optimizer", {}).get("params", {}).get("lr", 1e-5)))
     notes = ["activation checkpointing is set in model code: costed without it"]

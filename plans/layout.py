@@ -83,8 +83,8 @@ class Layout(Strict):
 
     @model_validator(mode="after")
     def check_zero_needs_dp(self) -> Layout:
-        if self.zero and self.dp == 1:
-            raise ValueError("a ZeRO stage needs dp > 1 (there is nothing to shard over)")
+        if self.zero and self.dp * self.cp == 1:  # context-parallel ranks share the states too
+            raise ValueError("a ZeRO stage needs dp > 1 or cp > 1 (there is nothing to shard over)")
         return self
 
     @model_validator(mode="after")

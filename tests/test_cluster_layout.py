@@ -58,7 +58,7 @@ def test_layout_coordinates_tp_fastest_pp_slowest():
 
 @pytest.mark.parametrize("kwargs,needle", [
     ({"sequence_parallel": True}, "sequence_parallel needs tp > 1"),
-    ({"zero": 2}, "ZeRO stage needs dp > 1"),
+    ({"zero": 2}, "ZeRO stage needs dp > 1 or cp > 1"),
     ({"interleave": 2}, "interleave > 1 needs pp > 1"),
     ({"zero": 4, "dp": 2}, "less than or equal to 3"),
     ({"recompute": "some"}, "recompute"),

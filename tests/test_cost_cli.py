@@ -90,7 +90,7 @@ def test_estimate_calibration_changes_the_estimate(cli, tmp_path):
     (_with(BASE, micro_batch="0"), "micro batch must be at least 1"),
     (_with(BASE, seq_len="4096"), "exceeds max_position_embeddings=2048"),
     ([*_with(BASE, tp="1", dp="4"), "--sequence-parallel"], "sequence_parallel needs tp > 1"),
-    ([*_with(BASE, tp="4", dp="1"), "--zero", "1"], "a ZeRO stage needs dp > 1"),
+    ([*_with(BASE, tp="4", dp="1"), "--zero", "1"], "a ZeRO stage needs dp > 1 or cp > 1"),
     ([*_with(BASE, pp="1", dp="4"), "--interleave", "2"], "interleave > 1 needs pp > 1"),
     ([*_with(BASE, tp="1", pp="8", dp="1", global_batch="16"), "--interleave", "4"], "exceeds num_hidden_layers"),
     ([*_with(BASE, tp="1", dp="2"), "--cp", "2", "--seq-len", "2047"], "not divisible by cp=2"),

@@ -1,7 +1,7 @@
 """Context parallel computes what one process computes: 4 gloo ranks against the unsharded reference.
 
 cp 2 and 4, alone and with dp, tp (with and without sequence parallel), pp (with micro-batches),
-ZeRO 1-3 and recompute, for both model families and heads (`test_runtime_parallel`'s harness and
+ZeRO 1-3 (ZeRO 1/2 partitioned over dp x cp, also with dp 1) and recompute, for both model families and heads (`test_runtime_parallel`'s harness and
 checks: inference outputs, train-step loss and statistics, every updated parameter slice, and
 generation, whose prefill is context-parallel and whose decode KV-parallel), on left-padded rows.
 Attention scores are made a few at a time (`ATTN_BLOCK_ELEMENTS` shrunk) so the blocked attention
@@ -27,6 +27,9 @@ CASES = [
     (2, 1, 1, {"cp": 2, "micro_batches": 2}),
     (2, 1, 1, {"cp": 2, "zero": 1}),
     (2, 1, 1, {"cp": 2, "zero": 2, "micro_batches": 2}),  # ZeRO 1/2 partition over dp x cp
+    (1, 1, 1, {"cp": 4, "zero": 1}),  # over the cp ranks alone
+    (1, 2, 1, {"cp": 2, "zero": 2, "sequence_parallel": True}),
+    (1, 1, 1, {"cp": 4, "zero": 3}),  # ZeRO-3's slices are the dp axis's: whole on each cp rank
     (2, 1, 1, {"cp": 2, "zero": 3, "recompute": "full"}),
     (1, 2, 1, {"cp": 2, "sequence_parallel": True}),
     (1, 2, 1, {"cp": 2}),
