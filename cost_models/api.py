@@ -516,8 +516,9 @@ class CostModel:
 
     def _zero3_buffer(self, spec: ModelSpec, layout: Layout, *, training: bool = False) -> float:
         """ZeRO-3's gathered layers in flight (`Framework.zero3_gather_layers`) and, in training, the
-        gradients being reduce-scattered (`Framework.zero3_scatter_layers`), in layers' weights."""
-        if layout.zero != 3:
+        gradients being reduce-scattered (`Framework.zero3_scatter_layers`), in layers' weights; none
+        where nothing is sharded (the runtime's ZeRO-3 at dp 1, whose cp ranks hold whole weights)."""
+        if layout.zero != 3 or self.framework.zero_ranks(layout) == 1:
             return 0.0
         fw = self.framework
         layers = fw.zero3_gather_layers + (fw.zero3_scatter_layers if training else 0.0)
