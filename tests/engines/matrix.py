@@ -85,6 +85,9 @@ def plans() -> dict[str, Plan]:
                                                                 sequence_parallel=True)}),
         "sft_70b_cp2_z2": (sft70, {"model_train": Layout(dp=8, tp=4, cp=2, zero=2, micro_batches=64,
                                                          recompute="selective", sequence_parallel=True)}),
+        # ZeRO over the context-parallel ranks alone (dp 1): the distributed optimizer over dp x cp.
+        "sft_llama31_cp8_z1": (sft_llama31, {"model_train": Layout(cp=8, zero=1, micro_batches=64,
+                                                                   recompute="selective")}),
         "sft_70b_uneven_pp": (sft70, {"model_train": Layout(tp=2, pp=32, micro_batches=64, sequence_parallel=True)}),
         "ppo_7b_colocated_z3": (ppo7, _colocated(ppo7, Layout(dp=16, zero=3, micro_batches=4))),
         "ppo_7b_colocated_tp2_z1": (ppo7, _colocated(ppo7, Layout(dp=8, tp=2, zero=1, micro_batches=4,
