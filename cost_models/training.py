@@ -496,6 +496,8 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
     """
     g = topo.group(layout, group or fw.zero_group(layout))
     grad = params * fw.grad_bytes
+    # Only ZeRO-3's slices have cp replicas (`Framework.zero_group`), so the whole-gradient branch
+    # below never sums over cp.
     replicas = group is None and fw.zero_group(layout) == "dp" and layout.cp > 1
     cp_sum = comm.all_reduce_s(grad / g.n, topo.group(layout, "cp"), hw) if replicas else 0.0
     # The first reduction waits for the slowest of all the ranks the gradients are summed over.
@@ -505,9 +507,9 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
     if layout.zero < fw.grads_sharded_from_zero:  # whole gradients kept: one reduction, after the last backward
         whole = layout.zero == 0 or (layout.zero == 1 and fw.zero1_all_reduce)
         t = comm.all_reduce_s(grad, g, hw) if whole else comm.reduce_scatter_s(grad, g, hw)
-        if fw.overlap_grad_reduce and not replicas:
+        if fw.overlap_grad_reduce:
             return comm.overlapped_s(t, last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw), hw) + wait
-        return cp_sum + t + wait
+        return t + wait
     # Gathers of the weights per micro-batch (`Framework.zero3_keeps_gathered`).
     k = (2 if layout.recompute == "full" else 1) if fw.zero3_keeps_gathered or not fw.zero3_prefetch else 2
     if layout.zero == 3 and not fw.zero3_prefetch:
