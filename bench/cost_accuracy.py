@@ -1,7 +1,8 @@
 """Accuracy of the training-time cost model: measured runs, and held-out published figures.
 
 1. vTrain measurements (``../shared/data/vtrain/*.csv``; skipped with a message when absent):
-   Megatron-LM GPT on A100 nodes of 8, full recompute, 1F1B, vocabulary 51,200, the configs'
+   Megatron-LM's GPT run on Microsoft's Megatron-DeepSpeed (vTrain's ``data/README.md``) on A100
+   nodes of 8, full recompute, 1F1B, vocabulary 51,200, the configs'
    800 Gbit/s network per node: ``a100-80gb:Nx8,inter_node_gbps=800``. Prints the mean absolute
    percentage error (MAPE) of every file, by model size, and the worst rows. The shipped
    coefficients are the fit to these rows, reproduced by::
@@ -78,7 +79,8 @@
      is then predicted slower than published (8-14% of the MFU), the opposite of Table 1: the same
      530B model with full recompute ran at 39.2% MFU in 2021 (Table 1, 2,520 GPUs) and 42.1% in
      2022 (the paper's abstract, 2,240 GPUs), so Megatron-LM itself got about 7% faster between
-     the two papers, and coefficients fitted on vTrain's runs (2023 software) fall between them.
+     the two papers, and coefficients fitted on vTrain's runs (2023 software, and a fork: Megatron-
+     DeepSpeed) fall between them.
    - NVIDIA Megatron-LM README, "Training Speed and Scalability" (commit f2e5db402c of 2024-07-15,
      "New scaling figures on H100 GPUs"; the table is its ``images/model_table.png``, read in a
      fetched mirror): Megatron-Core r0.8.0 on H100s, GPT models with vocabulary 131,072 and

@@ -35,7 +35,7 @@ class FrameworkName(str, Enum):
 FRAMEWORK_HELP = ("Software stack whose kernels are timed: 'torch' (the planner's runtime: flash attention, fp32 "
                   "weights under bf16 autocast, eager norms; not yet calibrated on a GPU), 'megatron-core' (Megatron-Core "
                   "with Transformer Engine: fused kernels, bf16 weights, overlapped communication) or 'megatron' "
-                  "(Megatron-LM GPT as vTrain measured it: materialised attention scores, dropout).")
+                  "(Megatron-LM's GPT on Megatron-DeepSpeed, as vTrain measured it: materialised attention scores, dropout).")
 
 
 def estimate(
