@@ -8,10 +8,11 @@ kernels a training step launches and which bytes it keeps. Five presets:
   DeepSpeed's engine): attention scores materialised (baddbmm, fused scale-mask-softmax, dropout,
   bmm), hidden and attention dropout, fp16 gradients accumulated per micro-batch by a kernel of
   their own (the fork's layers have had gradient-accumulation fusion commented out since 2023-04,
-  ``megatron/core/tensor_parallel/layers.py``; vTrain's image runs PyTorch 2.0.1, of 2023-05) and all-reduced after the last backward (no
-  bucketing, so no overlap with backward), mixed-precision Adam; like every Megatron stack, each
-  column-parallel GEMM's input-gradient collective runs under its weight gradient
-  (``tp_dgrad_overlap``; the fork's layers issue it asynchronously too), which the runtime does not do.
+  ``megatron/core/tensor_parallel/layers.py``; vTrain's image runs PyTorch 2.0.1, of 2023-05) and
+  all-reduced after the last backward (no bucketing, so no overlap with backward),
+  mixed-precision Adam; like every Megatron stack, each column-parallel GEMM's input-gradient
+  collective runs under its weight gradient (``tp_dgrad_overlap``; the fork's layers issue it
+  asynchronously too), which the runtime does not do.
 - ``megatron-core``: Megatron-Core with Transformer Engine and stacks built like it: fused kernels,
   flash attention, bf16 weights beside fp32 master weights and fp32 gradients, communication overlapped.
 - ``rlhf-engine``: verl and OpenRLHF: ``megatron-core``'s training and vLLM's rollouts.

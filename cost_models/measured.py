@@ -3,8 +3,8 @@
 A measured-runs CSV has one training configuration per row and its measured iteration time. The
 column names of the vTrain data set are accepted as they are (``hidden size``, ``# layers``,
 ``tensor parallelism``, ``iteration time (ms)``, ...), as are the snake-case names below. Columns a
-file lacks take the defaults given to `read_measured` (the vTrain rows are Megatron-LM's GPT, run on Megatron-DeepSpeed, with
-vocabulary 51,200 and full recompute).
+file lacks take the defaults given to `read_measured` (the vTrain rows are Megatron-LM's GPT, run
+on Megatron-DeepSpeed, with vocabulary 51,200 and full recompute).
 
 Required: hidden_size, num_attention_heads, num_hidden_layers, seq_len, global_batch, micro_batch,
 tp, dp, pp, iteration_ms. Optional: gpus (default tp*dp*pp), model_type, vocab_size,

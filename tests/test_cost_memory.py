@@ -151,7 +151,7 @@ def _vtrain_dir() -> Path | None:
     return None
 
 
-# Megatron-LM GPT configurations of the vTrain measurements with the largest memory per GPU
+# Megatron-LM GPT configurations (on Megatron-DeepSpeed) of the vTrain measurements with the largest memory per GPU
 # (model, tp, pp, dp, micro-batch, global batch); all ran on 80 GB A100s with full recompute.
 HEAVY = [((3072, 30, 32), 1, 1, 64, 8, 512), ((3072, 30, 32), 8, 1, 8, 64, 512), ((8192, 48, 64), 2, 8, 32, 6, 1536),
          ((8192, 48, 64), 1, 16, 32, 3, 1536), ((12288, 96, 96), 4, 32, 4, 6, 1536), ((12288, 96, 96), 2, 32, 8, 3, 1536)]
