@@ -28,6 +28,7 @@ runtime; the flash backend measures the latter, the cuDNN backend the former) or
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -128,7 +129,8 @@ def main() -> int:
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     preset = next((p for key, p in GPU_NAMES if key in name), None) or "h200"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    fw = resolve_framework("megatron-core")
+    # Each GEMM is timed writing its output, as a forward GEMM does: none accumulates into a buffer.
+    fw = dataclasses.replace(resolve_framework("megatron-core"), wgrad_accum_fused=False)
     hw = CostModel(parse_cluster(f"{preset}:1x1"), framework=fw).hw
     # The runtime (`torch`) differs only in its attention, timed at FlashAttention-2's published
     # share of the peak until this very check calibrates it.

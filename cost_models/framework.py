@@ -14,8 +14,11 @@ kernels a training step launches and which bytes it keeps. Five presets:
   collective runs under its weight gradient (``tp_dgrad_overlap``; the fork's layers issue it
   asynchronously too), which the runtime does not do.
 - ``megatron-core``: Megatron-Core with Transformer Engine and stacks built like it: fused kernels,
-  flash attention, bf16 weights beside fp32 master weights and fp32 gradients, communication overlapped.
-- ``rlhf-engine``: verl and OpenRLHF: ``megatron-core``'s training and vLLM's rollouts.
+  flash attention, bf16 weights beside fp32 master weights and fp32 gradients that the
+  weight-gradient GEMMs add into themselves (``wgrad_accum_fused``), communication overlapped.
+- ``rlhf-engine``: verl and OpenRLHF: ``megatron-core``'s training (but each micro-batch's weight
+  gradients added by a kernel of their own, as verl's Megatron backend runs unless told) and vLLM's
+  rollouts.
 - ``vllm``: vLLM's generation (bf16 weights, fused kernels, CUDA-graph decode), the rollout
   engine of verl and OpenRLHF exports.
 - ``torch``: the planner's runtime (`runtime/`) as it is written: PyTorch's fused (flash) causal
@@ -28,7 +31,7 @@ kernels a training step launches and which bytes it keeps. Five presets:
   ZeRO-3 gathers one use ahead and keeps what it gathered until the backward; a rank's
   routed experts run one by one in a Python loop (`expert_gemms="loop"`). Not yet
   calibrated on a GPU (`bench/gpu_check.sh` measures it): its GEMM and bandwidth efficiencies
-  are those fitted on Megatron-LM runs, its attention (PyTorch's default fused attention,
+  are those fitted on vTrain's Megatron-DeepSpeed runs, its attention (PyTorch's default fused attention,
   FlashAttention-2) runs at FlashAttention-2's published speed by head dim and length, never above
   the low end of its published share of the peak (`UNCALIBRATED_ATTENTION_SHARE`: 50% on an A100,
   35% on an H100), and the kernels are its own.
@@ -76,12 +79,19 @@ class Framework:
     # (2+2 for 2-byte gradients), Adam reads g (2), fp32 p, m, v (12) and writes p, m, v (12) and
     # the 2-byte weight (2), and the gradient buffer is zeroed (2): 34; with fp32 gradients 42.
     optimizer_step_bytes: int
-    # Accumulating one micro-batch's weight gradient into the buffer: read grad, read+write buffer
-    # (2+2+2); where the weight-gradient GEMM accumulates into an fp32 buffer itself (Megatron's
-    # gradient-accumulation fusion), what that adds to the GEMM's bf16 write (4+4-2): 6 either way.
+    # Accumulating one micro-batch's weight gradient into the buffer by a kernel of its own: read
+    # the grad, read and write the buffer (2+2+2 for fp16 buffers). Not charged where
+    # `wgrad_accum_fused`.
     grad_accum_bytes: int
     overlap_grad_reduce: bool  # data-parallel reduction overlaps the last backward (bucketed DDP)
     zero3_prefetch: bool = True  # ZeRO-3 gathers the next weights under the current compute (FSDP, DeepSpeed)
+    # The weight-gradient GEMM adds its product into the fp32 gradient buffer itself (Megatron's
+    # gradient-accumulation fusion: Megatron-LM's `--gradient-accumulation-fusion`, on unless
+    # `--no-gradient-accumulation-fusion`, which Transformer Engine's linears take as
+    # `fuse_wgrad_accumulation`): no accumulation kernel and no launch, only the GEMM's epilogue
+    # reading and writing fp32 outputs instead of writing bf16 ones (4+4-2 bytes per weight),
+    # which a compute-bound GEMM hides. False: a kernel of its own (`grad_accum_bytes`).
+    wgrad_accum_fused: bool = False
     # Megatron's fused scale-mask-softmax kernel needs batch*heads divisible by 4 and keys <= 2048;
     # otherwise PyTorch runs scale, mask, fp32 cast, softmax and cast back as separate kernels.
     fused_softmax_multiple: int = 1
@@ -221,14 +231,15 @@ FRAMEWORKS: dict[str, Framework] = {
     # Megatron-Core with Transformer Engine, and stacks built like it (Llama 3's, NeMo): fused
     # (flash) attention and fused norm, rotary and SwiGLU kernels, no dropout, bf16 weights with
     # fp32 master weights and Adam states, gradients accumulated and reduced in fp32 (Megatron-LM's
-    # default under --bf16, validate_args; the Llama 3 paper's, section 3.3.2), reduced in buckets during backward
+    # default under --bf16, validate_args; the Llama 3 paper's, section 3.3.2) by the weight-gradient
+    # GEMMs themselves (gradient-accumulation fusion, on by default), reduced in buckets during backward
     # (--overlap-grad-reduce, which the Megatron-LM export sets) and ZeRO-3 weights gathered ahead
     # of use; ZeRO-1/2's gather of the updated weights after the step is not overlapped (the
     # export leaves --overlap-param-gather off, and DeepSpeed, also costed with this stack, has none).
     "megatron-core": Framework(
         name="megatron-core", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
-        optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
-        expert_gemms="per_expert", attention_kernels=TE_ATTENTION, tp_dgrad_overlap=True,
+        optimizer_step_bytes=42, grad_accum_bytes=10, overlap_grad_reduce=True, zero3_prefetch=True,
+        expert_gemms="per_expert", attention_kernels=TE_ATTENTION, tp_dgrad_overlap=True, wgrad_accum_fused=True,
     ),
     # verl and OpenRLHF as they run a PPO/GRPO step: training on Megatron-Core or FSDP/DeepSpeed
     # with bf16 weights beside fp32 master weights, fp32 gradients (verl's Megatron DDP sets
@@ -237,6 +248,9 @@ FRAMEWORKS: dict[str, Framework] = {
     # attention kernel per architecture serves both: Transformer Engine's, so on Hopper the
     # rollouts' prefill runs at cuDNN's forward speed, which vLLM's FlashAttention-3 exceeds by
     # 8-14% at 2k-16k tokens (the FlashAttention-3 paper's forward figure, `cost_models.attention`).
+    # Unlike Megatron-LM's command line, verl builds its TransformerConfig without
+    # gradient-accumulation fusion unless overridden (`verl/utils/megatron/tensor_parallel.py`), and
+    # DeepSpeed has none: each micro-batch's weight gradients are added by a kernel of their own.
     "rlhf-engine": Framework(
         name="rlhf-engine", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,

@@ -109,10 +109,21 @@ def gemm(m: int, n: int, k: int, batch: int = 1) -> Kernel:
     return Kernel("gemm", 2.0 * batch * m * n * k, 2.0 * batch * (m * k + k * n + m * n), m, n, k, batch)
 
 
-def gemm_bwd(g: Kernel) -> tuple[Kernel, Kernel]:
-    """Gradients of A (m, k, n) and of B (k, n, m) for a forward GEMM `g`, launched as `g` is."""
-    return (launched(gemm(g.m, g.k, g.n, g.batch), g.launches, g.serial),
-            launched(gemm(g.k, g.n, g.m, g.batch), g.launches, g.serial))
+def gemm_bwd(g: Kernel, accum_bytes: float = 0.0) -> tuple[Kernel, Kernel]:
+    """Gradients of A (m, k, n) and of B (k, n, m) for a forward GEMM `g`, launched as `g` is;
+    `accum_bytes` more per element of B's gradient where that GEMM accumulates into the gradient
+    buffer itself (`Framework.wgrad_accum_fused`)."""
+    wgrad = gemm(g.k, g.n, g.m, g.batch)
+    if accum_bytes:
+        wgrad = dataclasses.replace(wgrad, bytes=wgrad.bytes + accum_bytes * g.batch * g.k * g.n)
+    return (launched(gemm(g.m, g.k, g.n, g.batch), g.launches, g.serial), launched(wgrad, g.launches, g.serial))
+
+
+def fused_accum_bytes(fw: Framework) -> float:
+    """What a weight-gradient GEMM that accumulates into the gradient buffer adds to its traffic per
+    weight: reading and writing the buffer's dtype instead of writing a bf16 gradient (0 where the
+    stack accumulates by a kernel of its own)."""
+    return 2.0 * fw.grad_bytes - fw.param_bytes if fw.wgrad_accum_fused else 0.0
 
 
 def mem(nbytes: float, launches: int = 1) -> Kernel:
@@ -135,8 +146,7 @@ def layer_params_per_rank(spec: ModelSpec, tp: int, *, sparse: bool = False) -> 
     expert in place of the dense MLP."""
     h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
     q, kv = spec.num_attention_heads * d, spec.kv_heads * d
-    mlp = 3 * h * spec.shared_expert_intermediate_size if sparse else (2 if spec.model_type == "gpt" else 3) * h * f
-    mats = h * (q + 2 * kv) + q * h + mlp
+    mats = layer_matrix_params(spec, sparse=sparse)
     if spec.model_type == "gpt":
         split_bias, whole = q + 2 * kv + f, 6 * h  # 2 norms (w, b), out and down biases
     else:
@@ -148,6 +158,16 @@ def layer_params_per_rank(spec: ModelSpec, tp: int, *, sparse: bool = False) -> 
     if sparse:
         whole += spec.experts * h + (h if spec.shared_expert_gate else 0)  # router, shared expert gate
     return (mats + split_bias) / tp + whole
+
+
+def layer_matrix_params(spec: ModelSpec, *, sparse: bool = False) -> float:
+    """Weights of one decoder layer's matrices (QKV, output, the dense MLP's or a sparse layer's
+    shared expert's), before any tensor-parallel split; norms, biases, a router and routed experts
+    left out."""
+    h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
+    q, kv = spec.num_attention_heads * d, spec.kv_heads * d
+    mlp = 3 * h * spec.shared_expert_intermediate_size if sparse else (2 if spec.model_type == "gpt" else 3) * h * f
+    return h * (q + 2 * kv) + q * h + mlp
 
 
 def expert_params_per_rank(spec: ModelSpec, ep: int, etp: int) -> float:
@@ -332,10 +352,11 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     copy = [mem(4.0 * m * a * d / tp)] if fw.attn_out_copy and fw.attention == "flash" else []
     mlp_f = (*ups, *act_fwd) + ((down,) if down is not None else ())
     fwd = (*casts, *norm_f, qkv, *rope_f, *att_f, *copy, out, *add_f, *norm_f, *mlp_f, *add_f)
-    bwd: list[Kernel] = [*add_b, *(gemm_bwd(down) if down is not None else ()), *act_bwd]
+    fused = fused_accum_bytes(fw)
+    bwd: list[Kernel] = [*add_b, *(gemm_bwd(down, fused) if down is not None else ()), *act_bwd]
     for g in ups:
-        bwd += gemm_bwd(g)
-    bwd += [*norm_b, *add_b, *gemm_bwd(out), *copy, *att_b, *rope_b, *gemm_bwd(qkv), *norm_b]
+        bwd += gemm_bwd(g, fused)
+    bwd += [*norm_b, *add_b, *gemm_bwd(out, fused), *copy, *att_b, *rope_b, *gemm_bwd(qkv, fused), *norm_b]
 
     act = 2.0 * m * h  # one [s, b, h] activation, bytes
     # Per block (attention, MLP): forward, the column-parallel GEMM's input is all-gathered (sequence
@@ -352,8 +373,8 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
                     (Comm("all_gather", act, "tp"), Comm("reduce_scatter", act, "tp", under=wgrad)))
         return (Comm("all_reduce", act, "tp"),), (Comm("all_reduce", act, "tp", under=wgrad),)
 
-    block_f, block_b = block(gemm_bwd(qkv)[1])
-    mlp_cf, mlp_cb = block(gemm_bwd(ups[0])[1] if ups else None)  # a sparse MLP's experts are not here
+    block_f, block_b = block(gemm_bwd(qkv, fused)[1])
+    mlp_cf, mlp_cb = block(gemm_bwd(ups[0], fused)[1] if ups else None)  # a sparse MLP's experts are not here
     if moe is not None and moe.width == spec.expert_ffn and tp > 1:
         # Whole experts (etp = 1): each tensor-parallel rank routes its own 1/tp of the tokens, so the
         # MLP's tensor-parallel pair goes (sequence parallel: the tokens stay sharded) or becomes an
@@ -385,6 +406,13 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     if moe is not None:
         params += moe.active * 3 * h * moe.width  # only experts that got tokens have gradients to add
         n_tensors += 1 + (4 if spec.shared_expert_intermediate_size else 0)
+    if fw.wgrad_accum_fused:
+        # The matrices' (experts' too) weight gradients were added by their GEMMs above; the rest
+        # (norms, biases, a router, a shared expert's gate) by a kernel each, as before.
+        shared = 3 if moe is not None and spec.shared_expert_intermediate_size else 0
+        n_tensors -= (4 if gpt else 7) + shared
+        params = layer_params_per_rank(spec, tp, sparse=moe is not None) - \
+            layer_matrix_params(spec, sparse=moe is not None) / tp
     accum = mem(params * fw.grad_accum_bytes)
     return LayerWork(fwd, tuple(bwd), fwd_comm, bwd_comm, att_f, accum, n_tensors)
 
@@ -423,14 +451,17 @@ def sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLo
     fwd: list[Kernel] = [router, mem(10.0 * t * e), mem(4.0 * copies), *ups,
                          *[mem(x * cells, act_launches) for x in fw.swiglu_fwd or (6.0,)], down,
                          mem(2.0 * copies + 2.0 * t * h)]
-    bwd: list[Kernel] = [mem(2.0 * copies + 4.0 * t * h), *gemm_bwd(down),
+    fused = fused_accum_bytes(fw)
+    bwd: list[Kernel] = [mem(2.0 * copies + 4.0 * t * h), *gemm_bwd(down, fused),
                          *[mem(x * cells, act_launches) for x in fw.swiglu_bwd or (10.0,)],
-                         *[g for u in ups for g in gemm_bwd(u)], mem(4.0 * copies), mem(10.0 * t * e), *gemm_bwd(router)]
+                         *[g for u in ups for g in gemm_bwd(u, fused)], mem(4.0 * copies), mem(10.0 * t * e),
+                         *gemm_bwd(router)]  # a plain parameter, not a Transformer Engine linear: not fused
     fs = spec.shared_expert_intermediate_size
     if fs:
         s_up, s_down = gemm(m, 2 * fs // tp, h), gemm(m, h, fs // tp)
         fwd += [s_up, *[mem(x * m * fs / tp) for x in fw.swiglu_fwd or (6.0,)], s_down]
-        bwd += [*gemm_bwd(s_down), *[mem(x * m * fs / tp) for x in fw.swiglu_bwd or (10.0,)], *gemm_bwd(s_up)]
+        bwd += [*gemm_bwd(s_down, fused), *[mem(x * m * fs / tp) for x in fw.swiglu_bwd or (10.0,)],
+                *gemm_bwd(s_up, fused)]
         if spec.shared_expert_gate:
             gate = gemm(m, 1, h)
             fwd += [gate, mem(6.0 * m * h)]

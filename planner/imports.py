@@ -683,6 +683,10 @@ def _megatron_costing_notes(f: dict[str, Any], *, dp: int, tp: int) -> list[str]
     if dp > 1 and f.get("overlap-param-gather") and f.get("use-distributed-optimizer"):
         notes.append("--overlap-param-gather: costed with the distributed optimizer's weight gather after the step, "
                      "not under the next forward; this command runs faster than costed")
+    if f.get("no-gradient-accumulation-fusion"):
+        notes.append("--no-gradient-accumulation-fusion: costed with each micro-batch's weight gradients added by "
+                     "their GEMMs into the fp32 buffer (Megatron-LM's default); this command adds them by kernels of "
+                     "their own and runs slower than costed")
     if tp > 1 and f.get("tp-comm-overlap"):
         notes.append("--tp-comm-overlap: costed with the tensor-parallel collectives beside their GEMMs, not "
                      "pipelined with them; this command runs faster than costed")
@@ -714,7 +718,9 @@ def from_deepspeed(cfg: dict[str, Any], cluster: ClusterSpec, models: dict[str, 
     lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=_zero(zero, dp * cp), micro_batches=gas)
     graph = sft(models["model"], batch=seqs, seq_len=seq_len, name="deepspeed_import",
                 lr=float(cfg.get("optimizer", {}).get("params", {}).get("lr", 1e-5)))
-    notes = ["activation checkpointing is set in model code: costed without it"]
+    notes = ["activation checkpointing is set in model code: costed without it",
+             "costed for megatron-core, whose weight-gradient GEMMs add each micro-batch's gradients into the buffer "
+             "themselves; DeepSpeed adds them by kernels of their own, so this config runs somewhat slower than costed"]
     overlap = cfg.get("zero_optimization", {}).get("overlap_comm")
     if dp * cp > 1 and (lay.zero == 0 or (lay.zero in (1, 2) and overlap is not True)):
         # `megatron-core` prices the reduction under the backward; DeepSpeed overlaps it only at

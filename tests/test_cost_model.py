@@ -586,3 +586,45 @@ def test_the_runtime_all_reduces_under_zero1_and_reduces_once_under_zero2():
     assert mc1 < comm.all_reduce_s(4e9, g, cm.hw)
     mc2, *_ = _zero_sync("megatron-core", zero=2)
     assert mc2 >= 4 * comm.reduce_scatter_s(4e9, g, cm.hw)
+
+
+def test_megatron_core_accumulates_weight_gradients_inside_the_weight_gradient_gemm():
+    """Megatron-LM fuses the micro-batch's weight-gradient accumulation into the weight-gradient
+    GEMM by default (`--gradient-accumulation-fusion`, Transformer Engine's
+    `fuse_wgrad_accumulation`): `megatron-core` adds only the norms' weights (and biases) by a
+    kernel of their own, and its weight-gradient GEMMs read and write the fp32 buffer (4 + 4 bytes
+    per weight instead of writing 2). Megatron-DeepSpeed (`megatron`, vTrain's runs) and the
+    runtime add every gradient by a kernel of their own. Each extra micro-batch therefore costs the
+    unfused stack that kernel more."""
+    from cost_models.framework import FRAMEWORKS
+    from cost_models.ops import gemm, gemm_bwd, layer_matrix_params, layer_params_per_rank, layer_work
+
+    core = FRAMEWORKS["megatron-core"]
+    unfused = dataclasses.replace(core, name="unfused", wgrad_accum_fused=False)
+    assert core.wgrad_accum_fused and not FRAMEWORKS["megatron"].wgrad_accum_fused
+    assert not FRAMEWORKS["torch"].wgrad_accum_fused and not FRAMEWORKS["rlhf-engine"].wgrad_accum_fused
+    fused_w = layer_work(LLAMA, core, b=1, s=1024, tp=2, cp=1, sp=True)
+    plain_w = layer_work(LLAMA, unfused, b=1, s=1024, tp=2, cp=1, sp=True)
+    weights, norms = layer_params_per_rank(LLAMA, 2), 2 * LLAMA.hidden_size  # two RMSNorm weights, whole
+    assert weights - layer_matrix_params(LLAMA) / 2 == pytest.approx(norms)
+    assert fused_w.grad_accum.bytes == pytest.approx(10 * norms) and fused_w.grad_tensors == 2  # fp32: 2 + 4 + 4
+    assert plain_w.grad_accum.bytes == pytest.approx(unfused.grad_accum_bytes * weights) and plain_w.grad_tensors == 9
+    # The weight-gradient GEMMs carry the buffer's traffic: 6 bytes more per weight of the four
+    # matrices (the norms' weights are not GEMMs).
+    extra = sum(f.bytes for f in fused_w.bwd) - sum(p.bytes for p in plain_w.bwd)
+    h = LLAMA.hidden_size
+    mats = (h * (LLAMA.num_attention_heads + 2 * LLAMA.kv_heads) * LLAMA.d_head + LLAMA.num_attention_heads
+            * LLAMA.d_head * h + 3 * h * LLAMA.ffn_size) / 2
+    assert extra == pytest.approx(6.0 * mats)
+    dgrad, wgrad = gemm_bwd(gemm(8, 16, 32), accum_bytes=6.0)
+    assert wgrad.bytes == gemm(32, 16, 8).bytes + 6.0 * 32 * 16 and dgrad == gemm(8, 32, 16)
+    # On a step: the fused stack pays nothing per micro-batch for it, the unfused a kernel each.
+    decl = ModelDecl(spec=LLAMA, trainable=True)
+    hw_cal = Calibration(coefficients=COEF.model_copy(update={"host_kernel_us": 5.0}))
+    times = {}
+    for fw in (core, unfused):
+        cm = CostModel(parse_cluster("a100-80gb:1x8"), hw_cal, framework=fw)
+        times[fw.name] = [cm.call_cost(TRAIN, decl, Mesh.block(0, 8), Layout(dp=8, micro_batches=m)).time_s
+                          for m in (1, 8)]
+    assert times["megatron-core"][1] < times["unfused"][1]
+    assert times["unfused"][1] - times["unfused"][0] > times["megatron-core"][1] - times["megatron-core"][0]

@@ -206,6 +206,10 @@ def test_megatron_imports_say_where_the_command_runs_unlike_its_costing() -> Non
     assert [n.split(":")[0] for n in got.notes] == ["--grad-reduce-in-bf16", "--overlap-param-gather",
                                                   "--tp-comm-overlap"]
     assert imports.from_megatron(base, cluster, {}, world=2).notes == []  # tp 2 on 2 GPUs: no data parallel
+    # Megatron-LM fuses the weight-gradient accumulation by default, as megatron-core prices it.
+    got = imports.from_megatron(base + ["--no-gradient-accumulation-fusion"], cluster, {}, world=2)
+    assert len(got.notes) == 1 and "slower than costed" in got.notes[0]
+    assert got.notes[0].startswith("--no-gradient-accumulation-fusion")
     plan = matrix()["sft_llama31"]
     exp = export_plan(plan, "megatron", call="model_train")
     c = next(x for x in plan.calls if x.name == "model_train")
@@ -255,3 +259,9 @@ def test_deepspeed_imports_say_when_the_reduction_runs_after_the_backward() -> N
     got = imports.from_deepspeed(exp.data, plan.cluster, {"model": "llama-2-7b"}, world=c.mesh.size,
                                  seq_len=c.seq_len, pp=c.layout.pp)
     assert not any("gradient reduction" in n for n in got.notes)
+    # megatron-core's weight-gradient GEMMs accumulate themselves; DeepSpeed's do not. The import
+    # says so, and so does the export of a plan costed for megatron-core (not one for the runtime).
+    assert any("kernels of their own" in n for n in got.notes)
+    assert not any("kernels of their own" in n for n in exp.notes)
+    core = plan.model_copy(update={"estimate": plan.estimate.model_copy(update={"framework": "megatron-core"})})
+    assert any("kernels of their own" in n for n in export_plan(core, "deepspeed", call="model_train").notes)

@@ -58,6 +58,10 @@ def config(plan: Plan, call: PlanCall, limits: list[str], notes: list[str]) -> d
     elif lay.zero == 0 and lay.dp * lay.cp > 1:
         notes.append(f"{call.name}: without ZeRO DeepSpeed all-reduces the gradients after the backward, not under "
                      "it as the plan costs them; ZeRO-1 (--zero 1 in the plan) overlaps them (overlap_comm)")
+    if plan.estimate.framework == "megatron-core":
+        notes.append(f"{call.name}: costed for megatron-core, whose weight-gradient GEMMs add each micro-batch's "
+                     "gradients into the buffer themselves; DeepSpeed adds them by kernels of their own, so it runs "
+                     "somewhat slower than costed")
     if lay.offload == "optimizer":
         if lay.zero:
             cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
