@@ -403,16 +403,16 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
 
     n_tensors = (12 if gpt else 9) + (3 if spec.attention_bias else 0) + (2 if spec.qk_norm != "none" else 0)
     params = layer_params_per_rank(spec, tp, sparse=moe is not None)
+    shared = moe is not None and bool(spec.shared_expert_intermediate_size)
     if moe is not None:
-        params += moe.active * 3 * h * moe.width  # only experts that got tokens have gradients to add
-        n_tensors += 1 + (4 if spec.shared_expert_intermediate_size else 0)
+        n_tensors += 1 + (4 if shared else 0)
     if fw.wgrad_accum_fused:
         # The matrices' (experts' too) weight gradients were added by their GEMMs above; the rest
-        # (norms, biases, a router, a shared expert's gate) by a kernel each, as before.
-        shared = 3 if moe is not None and spec.shared_expert_intermediate_size else 0
-        n_tensors -= (4 if gpt else 7) + shared
-        params = layer_params_per_rank(spec, tp, sparse=moe is not None) - \
-            layer_matrix_params(spec, sparse=moe is not None) / tp
+        # (norms, biases, a router, a shared expert's gate) by a kernel each.
+        n_tensors -= (4 if gpt else 7) + (3 if shared else 0)
+        params -= layer_matrix_params(spec, sparse=moe is not None) / tp
+    elif moe is not None:
+        params += moe.active * 3 * h * moe.width  # only experts that got tokens have gradients to add
     accum = mem(params * fw.grad_accum_bytes)
     return LayerWork(fwd, tuple(bwd), fwd_comm, bwd_comm, att_f, accum, n_tensors)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.algorithms import grpo, ppo, remax, rloo, sft
+from planner.exports.deepspeed import UNFUSED_ACCUMULATION
 from planner.pinned import Placement
 from plans.cluster import ClusterSpec
 from plans.errors import PlannerError
@@ -718,9 +719,7 @@ def from_deepspeed(cfg: dict[str, Any], cluster: ClusterSpec, models: dict[str, 
     lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=_zero(zero, dp * cp), micro_batches=gas)
     graph = sft(models["model"], batch=seqs, seq_len=seq_len, name="deepspeed_import",
                 lr=float(cfg.get("optimizer", {}).get("params", {}).get("lr", 1e-5)))
-    notes = ["activation checkpointing is set in model code: costed without it",
-             "costed for megatron-core, whose weight-gradient GEMMs add each micro-batch's gradients into the buffer "
-             "themselves; DeepSpeed adds them by kernels of their own, so this config runs somewhat slower than costed"]
+    notes = ["activation checkpointing is set in model code: costed without it", UNFUSED_ACCUMULATION]
     overlap = cfg.get("zero_optimization", {}).get("overlap_comm")
     if dp * cp > 1 and (lay.zero == 0 or (lay.zero in (1, 2) and overlap is not True)):
         # `megatron-core` prices the reduction under the backward; DeepSpeed overlaps it only at

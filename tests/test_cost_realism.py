@@ -41,21 +41,18 @@ SEQS = (2048, 8192)
 MICRO = (1, 2, 4)
 
 
-def mfu_cases():
+def mfu_cases(frameworks: tuple[str, ...] = FRAMEWORKS):
     for model, gpu, fw, nodes, (tp, pp), seq, mb, zero, rec in itertools.product(
-            MODELS, GPUS, FRAMEWORKS, (1, 4), SHAPES, SEQS, MICRO, (0, 1, 3), ("none", "full")):
+            MODELS, GPUS, frameworks, (1, 4), SHAPES, SEQS, MICRO, (0, 1, 3), ("none", "full")):
         n = 8 * nodes
         if tp * pp > n:
             continue
         yield model, gpu, fw, n, tp, pp, seq, mb, zero, rec
 
 
-def test_no_dense_estimate_above_60_percent_mfu():
-    """Every case of the grid above that fits in memory: 4 dense models x A100/H100 x the runtime
-    (`torch`) and Megatron-LM x 8 and 32 GPUs x 6 (tp, pp) shapes x 2k/8k tokens x micro-batch
-    1/2/4 x ZeRO 0/1/3 x no or full recompute."""
-    checked, worst = 0, (0.0, None)
-    for model, gpu, fw, n, tp, pp, seq, mb, zero, rec in mfu_cases():
+def fitting_estimates(frameworks: tuple[str, ...] = FRAMEWORKS):
+    """(model, gpu, framework, layout, sequence, estimate) of every grid case that fits in memory."""
+    for model, gpu, fw, n, tp, pp, seq, mb, zero, rec in mfu_cases(frameworks):
         spec = resolve_model(model)
         cl = parse_cluster(f"{gpu}:{n // 8}x8")
         dp = n // (tp * pp)
@@ -66,14 +63,41 @@ def test_no_dense_estimate_above_60_percent_mfu():
         except PlannerError:
             continue  # a layout the model cannot take (heads over tp, layers over pp)
         est = estimate_training(spec, cl, lay, global_batch=gb, seq_len=seq, framework=fw)
-        if not est.fits:
-            continue
+        if est.fits:
+            yield model, gpu, fw, lay, seq, est
+
+
+def test_no_dense_estimate_above_60_percent_mfu():
+    """Every case of the grid above that fits in memory: 4 dense models x A100/H100 x the runtime
+    (`torch`) and Megatron-LM x 8 and 32 GPUs x 6 (tp, pp) shapes x 2k/8k tokens x micro-batch
+    1/2/4 x ZeRO 0/1/3 x no or full recompute."""
+    checked, worst = 0, (0.0, None)
+    for model, gpu, fw, lay, seq, est in fitting_estimates():
+        n = lay.dp * lay.tp * lay.pp
         checked += 1
         cap = PUBLISHED_ABOVE_CAP.get((model, gpu, fw), MFU_CAP)
         assert est.mfu <= cap, f"{model} on {n} {gpu} ({fw}) {lay.short()} seq {seq}: MFU {est.mfu:.1%}"
         worst = max(worst, (est.mfu, (model, gpu, fw, lay.short(), seq)))
     assert checked > 1000, checked
     assert worst[0] > 0.3  # the grid reaches realistic utilisations, not only starved ones
+
+
+def test_the_megatron_core_estimates_above_the_cap_are_these():
+    """The fused `megatron-core` stack is not held to the cap (README, "the 60% MFU cap"): on the
+    same grid its estimates above 60% are all 7-8B models, 124 on A100s up to 74.2% (within two
+    points of FlashAttention-2's published 72% for a 2.7B GPT at 8k tokens on 8 A100s) and 10 on
+    H100s up to 62.1%, which nothing published supports (they wait for a Hopper calibration). This
+    test lists them, so a change that moves them moves the README's figures with it."""
+    over: dict[str, list[tuple[float, str]]] = {"a100-80gb": [], "h100-sxm": []}
+    checked = 0
+    for model, gpu, _, lay, seq, est in fitting_estimates(("megatron-core",)):
+        checked += 1
+        if est.mfu > MFU_CAP:
+            over[gpu].append((est.mfu, f"{model} {lay.short()} seq {seq}"))
+    assert checked == 1578
+    assert {case.split()[0] for cases in over.values() for _, case in cases} == {"llama-2-7b", "llama-3-8b", "qwen2.5-7b"}
+    assert (len(over["a100-80gb"]), round(max(over["a100-80gb"])[0], 3)) == (124, 0.742)
+    assert (len(over["h100-sxm"]), round(max(over["h100-sxm"])[0], 3)) == (10, 0.621)
 
 
 def test_the_runtime_is_marked_uncalibrated_on_gpus():

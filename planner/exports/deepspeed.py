@@ -22,6 +22,11 @@ from planner.exports.common import Export, common_limits, json_text, micro_batch
 from plans.errors import PlannerError
 from plans.plan import Plan, PlanCall
 
+# Where a DeepSpeed job runs unlike the `megatron-core` stack it is costed with (export and import).
+UNFUSED_ACCUMULATION = ("costed for megatron-core, whose weight-gradient GEMMs add each micro-batch's gradients into "
+                        "the buffer themselves; DeepSpeed adds them by kernels of their own, so it runs somewhat slower "
+                        "than costed")
+
 VERSION = "DeepSpeed 0.19.x"
 SOURCE = "DeepSpeed 0.19.8 deepspeed/runtime/config.py, docs/_pages/config-json.md"
 
@@ -59,9 +64,7 @@ def config(plan: Plan, call: PlanCall, limits: list[str], notes: list[str]) -> d
         notes.append(f"{call.name}: without ZeRO DeepSpeed all-reduces the gradients after the backward, not under "
                      "it as the plan costs them; ZeRO-1 (--zero 1 in the plan) overlaps them (overlap_comm)")
     if plan.estimate.framework == "megatron-core":
-        notes.append(f"{call.name}: costed for megatron-core, whose weight-gradient GEMMs add each micro-batch's "
-                     "gradients into the buffer themselves; DeepSpeed adds them by kernels of their own, so it runs "
-                     "somewhat slower than costed")
+        notes.append(f"{call.name}: {UNFUSED_ACCUMULATION}")
     if lay.offload == "optimizer":
         if lay.zero:
             cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
