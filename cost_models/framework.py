@@ -10,15 +10,18 @@ kernels a training step launches and which bytes it keeps. Five presets:
   their own (the fork's layers have had gradient-accumulation fusion commented out since 2023-04,
   ``megatron/core/tensor_parallel/layers.py``; vTrain's image runs PyTorch 2.0.1, of 2023-05) and
   all-reduced after the last backward (no bucketing, so no overlap with backward),
-  mixed-precision Adam; like every Megatron stack, each column-parallel GEMM's input-gradient
+  mixed-precision Adam, Megatron's unfused vocab-parallel cross entropy over fp32 logits
+  (``loss_fwd`` / ``loss_bwd``: ``UNFUSED_CROSS_ENTROPY``); like every Megatron stack, each column-parallel GEMM's input-gradient
   collective runs under its weight gradient (``tp_dgrad_overlap``; the fork's layers issue it
   asynchronously too), which the runtime does not do.
 - ``megatron-core``: Megatron-Core with Transformer Engine and stacks built like it: fused kernels,
   flash attention, bf16 weights beside fp32 master weights and fp32 gradients that the
-  weight-gradient GEMMs add into themselves (``wgrad_accum_fused``), communication overlapped.
+  weight-gradient GEMMs add into themselves (``wgrad_accum_fused``), communication overlapped,
+  and Megatron's unfused cross entropy (``--cross-entropy-loss-fusion`` is off by default).
 - ``rlhf-engine``: verl and OpenRLHF: ``megatron-core``'s training (but each micro-batch's weight
-  gradients added by a kernel of their own, as verl's Megatron backend runs unless told) and vLLM's
-  rollouts.
+  gradients added by a kernel of their own, as verl's Megatron backend runs unless told, and a
+  fused loss, as verl's FSDP backend computes log-probs with flash-attention's cross entropy; its
+  Megatron backend calls Megatron's unfused one) and vLLM's rollouts.
 - ``vllm``: vLLM's generation (bf16 weights, fused kernels, CUDA-graph decode), the rollout
   engine of verl and OpenRLHF exports.
 - ``torch``: the planner's runtime (`runtime/`) as it is written: PyTorch's fused (flash) causal
@@ -92,6 +95,11 @@ class Framework:
     # reading and writing fp32 outputs instead of writing bf16 ones (4+4-2 bytes per weight),
     # which a compute-bound GEMM hides. False: a kernel of its own (`grad_accum_bytes`).
     wgrad_accum_fused: bool = False
+    # Bytes per logit of each kernel of a training step's loss over the vocabulary, forward and
+    # backward; one kernel per entry. Default: a fused cross entropy (upcast 2+4, max 4, exp-sum
+    # 4; softmax minus one-hot 4+2). `UNFUSED_CROSS_ENTROPY`: Megatron's.
+    loss_fwd: tuple[float, ...] = (14.0,)
+    loss_bwd: tuple[float, ...] = (6.0,)
     # Megatron's fused scale-mask-softmax kernel needs batch*heads divisible by 4 and keys <= 2048;
     # otherwise PyTorch runs scale, mask, fp32 cast, softmax and cast back as separate kernels.
     fused_softmax_multiple: int = 1
@@ -222,11 +230,21 @@ TE_ATTENTION = (("ampere", "fa2"), ("hopper", "cudnn"))
 SDPA_ATTENTION = (("ampere", "fa2"), ("hopper", "fa2"))
 VLLM_ATTENTION = (("ampere", "fa2"), ("hopper", "fa3"))
 
+# Megatron's vocab-parallel cross entropy without --cross-entropy-loss-fusion (off by default;
+# core_v0.8.0 `megatron/core/tensor_parallel/cross_entropy.py`, and Megatron-DeepSpeed's copy,
+# called on `output.float()`): forward upcasts the bf16 logits (2+4), takes the max (4), subtracts
+# it in place (4+4), exponentiates in place (4+4), sums (4) and divides in place into the softmax
+# kept for backward (4+4); backward multiplies it by the loss gradient in place (4+4) and the
+# upcast's backward casts the fp32 gradient to bf16 (4+2). Per logit, 38 bytes in six kernels
+# forward and 14 in two backward.
+UNFUSED_CROSS_ENTROPY = ((6.0, 4.0, 8.0, 8.0, 4.0, 8.0), (8.0, 6.0))
+
 FRAMEWORKS: dict[str, Framework] = {
     "megatron": Framework(
         name="megatron", attention="materialized", dropout=True, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=False,
         fused_softmax_multiple=4, fused_softmax_max_keys=2048, tp_dgrad_overlap=True,
+        loss_fwd=UNFUSED_CROSS_ENTROPY[0], loss_bwd=UNFUSED_CROSS_ENTROPY[1],
     ),
     # Megatron-Core with Transformer Engine, and stacks built like it (Llama 3's, NeMo): fused
     # (flash) attention and fused norm, rotary and SwiGLU kernels, no dropout, bf16 weights with
@@ -240,6 +258,7 @@ FRAMEWORKS: dict[str, Framework] = {
         name="megatron-core", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=10, overlap_grad_reduce=True, zero3_prefetch=True,
         expert_gemms="per_expert", attention_kernels=TE_ATTENTION, tp_dgrad_overlap=True, wgrad_accum_fused=True,
+        loss_fwd=UNFUSED_CROSS_ENTROPY[0], loss_bwd=UNFUSED_CROSS_ENTROPY[1],
     ),
     # verl and OpenRLHF as they run a PPO/GRPO step: training on Megatron-Core or FSDP/DeepSpeed
     # with bf16 weights beside fp32 master weights, fp32 gradients (verl's Megatron DDP sets

@@ -47,8 +47,6 @@ from plans.model import Head, ModelSpec
 KernelKind = Literal["gemm", "attn", "mem"]
 CommOp = Literal["all_reduce", "all_gather", "reduce_scatter", "ring_p2p", "all_to_all"]
 FLASH_BWD_FLOPS_RATIO = 2.5  # FlashAttention-2 backward: 5 matmuls against 2 forward
-CE_FWD_BYTES = 14  # vocab-parallel cross entropy per logit: upcast (2+4), max (4), exp-sum (4)
-CE_BWD_BYTES = 6  # softmax minus one-hot: read fp32, write fp16 gradient
 LOGPROB_BYTES = 10  # log-softmax and gather for inference log-probs
 
 
@@ -481,10 +479,10 @@ def head_work(spec: ModelSpec, fw: Framework, *, head: Head, b: int, s: int, tp:
         return (mem(4.0 * mn * h), g), (*gemm_bwd(g), mem(6.0 * mn * h))
     g = gemm(m, -(-v // tp), h)
     logits = float(m) * v / tp
-    fwd = (mem(4.0 * mn * h), g, mem((CE_FWD_BYTES if loss else LOGPROB_BYTES) * logits))
+    fwd = (mem(4.0 * mn * h), g, *[mem(x * logits) for x in (fw.loss_fwd if loss else (LOGPROB_BYTES,))])
     chunk = fw.logits_chunk_elements
     again = (g,) if chunk is not None and logits > chunk else ()  # each chunk's logits made again
-    bwd = (*again, mem(CE_BWD_BYTES * logits), *gemm_bwd(g), mem(6.0 * mn * h))
+    bwd = (*again, *[mem(x * logits) for x in fw.loss_bwd], *gemm_bwd(g), mem(6.0 * mn * h))
     return fwd, bwd
 
 

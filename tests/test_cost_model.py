@@ -628,3 +628,39 @@ def test_megatron_core_accumulates_weight_gradients_inside_the_weight_gradient_g
                           for m in (1, 8)]
     assert times["megatron-core"][1] < times["unfused"][1]
     assert times["unfused"][1] - times["unfused"][0] > times["megatron-core"][1] - times["megatron-core"][0]
+
+
+def test_megatron_runs_its_unfused_vocab_parallel_cross_entropy():
+    """Megatron's loss without --cross-entropy-loss-fusion (its default) upcasts the logits to fp32
+    and makes six passes forward (upcast, max, subtract, exp, sum, divide) and two backward
+    (multiply, the upcast's backward): 52 bytes per logit in eight kernels, on Megatron-LM and on
+    Megatron-DeepSpeed. Stacks with a fused loss keep one kernel each way. Only the loss kernels
+    differ, so the difference between two heads is exactly those bytes; on a step with a large
+    vocabulary over a narrow model it is a visible share."""
+    from cost_models.framework import FRAMEWORKS, UNFUSED_CROSS_ENTROPY
+    from cost_models.ops import head_work
+
+    fused = FRAMEWORKS["torch"]
+    for name in ("megatron", "megatron-core"):
+        fw = FRAMEWORKS[name]
+        assert (fw.loss_fwd, fw.loss_bwd) == UNFUSED_CROSS_ENTROPY
+    assert sum(UNFUSED_CROSS_ENTROPY[0]) + sum(UNFUSED_CROSS_ENTROPY[1]) == 52.0
+    assert len(UNFUSED_CROSS_ENTROPY[0]) + len(UNFUSED_CROSS_ENTROPY[1]) == 8
+    for name in ("torch", "rlhf-engine", "vllm"):
+        assert (FRAMEWORKS[name].loss_fwd, FRAMEWORKS[name].loss_bwd) == ((14.0,), (6.0,))
+    core = FRAMEWORKS["megatron-core"]
+    as_fused = dataclasses.replace(core, name="fused loss", loss_fwd=fused.loss_fwd, loss_bwd=fused.loss_bwd)
+    b, s, tp = 2, 1024, 2
+    logits = b * s * LLAMA.vocab_size / tp
+    (uf, ub), (ff, fb) = (head_work(LLAMA, fw, head="lm", b=b, s=s, tp=tp, cp=1, sp=True, loss=True)
+                          for fw in (core, as_fused))
+    assert len(uf) - len(ff) == 5 and len(ub) - len(fb) == 1
+    extra = sum(k.bytes for k in (*uf, *ub)) - sum(k.bytes for k in (*ff, *fb))
+    assert extra == pytest.approx((52.0 - 20.0) * logits)
+    # Inference log-probs (no loss) are not this kernel.
+    assert head_work(LLAMA, core, head="lm", b=b, s=s, tp=tp, cp=1, sp=True, loss=False)[0] == \
+        head_work(LLAMA, as_fused, head="lm", b=b, s=s, tp=tp, cp=1, sp=True, loss=False)[0]
+    decl = ModelDecl(spec=LLAMA, trainable=True)
+    t = {fw.name: CostModel(parse_cluster("a100-80gb:1x8"), framework=fw).call_cost(
+        TRAIN, decl, Mesh.block(0, 8), Layout(dp=8)).time_s for fw in (core, as_fused)}
+    assert t["megatron-core"] > t["fused loss"]

@@ -126,8 +126,10 @@ def test_per_expert_launches_bind_small_micro_batches_of_many_local_experts() ->
         call = TRAIN.model_copy(update={"seqs": seqs})
         return cm[g].call_cost(call, decl, Mesh.block(0, 8), Layout(dp=8, ep=8, zero=1, micro_batches=micro)).time_s
 
+    # Whole steps, so the loss, attention and the rest dilute the ratio (1.195 since Megatron's
+    # unfused cross entropy is priced; it was above 1.2 before).
     small = step("per_expert", 64, 8) / step("grouped", 64, 8)  # 1 sequence per micro-batch
-    assert small > 1.2
+    assert small > 1.15
     large = step("per_expert", 64, 1) / step("grouped", 64, 1)  # 8 sequences per micro-batch
     assert 1.0 <= large < small
 
