@@ -671,8 +671,9 @@ def from_megatron(words: list[str], cluster: ClusterSpec, models: dict[str, str]
 
 def _megatron_costing_notes(f: dict[str, Any], *, dp: int, tp: int) -> list[str]:
     """Where the command's flags run differently from the `megatron-core` stack it is costed with:
-    that stack reduces fp32 gradients in buckets under the backward and leaves the weight gather and
-    the tensor-parallel collectives unoverlapped (`cost_models.framework`)."""
+    that stack reduces fp32 gradients in buckets under the backward, leaves the weight gather and
+    the tensor-parallel collectives unoverlapped and runs Megatron's unfused cross entropy
+    (`cost_models.framework`)."""
     notes = []
     if dp > 1 and not f.get("overlap-grad-reduce"):
         notes.append("--overlap-grad-reduce is not set: Megatron-LM then reduces the gradients after the backward, "
@@ -691,6 +692,10 @@ def _megatron_costing_notes(f: dict[str, Any], *, dp: int, tp: int) -> list[str]
     if tp > 1 and f.get("tp-comm-overlap"):
         notes.append("--tp-comm-overlap: costed with the tensor-parallel collectives beside their GEMMs, not "
                      "pipelined with them; this command runs faster than costed")
+    if f.get("cross-entropy-loss-fusion"):
+        notes.append("--cross-entropy-loss-fusion: costed with Megatron's unfused vocab-parallel cross entropy (its "
+                     "default: six passes over the fp32 logits forward, two backward); this command fuses them and "
+                     "runs faster than costed")
     return notes
 
 

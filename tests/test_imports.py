@@ -210,6 +210,10 @@ def test_megatron_imports_say_where_the_command_runs_unlike_its_costing() -> Non
     got = imports.from_megatron(base + ["--no-gradient-accumulation-fusion"], cluster, {}, world=2)
     assert len(got.notes) == 1 and "slower than costed" in got.notes[0]
     assert got.notes[0].startswith("--no-gradient-accumulation-fusion")
+    # Megatron's loss is unfused unless told, as megatron-core prices it.
+    got = imports.from_megatron(base + ["--cross-entropy-loss-fusion"], cluster, {}, world=2)
+    assert len(got.notes) == 1 and got.notes[0].startswith("--cross-entropy-loss-fusion")
+    assert "faster than costed" in got.notes[0]
     plan = matrix()["sft_llama31"]
     exp = export_plan(plan, "megatron", call="model_train")
     c = next(x for x in plan.calls if x.name == "model_train")
