@@ -31,8 +31,8 @@
    all-reduce is not what those rows miss. Not adopted.
 
    The ``megatron`` stack's loss was costed as a fused cross entropy (20 bytes per logit) until
-   the refit for Megatron's unfused one (52 bytes; the last paragraph of part 2): the figures in
-   this part are from that refit.
+   the refit for Megatron's unfused one (52 bytes; the last paragraph of part 2). The other figures
+   quoted in this part were measured before that refit; the bench prints the current ones.
 
    Three configurations were run on both clusters (the bench prints them): 3.6B tp 2 dp 32
    micro-batch 16 (vTrain 3.94 s, Selene 3.70 s: Table 1's 138 TFLOP/s), 18.4B tp 8 dp 32
