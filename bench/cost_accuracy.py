@@ -744,8 +744,8 @@ def flash_training_stack() -> Framework:
         resolve_framework("megatron-core"), name="flash-attn training (2022)", dropout=True,
         param_bytes=runtime.param_bytes, grad_bytes=runtime.grad_bytes, optimizer_bytes=runtime.optimizer_bytes,
         optimizer_step_bytes=runtime.optimizer_step_bytes, grad_accum_bytes=runtime.grad_accum_bytes,
-        wgrad_accum_fused=runtime.wgrad_accum_fused, weight_cast_bytes=runtime.weight_cast_bytes, attention_kernels=(("ampere", "fa1"),), logit_train_bytes=2,
-        loss_fwd=(4.0,), loss_bwd=(4.0,))
+        wgrad_accum_fused=runtime.wgrad_accum_fused, weight_cast_bytes=runtime.weight_cast_bytes,
+        attention_kernels=(("ampere", "fa1"),), logit_train_bytes=2, loss_fwd=(4.0,), loss_bwd=(4.0,))
 
 
 def flash_training_spec(hidden: int, heads: int, layers: int) -> ModelSpec:
