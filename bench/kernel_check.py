@@ -6,7 +6,7 @@
 The cost model's efficiencies were fitted on A100s only and are carried to other GPUs by their
 datasheets (GEMMs by their published matmul ceilings). On Hopper that is not borne out: the
 Megatron-LM README's H100 table (Megatron-Core r0.8.0, `bench/cost_accuracy.py`) is predicted
-20% too fast for a 1.7B GPT and 27% too slow for a 32B one. This check measures what those predictions rest on, for the layer shapes of those
+18% too fast for a 1.7B GPT and 27% too slow for a 32B one. This check measures what those predictions rest on, for the layer shapes of those
 two rows (GPT, sequence 4096, micro-batch 1; the 1.7B at tp 1, the 32B at tp 8 with sequence
 parallelism, so every GEMM has 4096 rows):
 
@@ -14,6 +14,10 @@ parallelism, so every GEMM has 4096 rows):
   lists them (`cost_models.ops.layer_work`, `head_work`), run as `torch.matmul` in bf16;
 - causal fused attention at those heads, forward and backward, through PyTorch's SDPA with its
   flash backend (FlashAttention-2) and, where PyTorch has it, its cuDNN backend;
+- the 16 bf16 GEMMs of OpenXLA's measured sm_90 table (4,096 rows, n and k 512 to 4,096;
+  `bench/cost_accuracy.py`, "kernel level"), beside that table's published rate, so a Hopper run
+  also says whether this GPU's GEMMs follow its shape (a fixed time per GEMM and a cost per output
+  tile that make short-k GEMMs slow), which the model does not have;
 - a large copy (HBM bandwidth).
 
 Each is timed with CUDA events (median of `--repeats` after a warm-up) beside the cost model's
@@ -41,12 +45,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
+import importlib.util  # noqa: E402
+
 import torch  # noqa: E402
 
 from cost_models import CostModel  # noqa: E402
 from cost_models.compute import kernel_time_s  # noqa: E402
 from cost_models.framework import resolve_framework  # noqa: E402
-from cost_models.ops import Kernel, head_work, layer_work  # noqa: E402
+from cost_models.ops import Kernel, gemm, head_work, layer_work  # noqa: E402
 from planner.profiling import GPU_NAMES  # noqa: E402
 from plans import parse_cluster, resolve_model  # noqa: E402
 
@@ -54,6 +60,18 @@ from plans import parse_cluster, resolve_model  # noqa: E402
 ROWS = (("gpt-1.7b tp1", 2048, 16, 24, 1), ("gpt-32b tp8 sp", 7168, 56, 48, 8))
 QUICK_ROWS = (("tiny tp1", 64, 4, 2, 1), ("tiny tp2 sp", 64, 4, 2, 2))
 SEQ, QUICK_SEQ, VOCAB, QUICK_VOCAB = 4096, 64, 131072, 512
+
+
+def published_hopper_gemms() -> tuple[int, dict[tuple[int, int], float]]:
+    """OpenXLA's measured sm_90 bf16 GEMMs as `bench/cost_accuracy.py` holds them: (rows,
+    {(n, k): TFLOP/s}). Loaded from its file, since this script keeps bench/ off the import path
+    (bench/runtime.py would shadow the runtime package)."""
+    spec = importlib.util.spec_from_file_location("bench_cost_accuracy", ROOT / "bench" / "cost_accuracy.py")
+    assert spec is not None and spec.loader is not None
+    acc = sys.modules["bench_cost_accuracy"] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(acc)
+    return acc.XLA_H100_GEMM_ROWS, {(n, k): rate for k, rates in acc.XLA_H100_GEMM.items()
+                                    for n, rate in zip(acc.XLA_H100_GEMM_N, rates)}
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:  # noqa: ANN001
@@ -182,6 +200,21 @@ def main() -> int:
                                         "predicted_forward_s": pred_f, "predicted_backward_s": pred_b,
                                         "runtime_predicted_forward_s": runtime_f,
                                         "runtime_predicted_backward_s": runtime_b})
+    rows, published_table = published_hopper_gemms()
+    table: dict[tuple[int, int], float | None] = dict(published_table)
+    if args.quick:  # the same code on two tiny shapes: a CPU has nothing to compare with the table
+        rows, table = 64, {(n // 64, k // 64): None for (n, k) in table if n == k and n in (1024, 2048)}
+    print(f"\nOpenXLA's sm_90 GEMMs, {rows} rows (published TFLOP/s on sm_90 / measured here / the model's)")
+    report["xla_gemms"] = []
+    for (n, kk), published in sorted(table.items(), key=lambda item: (item[0][1], item[0][0])):
+        k = gemm(rows, n, kk)
+        measured, predicted = timed(gemm_runner(k, device, dtype), device, args.repeats), kernel_time_s(k, hw)
+        kinds["gemm (OpenXLA shapes)"][0] += measured
+        kinds["gemm (OpenXLA shapes)"][1] += predicted
+        shown = "    -" if published is None else f"{published:5.0f}"
+        print(f"  n {n:5d} k {kk:5d}: {shown} / {k.flops / measured / 1e12:7.1f} / {k.flops / predicted / 1e12:5.0f}")
+        report["xla_gemms"].append({"m": rows, "n": n, "k": kk, "published_sm90_tflops": published,
+                                    "measured_s": measured, "predicted_s": predicted})
     nbytes = (1 << 20) if args.quick else (1 << 30)
     src = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
