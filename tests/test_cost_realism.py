@@ -373,3 +373,19 @@ def test_the_model_prices_hopper_gemms_of_long_k_no_faster_than_measured(bench, 
     assert all(e <= 0 for (n, k), e in zip(shapes, errs) if n >= 2048 and k >= 2048)
     assert faster == {(n, k) for n, k in shapes if k <= 1024 or (k == 2048 and n <= 1024) or (k == 4096 and n == 512)}
     assert round(max(errs)) == 115 and "every shape within" in out
+
+
+def test_plans_on_hopper_say_their_training_times_are_optimistic(bench, capsys) -> None:
+    """A plan on an H100 or H200 costed with A100-fitted efficiencies says what the published H100
+    table showed (README, Current limits), with the bench's own figures; an A100 plan, a GPU
+    profile's and the uncalibrated runtime's (which says so its own way) do not."""
+    from cost_models.api import HOPPER_CAVEAT
+
+    errs = bench.report_mcore_h100(default_calibration())
+    capsys.readouterr()
+    assert f"took {round(errs[0])}% and {round(errs[1])}% longer" in HOPPER_CAVEAT
+    for gpu in ("h100-sxm", "h200"):
+        for fw in ("megatron-core", "megatron", "rlhf-engine"):
+            assert HOPPER_CAVEAT in CostModel(parse_cluster(f"{gpu}:1x8"), framework=fw).costed_for()
+    assert HOPPER_CAVEAT not in CostModel(parse_cluster("a100-80gb:1x8"), framework="megatron-core").costed_for()
+    assert HOPPER_CAVEAT not in CostModel(parse_cluster("h100-sxm:1x8")).costed_for()
