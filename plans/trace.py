@@ -24,8 +24,10 @@ Events of a planner trace:
 
 - ``"M"`` (metadata) events naming each process (``process_name``: ``rank 0``, ...).
 
-``ts`` and ``dur`` are microseconds (the format's unit) from one time origin shared by all ranks
-(the runtime takes it right after a barrier, so clocks agree to within the barrier's skew);
+``ts`` and ``dur`` are microseconds (the format's unit) from one time origin shared by all ranks:
+ranks of one host read one clock, so their spans align exactly (`clock_offsets_s`; a barrier's
+exit alone is several milliseconds apart on ranks that share cores), and hosts align by the
+earliest exit of a barrier on each;
 ``pid`` is the global rank and ``tid`` 0. A measured trace is written by the runtime
 (``--trace-out FILE``): rank 0 gathers every rank's events and writes one file. `TraceRecorder`
 records spans on a rank; `trace_document` builds the file; `load_trace` reads and checks one or
@@ -35,6 +37,7 @@ more files; `call_times_s` turns spans into per-call times, the figure a predict
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -200,17 +203,40 @@ def write_trace(path: str | Path, doc: dict[str, Any]) -> None:
     write_text_atomic(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
+def clock_offsets_s(readings: list[tuple[str, float]]) -> list[float]:
+    """Each rank's time origin relative to the shared one, from every rank's (host, wall clock read
+    right after a barrier). Ranks of one host read the same clock, so their offsets are exact:
+    each is its reading minus the host's earliest. Hosts' clocks are not compared (they agree
+    only as well as their time service); each host's earliest exit of the barrier is taken as the
+    same moment, as close as the barrier's own completion."""
+    first: dict[str, float] = {}
+    for host, wall in readings:
+        first[host] = min(wall, first.get(host, wall))
+    return [wall - first[host] for host, wall in readings]
+
+
+def host_id() -> str:
+    """What identifies the clock this process reads: the machine's name and, on Linux, the boot of
+    its kernel (two containers of one machine share a clock; two machines named alike do not)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 class TraceRecorder:
-    """Records the spans of one rank. Create it right after a barrier on every rank, so all
-    recorders share one time origin; pass ``sync`` (e.g. ``torch.cuda.synchronize``) when work is
+    """Records the spans of one rank. Create it right after a barrier on every rank, with
+    `offset_s` this rank's origin relative to the shared one (`clock_offsets_s`), so all recorders
+    share one time origin; pass ``sync`` (e.g. ``torch.cuda.synchronize``) when work is
     asynchronous, so a span ends when its kernels do, not when they are queued."""
 
     def __init__(self, rank: int, *, sync: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, offset_s: float = 0.0) -> None:
         self.rank = rank
         self._sync = sync or (lambda: None)
         self._clock = clock
-        self._origin = clock()
+        self._origin = clock() - offset_s
         self.events: list[dict[str, Any]] = []
 
     @contextmanager

@@ -16,8 +16,9 @@ it, so calls on disjoint meshes run at the same time:
    replica of a train call sends its share of the loss statistics, which rank 0 sums (no
    collective on the training step's path).
 4. *Timeline*. Every rank records a span per call it runs and per reallocation it sends,
-   receives or copies in (`plans.trace.TraceRecorder`, one time origin taken right after the
-   barrier that ends `PlanRunner.__init__`). A call's span starts once its inputs have arrived
+   receives or copies in (`plans.trace.TraceRecorder`, one time origin: the exit of the barrier
+   that ends `PlanRunner.__init__`, read on one clock per host, `plans.trace.clock_offsets_s`).
+   A call's span starts once its inputs have arrived
    (waiting for a producer on other ranks is not the call's time) and ends before its outputs
    are sent; a call's ``time_s`` metric is its leader's span.
 
@@ -50,7 +51,7 @@ from plans.layout import Layout, Mesh
 from plans.plan import Plan, PlanCall
 from plans.runnable import runtime_problems
 from plans.sharding import Box, Param, slices_key
-from plans.trace import US_PER_S, TraceRecorder
+from plans.trace import US_PER_S, TraceRecorder, clock_offsets_s, host_id
 from runtime.algorithms import Glue, Rows, aligned, last_index
 from runtime.data import RowInfo, Tokenizer, open_dataset
 from runtime.data_parallel import AdamConfig
@@ -248,11 +249,19 @@ class PlanRunner:
                 self.moves[c.name] = rank_plan(decl.spec, head=decl.head, src=(home.mesh, home.layout),
                                                dst=(cp.where.mesh, cp.where.layout), rank=rank,
                                                gpus_per_node=plan.cluster.gpus_per_node)
+        offset_s = 0.0
         if self.distributed:  # the default group's first collective involves every rank (NCCL p2p needs it)
             with named("setting up the plan's process groups", rank=rank, timeout_s=self.timeout_s):
                 dist.barrier()
-        # Created right after the barrier: every rank's spans share this time origin.
-        self.recorder = TraceRecorder(rank, sync=torch.cuda.synchronize if device.type == "cuda" else None)
+                reading = (host_id(), time.time())
+                readings: list[Any] = [None] * world_size
+                dist.all_gather_object(readings, reading)
+            # The shared origin is the host's earliest exit: this rank read its clock that long after
+            # it (`clock_offsets_s`), and the gather has taken the time since.
+            offset_s = clock_offsets_s(readings)[rank] + (time.time() - reading[1])
+        # Every rank's spans share one time origin: the barrier's exit, read on one clock per host.
+        self.recorder = TraceRecorder(rank, sync=torch.cuda.synchronize if device.type == "cuda" else None,
+                                      offset_s=offset_s)
         self.keep_trace = trace
 
     # Parameters ------------------------------------------------------------------------------

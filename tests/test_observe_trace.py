@@ -10,6 +10,8 @@ from plans.errors import PlannerError
 from plans.trace import (
     TraceRecorder,
     call_times_s,
+    clock_offsets_s,
+    host_id,
     load_trace,
     planner_trace_problems,
     spans,
@@ -47,6 +49,31 @@ def test_recorded_trace_follows_the_trace_event_format_and_the_planner_rules() -
     assert first["ts"] == pytest.approx(1.001e6) and first["dur"] == pytest.approx(1e4)
     meta = [e for e in doc["traceEvents"] if e["ph"] == "M"]
     assert {(e["pid"], e["args"]["name"]) for e in meta} == {(0, "rank 0"), (1, "rank 1")}
+
+
+def test_ranks_of_one_host_align_on_its_clock_and_hosts_on_their_earliest_barrier_exit() -> None:
+    # Ranks 0-2 on host a left the barrier 0, 5 and 2 ms apart (shared cores); host b's clock is
+    # 40 s off and its ranks left 1 ms apart.
+    readings = [("a", 100.000), ("a", 100.005), ("a", 100.002), ("b", 140.001), ("b", 140.000)]
+    assert clock_offsets_s(readings) == pytest.approx([0.0, 0.005, 0.002, 0.001, 0.0])
+    assert clock_offsets_s([("a", 7.0)]) == [0.0]
+
+
+def test_a_rank_whose_origin_is_later_shifts_its_spans_by_the_offset() -> None:
+    """Two ranks whose recorders started 5 ms apart record one moment at one timestamp."""
+    now = [10.0]
+    early = TraceRecorder(0, clock=lambda: now[0])
+    now[0] = 10.005
+    late = TraceRecorder(1, clock=lambda: now[0], offset_s=0.005)
+    now[0] = 10.5
+    for rec in (early, late):
+        with rec.call("c", step=1, kind="inference", model="m"):
+            now[0] += 0.0
+    assert early.events[0]["ts"] == pytest.approx(late.events[0]["ts"]) == pytest.approx(0.5e6)
+
+
+def test_host_id_names_this_machine() -> None:
+    assert host_id() == host_id() and host_id().startswith(__import__("socket").gethostname())
 
 
 def test_real_clock_spans_are_ordered_and_non_negative() -> None:
