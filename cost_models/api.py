@@ -29,6 +29,8 @@ from cost_models.generation import decode_split, generate_times
 from cost_models.hardware import Hardware, core_share, effective_hardware, matmul_ceiling_ratio
 from cost_models.lengths import length_dist
 from cost_models.memory import (
+    TRANSIENT,
+    eager_head_saved_bytes,
     forward_working_bytes,
     fragmentation_bytes,
     in_flight_microbatches,
@@ -38,7 +40,14 @@ from cost_models.memory import (
     reserve_bytes,
     state_bytes,
 )
-from cost_models.ops import ExpertLoad, expert_load, expert_params_per_rank, layer_params_per_rank, mean_layer_params
+from cost_models.ops import (
+    ExpertLoad,
+    expert_load,
+    expert_params_per_rank,
+    layer_matrix_params,
+    layer_params_per_rank,
+    mean_layer_params,
+)
 from cost_models.training import (
     StepTimes,
     Topology,
@@ -421,6 +430,9 @@ class CostModel:
         gathers, both = self._zero3_buffer(spec, layout), self._zero3_buffer(spec, layout, training=True)
         zero3 = max(gathers, both - gathers) if kept else both
         counts = self._stage_params(spec, decl.head, layout)
+        # The runtime on a GPU casts its fp32 weights to bf16 in each forward; the matmuls keep the casts.
+        casts = fw.eager_layers and fw.param_bytes > 2 and self.cluster.gpu != "cpu"
+        layer_counts = stage_layer_counts(spec, layout.pp, layout.interleave)
         best: dict[str, int] = {}
         best_s = -1
         for st, activations, logits, buffers in self._train_transients(decl, layout, seqs=seqs, seq_len=seq_len):
@@ -429,12 +441,17 @@ class CostModel:
             if logits is not None:
                 mem["logits"] = logits
             mem["buffers"] = int(buffers + zero3)
+            in_flight = in_flight_microbatches(layout, st, layout.micro_batches)
             if kept:  # every micro-batch in flight keeps its own compute-dtype copies (2 bytes a weight)
-                mem["gathered"] = int(2 * sum(counts[st]) * in_flight_microbatches(layout, st, layout.micro_batches))
-            mem = self._compute_dtype(mem)
+                mem["gathered"] = int(2 * sum(counts[st]) * in_flight)
+            elif casts and layout.recompute != "full":  # ... of its layers' matrices, cast by autocast
+                nd, ns = layer_counts[st]
+                mem["weight_casts"] = int(2 * (nd * layer_matrix_params(spec) + ns * layer_matrix_params(spec, sparse=True))
+                                          / layout.tp * in_flight)
+            mem = self._compute_dtype(mem, exact=("activations",))  # counted at the compute dtype already
             step = self._step_copy_bytes(decl, layout, counts[st])
             if step:  # the step runs once the micro-batches' tensors are gone
-                over = step - sum(mem.get(k, 0) for k in ("activations", "logits", "buffers", "gathered"))
+                over = step - sum(mem.get(k, 0) for k in TRANSIENT if k != "step")
                 if over > 0:
                     mem["step"] = int(over)
             # The stage with the most, outside tensors included; of those only the fragmentation
@@ -463,9 +480,11 @@ class CostModel:
         s_loc = seq_len // layout.cp
         moe = self._moe(decl, layout, b * s_loc)
 
+        compute = 4 if self.cluster.gpu == "cpu" else 2  # a CPU run computes in fp32
+
         def act(recompute: str, sparse: bool = False) -> float:
             return layer_activation_bytes(spec, fw, b=b, s=s_loc, tp=tp, sp=layout.sequence_parallel, recompute=recompute,
-                                          moe=moe if sparse else None)
+                                          moe=moe if sparse else None, compute_bytes=compute)
 
         kinds = [False] + ([True] if moe is not None else [])
         per_layer = {k: act(layout.recompute, k) for k in kinds}
@@ -482,6 +501,9 @@ class CostModel:
         for st in _peak_stage_candidates(counts):
             nd, ns = counts[st]
             kept = nd * per_layer[False] + (ns * per_layer[True] if ns else 0.0)
+            if fw.eager_layers and st == pp - 1:  # the final norm and the head's input
+                kept += eager_head_saved_bytes(spec, head=decl.head, b=b, s=s_loc, tp=tp, sp=layout.sequence_parallel,
+                                               compute_bytes=compute)
             logits = self._logits_bytes(self.framework.logit_train_bytes, b * s_loc * spec.vocab_size / tp) \
                 if st == pp - 1 and decl.head == "lm" else None
             out.append((st, int(kept * in_flight_microbatches(layout, st, m) + working), logits,
@@ -493,12 +515,14 @@ class CostModel:
         chunk = self.framework.logits_chunk_elements
         return int(per_logit * (logits if chunk is None else min(logits, chunk)))
 
-    def _compute_dtype(self, mem: dict[str, int]) -> dict[str, int]:
+    def _compute_dtype(self, mem: dict[str, int], *, exact: tuple[str, ...] = ()) -> dict[str, int]:
         """`mem` with the tensors a call computes (activations, logits, KV cache) in the runtime's
-        compute dtype: the byte counts are bf16's; a CPU run computes in fp32, twice as many."""
+        compute dtype: the byte counts are bf16's; a CPU run computes in fp32, twice as many (except
+        the keys in `exact`, counted at the compute dtype already)."""
         if self.cluster.gpu != "cpu":
             return mem
-        return {k: 2 * v if k in ("activations", "logits", "kv_cache", "gathered") else v for k, v in mem.items()}
+        return {k: 2 * v if k in ("activations", "logits", "kv_cache", "gathered") and k not in exact else v
+                for k, v in mem.items()}
 
     def _outside_tensors(self, layout: Layout, mem: dict[str, int], topo: Topology, *, moe: bool = False) -> dict[str, int]:
         """Context and workspaces; on GPUs also NCCL buffers of the layout's communicators and the

@@ -115,8 +115,10 @@ class Framework:
     # SwiGLU per element of the f-wide intermediate (None: one fused kernel, 6 bytes forward, 10 backward).
     swiglu_fwd: tuple[float, ...] | None = None
     swiglu_bwd: tuple[float, ...] | None = None
-    # Fused attention's output goes back from [b, heads, s, d] to [b, s, h] by a copy (2+2 per element).
-    attn_out_copy: bool = False
+    # Each layer runs as PyTorch ops under autocast, each saving what its backward reads (the
+    # planner's runtime; `cost_models.memory.eager_layer_saved_bytes`); False: Megatron's fused
+    # kernels (Korthikanti et al.'s list).
+    eager_layers: bool = False
     # Casting fp32 weights to the compute dtype on each forward pass, bytes per weight (one kernel
     # per matrix); 0 where bf16 weights are kept beside fp32 master weights.
     weight_cast_bytes: float = 0.0
@@ -290,7 +292,7 @@ FRAMEWORKS: dict[str, Framework] = {
         optimizer_step_bytes=32, grad_accum_bytes=18, overlap_grad_reduce=True, zero3_prefetch=True,
         norm_fwd=(8.0, 4.0, 8.0, 6.0, 6.0, 6.0), norm_bwd=(12.0, 8.0, 12.0, 12.0, 8.0, 8.0, 8.0, 8.0),
         residual_fwd=(10.0,), residual_bwd=(6.0, 12.0), rope_fwd=(4.0, 4.0, 4.0, 6.0), rope_bwd=(4.0, 4.0, 4.0, 6.0),
-        swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), attn_out_copy=True,
+        swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), eager_layers=True,
         weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26, decode_cuda_graphs=True,
         windowed_attention=False, cp_comm="all_gather", cp_zero3_replicas=True,
         grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0, zero3_keeps_gathered=True,

@@ -9,6 +9,13 @@
   selective recompute drops the ``5*a*s/h`` attention term; full recompute keeps only the layer
   input, ``2*s*b*h`` (divided by t under sequence parallelism). Llama layers (SwiGLU, grouped-
   query attention, no dropout) are counted from the same list of saved tensors.
+- The planner's runtime (`Framework.eager_layers`) runs each layer as PyTorch ops, and every op
+  saves what its backward reads (`eager_layer_saved_bytes`, byte for byte what autograd saves in
+  `runtime/model.py`, fp32 and bf16 autocast alike: `tests/test_cost_memory.py`): the residual
+  stream and the norms stay fp32, each GEMM saves its own compute-dtype cast of its input, SwiGLU
+  keeps four f-wide tensors. On a GPU its fp32 weights are cast to bf16 for each forward and the
+  matmuls keep the casts until backward (``weight_casts``: 2 bytes per matrix weight of the stage,
+  per micro-batch in flight).
 - ZeRO-3 buffers (``buffers``): gathered layers in flight and, in training, gradients on their way
   to the reduce-scatter (`Framework.zero3_gather_layers`, `zero3_scatter_layers`). Where autograd
   keeps the gathered weights (`Framework.zero3_keeps_gathered`: the planner's runtime, without
@@ -50,7 +57,7 @@ RESERVE_FRACTION = 0.05  # ... bounded by this share of a small device
 NCCL_CHANNEL_BYTES = 12 * MIB  # one connection's buffers per channel (10 MiB + 2 MiB)
 NCCL_P2P_CHANNELS = 4  # channels of one send/recv peer
 FRAGMENTATION = 0.15  # of the transient tensors' bytes (GMLake's average)
-TRANSIENT = ("activations", "logits", "buffers", "gathered", "step")
+TRANSIENT = ("activations", "logits", "buffers", "gathered", "weight_casts", "step")
 
 
 def sparse_mlp_saved_bytes(spec: ModelSpec, *, tokens: int, tp: int, moe: ExpertLoad) -> float:
@@ -65,9 +72,19 @@ def sparse_mlp_saved_bytes(spec: ModelSpec, *, tokens: int, tp: int, moe: Expert
 
 
 def layer_activation_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, sp: bool,
-                           recompute: str, moe: ExpertLoad | None = None) -> float:
+                           recompute: str, moe: ExpertLoad | None = None, compute_bytes: int = 2) -> float:
     """Bytes one layer keeps for backward, for one micro-batch of `b` sequences of `s` tokens (a
-    sparse layer's MLP as `moe` loads it)."""
+    sparse layer's MLP as `moe` loads it), computing in a dtype of `compute_bytes` (2: bf16; 4: a
+    CPU run in fp32)."""
+    if fw.eager_layers:
+        return eager_layer_saved_bytes(spec, b=b, s=s, tp=tp, sp=sp, recompute=recompute, moe=moe,
+                                       compute_bytes=compute_bytes)
+    return compute_bytes / 2 * _fused_layer_saved_bytes(spec, fw, b=b, s=s, tp=tp, sp=sp, recompute=recompute, moe=moe)
+
+
+def _fused_layer_saved_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, sp: bool,
+                             recompute: str, moe: ExpertLoad | None) -> float:
+    """Korthikanti et al.'s list of a layer of fused kernels, in bf16."""
     h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
     a, kv = spec.num_attention_heads, spec.kv_heads
     sbh = float(s) * b * h
@@ -89,6 +106,57 @@ def layer_activation_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp
         core = (5.0 if fw.dropout else 2.0) * a * s * s * b  # softmax out (2), mask (1), dropout out (2)
     experts = sparse_mlp_saved_bytes(spec, tokens=s * b, tp=tp, moe=moe) if moe is not None else 0.0
     return replicated / norm_div + (split + core) / tp + experts
+
+
+def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: bool, recompute: str,
+                            moe: ExpertLoad | None = None, compute_bytes: int = 2) -> float:
+    """Bytes autograd keeps for one layer of the planner's runtime (`runtime/model.py`), for one
+    micro-batch of `b` sequences of `s` tokens on one tensor-parallel rank, computing in
+    `compute_bytes` (2: bf16 under autocast, fp32 weights; 4: fp32 throughout).
+
+    - Each norm (on the rank's s/t tokens under sequence parallelism): its fp32 input and, for
+      RMSNorm, its fp32 normalised value and the per-token rsqrt (LayerNorm: mean and rstd).
+    - Its output feeds GEMMs: in fp32 all of them save that one tensor; under autocast each casts
+      it to bf16 for itself and saves the cast (q, k and v: three; gate and up: two; GELU's up: one),
+      on the gathered tokens under sequence parallelism.
+    - Attention: q and k after rotary embedding, v, the output (which the output projection reads
+      as a view) and the fp32 log-sum-exp of each query row; selective recompute drops the last.
+    - The MLP: SwiGLU's gate, up, activation and product; GELU's input and output.
+    - Full recompute keeps the layer's fp32 input only.
+
+    The weights' casts are not here (`weight_casts` in `CostModel`). A sparse layer's experts keep
+    `sparse_mlp_saved_bytes` (not measured on the runtime) and its router one cast of the input.
+    """
+    h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
+    a, kv = spec.num_attention_heads, spec.kv_heads
+    c = compute_bytes
+    m = float(s) * b
+    mn = m / tp if sp else m  # tokens of the norm region
+    if recompute == "full":
+        return 4 * mn * h
+    gpt = spec.model_type == "gpt"
+    norm = mn * ((4 * h + 8) if gpt else (8 * h + 4))
+    gemm_inputs = 3 + (1 if moe is not None or gpt else 2)  # q, k, v; the MLP's up (and gate), or the router
+    inputs = (gemm_inputs * c if c < 4 else 2 * 4) * m * h
+    attn = c * m * (a * d + 2 * kv * d) / tp + c * m * a * d / tp
+    if recompute != "selective":
+        attn += 4 * m * a / tp
+    if moe is not None:
+        mlp = c / 2 * sparse_mlp_saved_bytes(spec, tokens=int(m), tp=tp, moe=moe)
+    else:
+        mlp = (2 if gpt else 4) * c * m * f / tp
+    return 2 * norm + inputs + attn + mlp
+
+
+def eager_head_saved_bytes(spec: ModelSpec, *, head: Head, b: int, s: int, tp: int, sp: bool, compute_bytes: int = 2) -> float:
+    """What the runtime's last stage keeps beyond its layers: the final norm's (`eager_layer_saved_bytes`)
+    and the head's input, fp32 for the LM head (its log-probs run in chunks in fp32 and recompute
+    the logits in backward) or the value head's cast of it."""
+    h = spec.hidden_size
+    m = float(s) * b
+    mn = m / tp if sp else m
+    norm = mn * ((4 * h + 8) if spec.model_type == "gpt" else (8 * h + 4))
+    return norm + (4 if head == "lm" else compute_bytes) * m * h
 
 
 def forward_working_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, kv_len: int | None = None,

@@ -347,14 +347,13 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     if moe is not None and fw.weight_cast_bytes:
         casts.append(mem(fw.weight_cast_bytes * moe.active * 3 * h * moe.width,
                          3 * moe.active if fw.expert_gemms == "loop" else 1))  # one cast per matrix used
-    copy = [mem(4.0 * m * a * d / tp)] if fw.attn_out_copy and fw.attention == "flash" else []
     mlp_f = (*ups, *act_fwd) + ((down,) if down is not None else ())
-    fwd = (*casts, *norm_f, qkv, *rope_f, *att_f, *copy, out, *add_f, *norm_f, *mlp_f, *add_f)
+    fwd = (*casts, *norm_f, qkv, *rope_f, *att_f, out, *add_f, *norm_f, *mlp_f, *add_f)
     fused = fused_accum_bytes(fw)
     bwd: list[Kernel] = [*add_b, *(gemm_bwd(down, fused) if down is not None else ()), *act_bwd]
     for g in ups:
         bwd += gemm_bwd(g, fused)
-    bwd += [*norm_b, *add_b, *gemm_bwd(out, fused), *copy, *att_b, *rope_b, *gemm_bwd(qkv, fused), *norm_b]
+    bwd += [*norm_b, *add_b, *gemm_bwd(out, fused), *att_b, *rope_b, *gemm_bwd(qkv, fused), *norm_b]
 
     act = 2.0 * m * h  # one [s, b, h] activation, bytes
     # Per block (attention, MLP): forward, the column-parallel GEMM's input is all-gathered (sequence

@@ -83,8 +83,11 @@ def test_no_dense_estimate_above_60_percent_mfu():
             over.append((est.mfu, gpu, fw, seq))
     assert checked > 1000, checked
     assert worst[0] > 0.3  # the grid reaches realistic utilisations, not only starved ones
-    assert {(gpu, fw, seq) for _, gpu, fw, seq in over} == {("a100-80gb", "torch", 8192)}
-    assert (len(over), round(min(over)[0], 3), round(max(over)[0], 3)) == (9, 0.601, 0.612)
+    # The runtime's eager layers keep more for backward than fused kernels, so its fastest layouts
+    # of 7-8B models at 8k tokens no longer fit (they reached 60.1-61.2% when its memory was
+    # counted as Megatron's); none is above the cap now, the best at 57.4%.
+    assert over == []
+    assert round(worst[0], 3) == 0.574
 
 
 def test_the_megatron_core_estimates_above_the_cap_are_these():
@@ -160,7 +163,7 @@ def test_memory_outside_tensors_on_gpus_only():
     """NCCL buffers per communicator of the layout (tp and dp rings, pipeline neighbours) and the
     allocator's fragmentation of the transient tensors on a GPU; neither on gloo CPU ranks."""
     from cost_models.comm import NCCL_CHANNELS
-    from cost_models.memory import FRAGMENTATION, NCCL_CHANNEL_BYTES, NCCL_P2P_CHANNELS
+    from cost_models.memory import FRAGMENTATION, NCCL_CHANNEL_BYTES, NCCL_P2P_CHANNELS, TRANSIENT
 
     spec = resolve_model("llama-2-7b")
     call = Call(name="t", model="m", kind="train", seqs=64, seq_len=2048, loss="sft")
@@ -169,7 +172,7 @@ def test_memory_outside_tensors_on_gpus_only():
     ring = NCCL_CHANNELS * NCCL_CHANNEL_BYTES
     mem = cm.call_cost(call, decl, Mesh.block(0, 8), Layout(tp=2, pp=2, dp=2, micro_batches=8)).mem_breakdown_bytes
     assert mem["nccl"] == 2 * ring + NCCL_P2P_CHANNELS * NCCL_CHANNEL_BYTES
-    assert mem["fragmentation"] == int(FRAGMENTATION * (mem["activations"] + mem.get("logits", 0) + mem["buffers"]))
+    assert mem["fragmentation"] == int(FRAGMENTATION * sum(mem.get(k, 0) for k in TRANSIENT))
     alone = cm.call_cost(call, decl, Mesh.block(0, 1), Layout(micro_batches=64)).mem_breakdown_bytes
     assert alone["nccl"] == 0
     tiny = ModelDecl(spec=resolve_model("tiny-llama"), trainable=True)

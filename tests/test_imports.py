@@ -214,7 +214,7 @@ def test_megatron_imports_say_where_the_command_runs_unlike_its_costing() -> Non
     got = imports.from_megatron(base + ["--cross-entropy-loss-fusion"], cluster, {}, world=2)
     assert len(got.notes) == 1 and got.notes[0].startswith("--cross-entropy-loss-fusion")
     assert "faster than costed" in got.notes[0]
-    plan = matrix()["sft_llama31"]
+    plan = matrix()["sft_mistral"]  # dp 2
     exp = export_plan(plan, "megatron", call="model_train")
     c = next(x for x in plan.calls if x.name == "model_train")
     assert c.layout.dp > 1 and "--overlap-grad-reduce" in exp.text
