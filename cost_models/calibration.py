@@ -40,6 +40,8 @@ class Coefficients(Strict):
     network_efficiency: float = Field(gt=0, le=1, description="Collective bus bandwidth over the network bandwidth available to the group.")
     kernel_latency_us: float = Field(ge=0, description="GPU time floor per kernel launch, us.")
     host_kernel_us: float = Field(ge=0, description="Host (framework + launch) time to issue one kernel, us.")
+    host_backward_kernel_us: float | None = Field(None, ge=0, description="Host time per kernel of a layer's backward (its gradient accumulation included), us: autograd runs each backward op as a node of its engine, with the views' and accumulations' nodes beside it (the runtime issues about three ops per backward kernel of the cost model's inventory where its forward issues one and a half; `planner.runtime_profile`). None: host_kernel_us.")
+    host_decode_kernel_us: float | None = Field(None, ge=0, description="Host time per kernel of a layer's decode step (one token per sequence), us: the step also writes each layer's keys and values into the cache and reads it through views (`planner.runtime_profile`). None: host_kernel_us.")
     host_collective_us: float = Field(ge=0, description="Host time to issue one collective, per level of its ranks' rendezvous tree (x log2 of the group), us.")
     host_overlap: float = Field(ge=0, le=1, description="Fraction of the shorter of host and device time hidden under the longer.")
     microbatch_overhead_ms: float = Field(ge=0, description="Host time per micro-batch per pipeline stage outside the layers (batch, loss, schedule), ms.")

@@ -80,7 +80,7 @@ def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, 
         moe = expert_load(spec, layout, tokens=b, load_cv=load_cv, dispatch=fw.moe_dispatch,
                           ep_nodes=g["ep"].nodes) if sparse else None
         w = layer_work(spec, fw, b=b, s=1, tp=tp, cp=layout.cp, sp=False, kv_len=ctx, moe=moe)
-        out = stretch_of(w.fwd, w.fwd_comm, g, hw)
+        out = stretch_of(w.fwd, w.fwd_comm, g, hw, host_kernel_s=hw.host_decode_kernel_s)
         if fw.decode_cuda_graphs and hw.sm_count is not None:  # a GPU replays the step: no per-kernel host cost
             out = dataclasses.replace(out, host_s=0.0)
         return out

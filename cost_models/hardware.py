@@ -43,6 +43,8 @@ class Hardware:
     attn_head_s: float  # fused attention softmax, per (sequence, head) (0 where hidden under the matmuls)
     attn_score_s: float  # and per score
     host_kernel_s: float
+    host_backward_kernel_s: float  # per kernel of a layer's backward
+    host_decode_kernel_s: float  # per kernel of a layer's decode step
     host_collective_s: float
     host_overlap: float
     microbatch_overhead_s: float
@@ -108,6 +110,10 @@ def effective_hardware(cluster: ClusterSpec, cal: Calibration, *, busy: int | No
         attn_head_s=co.attention_head_us * 1e-6 / share,
         attn_score_s=co.attention_score_ns * 1e-9 / share,
         host_kernel_s=co.host_kernel_us * 1e-6 / share,
+        host_backward_kernel_s=(co.host_kernel_us if co.host_backward_kernel_us is None
+                                else co.host_backward_kernel_us) * 1e-6 / share,
+        host_decode_kernel_s=(co.host_kernel_us if co.host_decode_kernel_us is None
+                              else co.host_decode_kernel_us) * 1e-6 / share,
         host_collective_s=co.host_collective_us * 1e-6,
         host_overlap=co.host_overlap,
         microbatch_overhead_s=co.microbatch_overhead_ms * 1e-3 / share,

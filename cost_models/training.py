@@ -130,7 +130,7 @@ def comm_time_s(c: Comm, g: comm.Group, hw: Hardware) -> float:
 
 def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dict[str, comm.Group],
                hw: Hardware, *, hidden_comm: str | None = None, hide_under: float = 0.0,
-               tp_pipelined: bool = False, dgrad_overlap: bool = False) -> Stretch:
+               tp_pipelined: bool = False, dgrad_overlap: bool = False, host_kernel_s: float | None = None) -> Stretch:
     """Device, collective and host time of kernels and collectives run in order.
 
     Collectives of the `hidden_comm` group overlap compute worth `hide_under` seconds. With
@@ -139,11 +139,13 @@ def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dic
     chunk of the transfers and what the GEMMs cannot cover stays exposed, and the rest slows the
     GEMMs it runs under (`comm.overlap_interference_s`). With `dgrad_overlap`
     (`Framework.tp_dgrad_overlap`) each input-gradient collective runs under the weight gradient
-    it names (`Comm.under`), exposed only where longer.
+    it names (`Comm.under`), exposed only where longer. Each kernel costs the host `host_kernel_s`
+    (default `Hardware.host_kernel_s`; a layer's backward and a decode step have their own).
     """
     dev = kernels_time_s(kernels, hw)
     t_comm = host = t_cp = t_ep = pipelined = 0.0
-    between = (dev + host_launches(kernels) * hw.host_kernel_s) / max(1, len(comms))  # work before each collective
+    issue_s = host_launches(kernels) * (hw.host_kernel_s if host_kernel_s is None else host_kernel_s)
+    between = (dev + issue_s) / max(1, len(comms))  # work before each collective
     for c in comms:
         g = groups[c.group]
         t = comm_time_s(c, g, hw) + comm.skew_wait_s(between, g.n, hw)
@@ -165,7 +167,7 @@ def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dic
     if pipelined:
         gemm_s = kernels_time_s(tuple(k for k in kernels if k.kind == "gemm"), hw)
         t_comm += comm.overlapped_s(pipelined, gemm_s, pipelined / groups["tp"].n, hw)
-    return Stretch(dev, t_comm, host_launches(kernels) * hw.host_kernel_s + host, t_cp, t_ep)
+    return Stretch(dev, t_comm, issue_s + host, t_cp, t_ep)
 
 
 @dataclass(frozen=True)
@@ -251,8 +253,8 @@ def _layer_times(spec: ModelSpec, fw: Framework, hw: Hardware, tp: int, cp: int,
     if not training:
         return LayerTimes(fwd, Stretch(), fwd)
     bwd = stretch_of(w.bwd, w.bwd_comm, groups, hw, hidden_comm=hidden, hide_under=2 * attn_fwd, tp_pipelined=piped,
-                     dgrad_overlap=fw.tp_dgrad_overlap)
-    accum = Stretch(kernels_time_s((w.grad_accum,), hw), 0.0, w.grad_tensors * hw.host_kernel_s)
+                     dgrad_overlap=fw.tp_dgrad_overlap, host_kernel_s=hw.host_backward_kernel_s)
+    accum = Stretch(kernels_time_s((w.grad_accum,), hw), 0.0, w.grad_tensors * hw.host_backward_kernel_s)
     if recompute == "full":
         rec = fwd
     elif recompute == "selective":

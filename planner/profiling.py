@@ -385,6 +385,8 @@ def _profile_cpu(*, budget_s: float, ranks: int, progress: Callable[[str], None]
     progress("the runtime's host and eager costs")
     costs = runtime_costs(hw, coef, budget_s=2 * part)
     coef = coef.model_copy(update=dict(host_kernel_us=costs.host_kernel_us,
+                                       host_backward_kernel_us=costs.host_backward_kernel_us,
+                                       host_decode_kernel_us=costs.host_decode_kernel_us,
                                        microbatch_overhead_ms=costs.microbatch_overhead_ms,
                                        step_overhead_ms=costs.step_overhead_ms,
                                        decode_step_overhead_ms=costs.decode_step_overhead_ms,

@@ -7,9 +7,15 @@ generated token, and the arithmetic as FLOPs and bytes. The runtime is timed her
 
 - at *negligible width* (hidden size 8, one sequence of 6 tokens) the arithmetic vanishes and
   what is left is host time: a forward, a train step and a generation at 1 and at 3 layers give
-  the host time per layer, hence per kernel (the cost model says how many kernels a layer has),
-  and, from what the cost model then predicts at 1 layer, the overheads per micro-batch (a
-  forward), per optimizer step (a train step) and per generated token (a generation);
+  the host time per layer, hence per kernel (the cost model says how many kernels a layer has):
+  the forward's per forward kernel, then the train step's per backward kernel (autograd's engine
+  runs each backward op as a node, beside the views' and the accumulations' nodes: the runtime
+  issues about three ops per backward kernel of the inventory where its forward issues one and a
+  half, and a backward kernel took 1.8 times a forward one on this machine), then the
+  generation's per kernel of a decode step (which also writes the layer's keys and values into
+  the cache and reads it through views: 1.2 times a forward kernel), and, from what the cost
+  model then predicts at 1 layer, the overheads per micro-batch (a forward), per optimizer
+  step (a train step) and per generated token (a generation);
 - on a *small real* model (`PROBE`) the forward's time beyond its GEMMs, attention and host
   work is its memory-bound work (norms, rotary embedding, activations, residuals), each of them
   several eager passes over float32 tensors where the cost model counts one fused bf16 kernel:
@@ -91,6 +97,8 @@ class RuntimeCosts:
     """The runtime's host and eager costs on this core, in the calibration's units."""
 
     host_kernel_us: float
+    host_backward_kernel_us: float
+    host_decode_kernel_us: float
     microbatch_overhead_ms: float
     step_overhead_ms: float
     decode_step_overhead_ms: float
@@ -173,6 +181,16 @@ def runtime_costs(hardware: HardwareOverrides, coefficients: Coefficients, *, bu
     host_us = max(got[(3, "forward")] - got[(1, "forward")] - two_layers(zero), 0.0) / kernels * 1e6
     coef = {"host_kernel_us": host_us, "microbatch_overhead_ms": 0.0, "step_overhead_ms": 0.0,
             "decode_step_overhead_ms": 0.0}
+    # What 2 more layers add to a train step (a generation) beyond the host time of their forward
+    # kernels (their prefill) and the arithmetic, per kernel of their backward (decode steps).
+    for key, kind in (("host_backward_kernel_us", "train"), ("host_decode_kernel_us", "generate")):
+        without = _model(hardware, coefficients, **coef, **{key: 0.0})
+
+        def two_more(cm: CostModel, kind: str = kind) -> float:
+            return _predict_s(cm, specs[3], calls[kind]) - _predict_s(cm, specs[1], calls[kind])
+
+        launches = (two_more(_model(hardware, coefficients, **coef, **{key: 1.0})) - two_more(without)) / 1e-6
+        coef[key] = max(got[(3, kind)] - got[(1, kind)] - two_more(without), 0.0) / launches * 1e6
     # Each overhead is what a 1-layer call takes beyond the model with the ones found before it.
     for key, kind, per in (("microbatch_overhead_ms", "forward", 1), ("step_overhead_ms", "train", 1),
                            ("decode_step_overhead_ms", "generate", NEG_GEN)):
@@ -197,6 +215,8 @@ def runtime_costs(hardware: HardwareOverrides, coefficients: Coefficients, *, bu
             lo, hi = (mid, hi) if predicted(mid) > want else (lo, mid)
         eff = (lo * hi) ** 0.5
     return RuntimeCosts(host_kernel_us=round(coef["host_kernel_us"], 3),
+                        host_backward_kernel_us=round(coef["host_backward_kernel_us"], 3),
+                        host_decode_kernel_us=round(coef["host_decode_kernel_us"], 3),
                         microbatch_overhead_ms=round(coef["microbatch_overhead_ms"], 4),
                         step_overhead_ms=round(coef["step_overhead_ms"], 4),
                         decode_step_overhead_ms=round(coef["decode_step_overhead_ms"], 4),

@@ -173,7 +173,8 @@ def calibrate(
     Console(highlight=False).print(table)
     coef = Table("coefficient", "value", title_justify="left")
     for k, v in cal.coefficients.model_dump().items():
-        coef.add_row(k, f"{v:.4g}")
+        if v is not None:  # an unset host time per backward or decode kernel is host_kernel_us
+            coef.add_row(k, f"{v:.4g}")
     Console(highlight=False).print(coef)
 
 
@@ -204,8 +205,8 @@ def profile(
         if v is not None:
             table.add_row(k, f"{v:.4g}")
     shown = ("attention_efficiency", "host_kernel_us") if device == "cuda" or cal.gpu != "cpu" else \
-        ("elementwise_efficiency", "attention_head_us", "attention_score_ns", "host_kernel_us", "microbatch_overhead_ms",
-         "step_overhead_ms", "decode_step_overhead_ms")
+        ("elementwise_efficiency", "attention_head_us", "attention_score_ns", "host_kernel_us", "host_backward_kernel_us",
+         "host_decode_kernel_us", "microbatch_overhead_ms", "step_overhead_ms", "decode_step_overhead_ms")
     for k in shown:
         table.add_row(k, f"{getattr(cal.coefficients, k):.4g}")
     Console(highlight=False).print(table)
