@@ -2,11 +2,11 @@
 
 Tiny Llama actor and critic (a value head), a frozen reference, and a rule-based reward on the
 generated tokens (the toy task in `runtime/tasks.py`), on a `cpu:1x4` cluster. The compiled plan
-places the actor and the reference on rank 0 and the critic on rank 2, each model's calls on the
-slices it trains, two calls at a time on the machine's 2 cores (ranks 1 and 3 stay idle): on 4
-ranks sharing 2 cores, a third or fourth busy rank only slows the other two, and a reallocation's
-host work costs more than spreading a call wider saves (`bench/predict_vs_measure.py` measures
-it). Tests and `bench/rlhf_learning.py` place calls by hand where a model must move.
+(with the shipped CPU calibration) runs every call on rank 0 but the critic's training, which
+runs on rank 1 beside the actor's, the critic's weights reallocated to rank 0 for its inference:
+at most two calls at a time on the machine's 2 cores (ranks 2 and 3 stay idle), as on 4 ranks
+sharing 2 cores a third or fourth busy rank only slows the other two, and a call spread wider
+pays more host work than it saves (`bench/predict_vs_measure.py` measures it). Tests and `bench/rlhf_learning.py` place calls by hand where a model must move.
 
 Hyperparameters: the reward rises from 0.25 (random) to about 0.8 in 30 steps, with a light KL
 penalty (0.05 held the reward near 0.6). RL training amplifies float rounding (sampling is
