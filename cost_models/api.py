@@ -431,7 +431,7 @@ class CostModel:
         zero3 = max(gathers, both - gathers) if kept else both
         counts = self._stage_params(spec, decl.head, layout)
         # The runtime on a GPU casts its fp32 weights to bf16 in each forward; the matmuls keep the casts.
-        casts = fw.eager_layers and fw.param_bytes > 2 and self.cluster.gpu != "cpu"
+        casts = fw.layer_activations == "autocast" and fw.param_bytes > 2 and self.cluster.gpu != "cpu"
         layer_counts = stage_layer_counts(spec, layout.pp, layout.interleave)
         best: dict[str, int] = {}
         best_s = -1
@@ -501,9 +501,9 @@ class CostModel:
         for st in _peak_stage_candidates(counts):
             nd, ns = counts[st]
             kept = nd * per_layer[False] + (ns * per_layer[True] if ns else 0.0)
-            if fw.eager_layers and st == pp - 1:  # the final norm and the head's input
+            if fw.layer_activations != "fused" and st == pp - 1:  # the final norm and the head's input
                 kept += eager_head_saved_bytes(spec, head=decl.head, b=b, s=s_loc, tp=tp, sp=layout.sequence_parallel,
-                                               compute_bytes=compute)
+                                               compute_bytes=compute, style=fw.layer_activations)
             logits = self._logits_bytes(self.framework.logit_train_bytes, b * s_loc * spec.vocab_size / tp) \
                 if st == pp - 1 and decl.head == "lm" else None
             out.append((st, int(kept * in_flight_microbatches(layout, st, m) + working), logits,

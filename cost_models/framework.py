@@ -115,10 +115,12 @@ class Framework:
     # SwiGLU per element of the f-wide intermediate (None: one fused kernel, 6 bytes forward, 10 backward).
     swiglu_fwd: tuple[float, ...] | None = None
     swiglu_bwd: tuple[float, ...] | None = None
-    # Each layer runs as PyTorch ops under autocast, each saving what its backward reads (the
-    # planner's runtime; `cost_models.memory.eager_layer_saved_bytes`); False: Megatron's fused
-    # kernels (Korthikanti et al.'s list).
-    eager_layers: bool = False
+    # What a layer keeps for backward (`cost_models.memory.layer_activation_bytes`): "fused",
+    # Megatron's fused kernels (Korthikanti et al.'s list); "autocast", PyTorch ops under autocast
+    # on fp32 weights, each GEMM saving its own cast of its input (the planner's runtime); "hf",
+    # HF transformers' layers on bf16 weights (what FSDP and DeepSpeed engines train), the two
+    # for each op what autograd saves (`eager_layer_saved_bytes`).
+    layer_activations: str = "fused"
     # Casting fp32 weights to the compute dtype on each forward pass, bytes per weight (one kernel
     # per matrix); 0 where bf16 weights are kept beside fp32 master weights.
     weight_cast_bytes: float = 0.0
@@ -278,6 +280,18 @@ FRAMEWORKS: dict[str, Framework] = {
         decode_cuda_graphs=True, decode_drops_finished=True, expert_gemms="per_expert", rollout_expert_gemms="grouped",
         attention_kernels=TE_ATTENTION, tp_dgrad_overlap=True,
     ),
+    # The same engines training HF transformers models (verl's FSDP workers, OpenRLHF on
+    # DeepSpeed) with `attn_implementation="flash_attention_2"`: activations as HF's eager layers
+    # keep them on bf16 weights (RMSNorm upcast to fp32, SwiGLU's four f-wide tensors), byte for byte
+    # what `transformers` saves (`tests/test_cost_memory.py`), and FlashAttention-2 on every
+    # architecture; the other kernels are priced as rlhf-engine's (HF's eager elementwise kernels
+    # are not measured here), so its step times are optimistic where those kernels matter.
+    "rlhf-engine-hf": Framework(
+        name="rlhf-engine-hf", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
+        optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
+        decode_cuda_graphs=True, decode_drops_finished=True, expert_gemms="per_expert", rollout_expert_gemms="grouped",
+        attention_kernels=SDPA_ATTENTION, tp_dgrad_overlap=True, layer_activations="hf",
+    ),
     # vLLM as verl and OpenRLHF run it for rollouts: bf16 weights, fused kernels, decode steps
     # replayed as CUDA graphs (its generate calls; it does not train).
     "vllm": Framework(
@@ -292,7 +306,7 @@ FRAMEWORKS: dict[str, Framework] = {
         optimizer_step_bytes=32, grad_accum_bytes=18, overlap_grad_reduce=True, zero3_prefetch=True,
         norm_fwd=(8.0, 4.0, 8.0, 6.0, 6.0, 6.0), norm_bwd=(12.0, 8.0, 12.0, 12.0, 8.0, 8.0, 8.0, 8.0),
         residual_fwd=(10.0,), residual_bwd=(6.0, 12.0), rope_fwd=(4.0, 4.0, 4.0, 6.0), rope_bwd=(4.0, 4.0, 4.0, 6.0),
-        swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), eager_layers=True,
+        swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), layer_activations="autocast",
         weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26, decode_cuda_graphs=True,
         windowed_attention=False, cp_comm="all_gather", cp_zero3_replicas=True,
         grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0, zero3_keeps_gathered=True,

@@ -76,9 +76,9 @@ def layer_activation_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp
     """Bytes one layer keeps for backward, for one micro-batch of `b` sequences of `s` tokens (a
     sparse layer's MLP as `moe` loads it), computing in a dtype of `compute_bytes` (2: bf16; 4: a
     CPU run in fp32)."""
-    if fw.eager_layers:
+    if fw.layer_activations != "fused":
         return eager_layer_saved_bytes(spec, b=b, s=s, tp=tp, sp=sp, recompute=recompute, moe=moe,
-                                       compute_bytes=compute_bytes)
+                                       compute_bytes=compute_bytes, style=fw.layer_activations)
     return compute_bytes / 2 * _fused_layer_saved_bytes(spec, fw, b=b, s=s, tp=tp, sp=sp, recompute=recompute, moe=moe)
 
 
@@ -109,35 +109,42 @@ def _fused_layer_saved_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, 
 
 
 def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: bool, recompute: str,
-                            moe: ExpertLoad | None = None, compute_bytes: int = 2) -> float:
-    """Bytes autograd keeps for one layer of the planner's runtime (`runtime/model.py`), for one
-    micro-batch of `b` sequences of `s` tokens on one tensor-parallel rank, computing in
-    `compute_bytes` (2: bf16 under autocast, fp32 weights; 4: fp32 throughout).
+                            moe: ExpertLoad | None = None, compute_bytes: int = 2, style: str = "autocast") -> float:
+    """Bytes autograd keeps for one layer of eager PyTorch ops, for one micro-batch of `b`
+    sequences of `s` tokens on one tensor-parallel rank: the planner's runtime (`runtime/model.py`,
+    `style` "autocast"), computing in `compute_bytes` (2: bf16 under autocast, fp32 weights; 4:
+    fp32 throughout), or HF transformers' Llama and Qwen2 layers on bf16 weights (`style` "hf", as
+    FSDP and DeepSpeed engines train them).
 
     - Each norm (on the rank's s/t tokens under sequence parallelism): its fp32 input and, for
-      RMSNorm, its fp32 normalised value and the per-token rsqrt (LayerNorm: mean and rstd).
+      RMSNorm, its fp32 normalised value and the per-token rsqrt (LayerNorm: mean and rstd); HF's
+      RMSNorm keeps the normalised value cast back to bf16 and the output its weight scales.
     - Its output feeds GEMMs: in fp32 all of them save that one tensor; under autocast each casts
       it to bf16 for itself and saves the cast (q, k and v: three; gate and up: two; GELU's up: one),
-      on the gathered tokens under sequence parallelism.
+      on the gathered tokens under sequence parallelism; HF's GEMMs share the norm's bf16 output.
     - Attention: q and k after rotary embedding, v, the output (which the output projection reads
       as a view) and the fp32 log-sum-exp of each query row; selective recompute drops the last.
     - The MLP: SwiGLU's gate, up, activation and product; GELU's input and output.
-    - Full recompute keeps the layer's fp32 input only.
+    - Full recompute keeps the layer's input only (fp32 in the runtime; HF's gradient
+      checkpointing, bf16).
 
     The weights' casts are not here (`weight_casts` in `CostModel`). A sparse layer's experts keep
     `sparse_mlp_saved_bytes` (not measured on the runtime) and its router one cast of the input.
     """
     h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
     a, kv = spec.num_attention_heads, spec.kv_heads
-    c = compute_bytes
+    hf = style == "hf"
+    c = 2 if hf else compute_bytes
     m = float(s) * b
     mn = m / tp if sp else m  # tokens of the norm region
     if recompute == "full":
-        return 4 * mn * h
+        return (2 if hf else 4) * mn * h
     gpt = spec.model_type == "gpt"
-    norm = mn * ((4 * h + 8) if gpt else (8 * h + 4))
-    gemm_inputs = 3 + (1 if moe is not None or gpt else 2)  # q, k, v; the MLP's up (and gate), or the router
-    inputs = (gemm_inputs * c if c < 4 else 2 * 4) * m * h
+    if hf:  # two norms, each with the bf16 output every GEMM of its block reads
+        norms = 2 * (_hf_norm_bytes(spec, mn) + 2 * m * h)
+    else:
+        gemm_inputs = 3 + (1 if moe is not None or gpt else 2)  # q, k, v; the MLP's up (and gate), or the router
+        norms = 2 * mn * ((4 * h + 8) if gpt else (8 * h + 4)) + (gemm_inputs * c if c < 4 else 2 * 4) * m * h
     attn = c * m * (a * d + 2 * kv * d) / tp + c * m * a * d / tp
     if recompute != "selective":
         attn += 4 * m * a / tp
@@ -145,16 +152,28 @@ def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: boo
         mlp = c / 2 * sparse_mlp_saved_bytes(spec, tokens=int(m), tp=tp, moe=moe)
     else:
         mlp = (2 if gpt else 4) * c * m * f / tp
-    return 2 * norm + inputs + attn + mlp
+    return norms + attn + mlp
 
 
-def eager_head_saved_bytes(spec: ModelSpec, *, head: Head, b: int, s: int, tp: int, sp: bool, compute_bytes: int = 2) -> float:
-    """What the runtime's last stage keeps beyond its layers: the final norm's (`eager_layer_saved_bytes`)
-    and the head's input, fp32 for the LM head (its log-probs run in chunks in fp32 and recompute
-    the logits in backward) or the value head's cast of it."""
+def _hf_norm_bytes(spec: ModelSpec, tokens: float) -> float:
+    """What an HF norm keeps of `tokens` tokens besides its output: RMSNorm its fp32 upcast input,
+    the per-token rsqrt and the normalised value cast back to bf16; LayerNorm (bf16, not measured
+    here) its input, mean and rstd."""
+    h = spec.hidden_size
+    return tokens * ((2 * h + 8) if spec.model_type == "gpt" else (4 * h + 4 + 2 * h))
+
+
+def eager_head_saved_bytes(spec: ModelSpec, *, head: Head, b: int, s: int, tp: int, sp: bool, compute_bytes: int = 2,
+                           style: str = "autocast") -> float:
+    """What an eager last stage keeps beyond its layers: the final norm's (`eager_layer_saved_bytes`)
+    and the head's input: the runtime's fp32 for the LM head (its log-probs run in chunks in fp32
+    and recompute the logits in backward) or the value head's cast of it; HF's, the norm's bf16
+    normalised value and output (the logits are `logits` of the cost model)."""
     h = spec.hidden_size
     m = float(s) * b
     mn = m / tp if sp else m
+    if style == "hf":
+        return _hf_norm_bytes(spec, mn) + 2 * m * h
     norm = mn * ((4 * h + 8) if spec.model_type == "gpt" else (8 * h + 4))
     return norm + (4 if head == "lm" else compute_bytes) * m * h
 

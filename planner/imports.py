@@ -41,6 +41,7 @@ class Imported:
     graph: Graph
     placements: dict[str, Placement]
     notes: list[str] = field(default_factory=list)
+    framework: str | None = None  # the stack its training runs on, where the source's default is not it
 
 
 def _int(value: Any, where: str) -> int:
@@ -80,8 +81,9 @@ def _zero(zero: int, dp: int) -> int:
     return zero if dp > 1 else 0
 
 
-# The stack each source's config runs on, and so what its import is costed for.
-FRAMEWORK_OF = {"verl": "rlhf-engine", "openrlhf": "rlhf-engine", "megatron": "megatron-core",
+# The stack each source's config runs on, and so what its import is costed for (`Imported.framework`
+# where the config says otherwise: verl's FSDP workers train HF models, its Megatron workers do not).
+FRAMEWORK_OF = {"verl": "rlhf-engine", "openrlhf": "rlhf-engine-hf", "megatron": "megatron-core",
                 "deepspeed": "megatron-core"}
 
 
@@ -350,7 +352,7 @@ def from_verl(tree: dict[str, Any], cluster: ClusterSpec, models: dict[str, str]
         rtp_rm = _int(get("reward.reward_model.rollout.tensor_model_parallel_size"), "reward rollout tp")
         placements["reward_inference"] = (on, Layout(dp=_div(on.size, rtp_rm, "reward GPUs over its tp"), tp=rtp_rm),
                                           None)
-    return Imported(graph, placements, notes)
+    return Imported(graph, placements, notes, framework="rlhf-engine" if strategy == "megatron" else "rlhf-engine-hf")
 
 
 # ---- OpenRLHF --------------------------------------------------------------------------------

@@ -312,3 +312,62 @@ def test_the_runtime_head_keeps_its_final_norm_and_its_input(head):
         # Also kept, and left out as small: the targets and log-sum-exp of each position (LM head)
         # or the value head's weight cast.
         assert 0 <= head_bytes - want <= 16 * b * s + 2 * spec.hidden_size, (dtype, head_bytes, want)
+
+
+def _hf_saved_bytes(fields: dict, *, layers: int, b: int, s: int, checkpoint: bool, lm_head: bool) -> int:
+    """Bytes autograd keeps through an HF transformers Llama forward on bf16 weights (SDPA attention,
+    as FSDP and DeepSpeed engines train it; `checkpoint`: HF's non-reentrant gradient checkpointing),
+    the parameters left out: what every saved tensor's storage holds."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"],
+                      num_attention_heads=fields["num_attention_heads"],
+                      num_key_value_heads=fields["num_key_value_heads"], num_hidden_layers=layers,
+                      vocab_size=fields["vocab_size"], max_position_embeddings=fields["max_position_embeddings"],
+                      attention_bias=fields.get("attention_bias", False), attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).train()
+    if checkpoint:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        (model if lm_head else model.model)(input_ids=ids)
+    return sum(saved.values())
+
+
+HF_SPECS = {k: v for k, v in EAGER_SPECS.items() if v["model_type"] == "llama"}
+
+
+@pytest.mark.parametrize("name", sorted(HF_SPECS))
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_hf_layers_keep_exactly_what_the_memory_model_counts(name, recompute):
+    """`eager_layer_saved_bytes(style="hf")` (the `rlhf-engine-hf` stack) against what autograd keeps
+    in `transformers`' own Llama layers on bf16 weights, byte for byte, without and with gradient
+    checkpointing (one layer: the difference between 4 and 2 layers); the last stage keeps the
+    final norm's tensors and the LM head's input beyond them (`eager_head_saved_bytes`)."""
+    from cost_models.framework import FRAMEWORKS
+    from cost_models.memory import eager_head_saved_bytes, eager_layer_saved_bytes, layer_activation_bytes
+
+    b, s = 4, 24
+    kw = dict(b=b, s=s, checkpoint=recompute == "full")
+    two, four = (_hf_saved_bytes(HF_SPECS[name], layers=n, lm_head=True, **kw) for n in (2, 4))
+    spec = resolve_model({**HF_SPECS[name], "num_hidden_layers": 2})
+    want = eager_layer_saved_bytes(spec, b=b, s=s, tp=1, sp=False, recompute=recompute, style="hf")
+    assert (four - two) / 2 == want
+    assert layer_activation_bytes(spec, FRAMEWORKS["rlhf-engine-hf"], b=b, s=s, tp=1, sp=False,
+                                  recompute=recompute) == want
+    # Beyond the layers: the final norm and the head's input (outside the checkpointed layers), and,
+    # left out as small, the token ids (8 bytes each) and the rotary tables (under 4 bytes per
+    # position and head dimension).
+    head = eager_head_saved_bytes(spec, head="lm", b=b, s=s, tp=1, sp=False, style="hf")
+    assert 0 <= two - 2 * want - head <= (8 + 4 * spec.d_head) * b * s, (two - 2 * want, head)

@@ -94,7 +94,8 @@ def test_import_cli_costs_a_verl_config_from_its_defaults(cli, tmp_path) -> None
             "--cluster", "a100-80gb:1x8", "-o", str(out))
     assert r.code == 0, r.err
     plan = json.loads(out.read_text())
-    assert plan["estimate"]["framework"] == "rlhf-engine"  # costed for verl's own stack, not the runtime
+    # Costed for verl's own stack, not the runtime: its default FSDP workers train HF models.
+    assert plan["estimate"]["framework"] == "rlhf-engine-hf"
     calls = {c["name"]: c for c in plan["calls"]}
     # verl 0.9.1 defaults: 1024 prompts, mini-batches of 256, rollout tp 2, FSDP (ZeRO-3) on 8 GPUs.
     assert calls["actor_generate"]["seqs"] == 1024 and calls["actor_train"]["minibatches"] == 4
@@ -153,6 +154,41 @@ def test_openrlhf_offload_flags_import_as_states_in_host_memory() -> None:
     assert offload["actor_train"] == offload["critic_train"] == "optimizer"
     assert offload["actor_generate"] == offload["critic_inference"] == "none"
     assert any("--ds.adam_offload" in n and "CPU" in n for n in got.notes)
+
+
+def test_imports_are_costed_for_the_layers_their_engine_trains() -> None:
+    """OpenRLHF (DeepSpeed) and verl's FSDP workers train HF transformers models, whose eager layers
+    keep more for backward than Megatron's fused ones (`rlhf-engine-hf`); verl's Megatron workers
+    do not (`rlhf-engine`). Without gradient checkpointing (OpenRLHF's default) an 8B actor's
+    activations are costed as HF keeps them, and a checkpointed one keeps each layer's input alone."""
+    from cost_models import CostModel
+
+    assert imports.FRAMEWORK_OF["openrlhf"] == "rlhf-engine-hf"
+    fsdp = matrix()["ppo_7b"]
+    for name in ("actor_train", "critic_train"):  # verl's FSDP workers: no tensor parallelism anywhere
+        fsdp = with_layout(fsdp, name, Layout(dp=8, zero=3, micro_batches=4))
+    fsdp = with_layout(fsdp, "critic_inference", Layout(dp=16, micro_batches=4))
+    megatron = with_layout(matrix()["ppo_7b"], "actor_train", Layout(dp=4, tp=2, zero=1, micro_batches=4,
+                                                                    sequence_parallel=True))
+    models = {"actor": "llama-2-7b", "critic": "llama-2-7b", "reward": "llama-2-7b"}
+    for plan, want in ((fsdp, "rlhf-engine-hf"), (megatron, "rlhf-engine")):
+        exp = export_plan(plan, "verl")
+        got = imports.from_verl(imports.verl_config(None, _overrides(exp.text)), plan.cluster, models)
+        assert got.framework == want, exp.text[:300]
+
+    cluster = parse_cluster("h100-sxm:1x8")
+    flags = ("--vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all --actor.model_name_or_path "
+             "llama-3-8b --reward.model_name_or_path llama-3-8b --rollout.max_new_tokens 1024 --ds.zero_stage 3")
+    acts = {}
+    for extra in ("", " --actor.gradient_checkpointing_enable"):
+        got = imports.from_openrlhf(imports.command_words(flags + extra), cluster, {})
+        mesh, layout, _ = got.placements["actor_train"]
+        call, decl = got.graph.call("actor_train"), got.graph.models["actor"]
+        for fw in ("rlhf-engine", "rlhf-engine-hf"):
+            mem = CostModel(cluster, framework=fw).call_cost(call, decl, mesh, layout).mem_breakdown_bytes
+            acts[extra != "", fw] = mem["activations"]
+    assert acts[False, "rlhf-engine-hf"] > 1.3 * acts[False, "rlhf-engine"]  # 8B at 8k tokens: 1.6 GB a layer, fused 1.1
+    assert acts[True, "rlhf-engine-hf"] < acts[False, "rlhf-engine"] / 5  # checkpointed: the layers' bf16 inputs
 
 
 def test_import_cli_takes_engine_flags_unquoted_and_says_when_a_config_does_not_fit(cli, tmp_path) -> None:  # noqa: ANN001

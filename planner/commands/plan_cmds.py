@@ -135,7 +135,7 @@ def compile_cmd(
     time_limit: Annotated[float, typer.Option("--time-limit", min=0, help="Search budget in seconds: CP-SAT work (deterministic, about wall seconds on an idle machine), so the same inputs give the same plan; 0 keeps the beam-search plan.")] = 10.0,
     baseline: Annotated[Optional[Baseline], typer.Option("--baseline", help="Emit a baseline's best plan instead: colocate, split, heuristic.")] = None,
     calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Cost-model calibration file (from `planner calibrate` or `planner profile`).")] = None,
-    framework: Annotated[str, typer.Option("--framework", help="The stack the plan is costed for: torch (the planner's runtime, which runs the plan), megatron-core (Megatron-Core with Transformer Engine), megatron (Megatron-LM's GPT on Megatron-DeepSpeed, as vTrain measured it), vllm (vLLM generation) or rlhf-engine (verl and OpenRLHF: Megatron-Core training, vLLM rollouts); cost the stack you will run, e.g. megatron-core before `planner export --to megatron`.")] = "torch",
+    framework: Annotated[str, typer.Option("--framework", help="The stack the plan is costed for: torch (the planner's runtime, which runs the plan), megatron-core (Megatron-Core with Transformer Engine), megatron (Megatron-LM's GPT on Megatron-DeepSpeed, as vTrain measured it), vllm (vLLM generation), rlhf-engine (verl's Megatron workers: Megatron-Core training, vLLM rollouts) or rlhf-engine-hf (OpenRLHF and verl's FSDP workers: HF transformers models trained on DeepSpeed or FSDP, vLLM rollouts); cost the stack you will run, e.g. megatron-core before `planner export --to megatron`.")] = "torch",
     mem_headroom: Annotated[Optional[float], typer.Option("--mem-headroom", min=0, help="GiB per GPU every call leaves free, beyond what the cost model counts (context, NCCL buffers, fragmentation) [default: 1 GiB + 2.5% of the memory, 3 GiB of an 80 GiB GPU; 0 packs to the edge].")] = None,
     offload: Annotated[bool, typer.Option("--offload/--no-offload", help="Let home calls keep states in host memory between calls (a trained model's optimizer states, a frozen model's weights), copied over PCIe for each call, where that makes the iteration faster; --no-offload keeps every state on the GPU.")] = True,
     node_ranges: Annotated[Optional[bool], typer.Option("--node-ranges/--aligned-meshes", show_default=False, help="Also place calls on any run of consecutive whole nodes (2 of 3 nodes, 12 of 16) and on half nodes, as ReaLHF does, besides aligned power-of-two blocks; --aligned-meshes keeps to the blocks. [default: node ranges where the node count is no power of two, up to 12 nodes (3, 5-7, 9-12): there the blocks have holes (none between one node and all three) and the runs gave 1.00-1.58x faster plans, certified in seconds; elsewhere the wider space gains less or takes longer (a PPO 70B on 16 nodes: 7-9 s, searched mesh sizes first and then positions, certified within 3%)]")] = None,
@@ -421,7 +421,7 @@ def import_cmd(
     else:
         got = imports.from_deepspeed(imports.read_json(Path(source)), spec, models, world=world, seq_len=seq_len, pp=pp)
     plan = pinned_plan(got.graph, spec, got.placements, method=f"imported from {source_kind.value}",
-                       framework=imports.FRAMEWORK_OF[source_kind.value])
+                       framework=got.framework or imports.FRAMEWORK_OF[source_kind.value])
     if output is not None:
         save_plan(plan, output)
     if as_json:
