@@ -72,7 +72,7 @@ def test_no_dense_estimate_above_60_percent_mfu():
     (`torch`) and Megatron-LM x 8 and 32 GPUs x 6 (tp, pp) shapes x 2k/8k tokens x micro-batch
     1/2/4 x ZeRO 0/1/3 x no or full recompute."""
     checked, worst = 0, (0.0, None)
-    over = []  # above 60%, under a published figure: the README's "nine estimates of the runtime"
+    over = []  # above 60%, under a published figure (none since the eager activations: the README says so)
     for model, gpu, fw, lay, seq, est in fitting_estimates():
         n = lay.dp * lay.tp * lay.pp
         checked += 1
