@@ -66,6 +66,7 @@ AttentionImpl = Literal["flash", "materialized"]
 MoeDispatch = Literal["alltoall", "deepep"]
 ExpertGemms = Literal["grouped", "per_expert", "loop"]
 CpComm = Literal["ring", "all_gather"]
+LayerActivations = Literal["fused", "autocast", "hf"]
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class Framework:
     # on fp32 weights, each GEMM saving its own cast of its input (the planner's runtime); "hf",
     # HF transformers' layers on bf16 weights (what FSDP and DeepSpeed engines train), the two
     # for each op what autograd saves (`eager_layer_saved_bytes`).
-    layer_activations: str = "fused"
+    layer_activations: LayerActivations = "fused"
     # Casting fp32 weights to the compute dtype on each forward pass, bytes per weight (one kernel
     # per matrix); 0 where bf16 weights are kept beside fp32 master weights.
     weight_cast_bytes: float = 0.0

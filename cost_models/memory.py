@@ -9,13 +9,14 @@
   selective recompute drops the ``5*a*s/h`` attention term; full recompute keeps only the layer
   input, ``2*s*b*h`` (divided by t under sequence parallelism). Llama layers (SwiGLU, grouped-
   query attention, no dropout) are counted from the same list of saved tensors.
-- The planner's runtime (`Framework.eager_layers`) runs each layer as PyTorch ops, and every op
+- The planner's runtime (`Framework.layer_activations` "autocast") runs each layer as PyTorch ops, and every op
   saves what its backward reads (`eager_layer_saved_bytes`, byte for byte what autograd saves in
   `runtime/model.py`, fp32 and bf16 autocast alike: `tests/test_cost_memory.py`): the residual
   stream and the norms stay fp32, each GEMM saves its own compute-dtype cast of its input, SwiGLU
   keeps four f-wide tensors. On a GPU its fp32 weights are cast to bf16 for each forward and the
   matmuls keep the casts until backward (``weight_casts``: 2 bytes per matrix weight of the stage,
-  per micro-batch in flight).
+  per micro-batch in flight). HF transformers' layers on bf16 weights (`layer_activations` "hf",
+  what FSDP and DeepSpeed engines train) are counted the same way, byte for byte what they save.
 - ZeRO-3 buffers (``buffers``): gathered layers in flight and, in training, gradients on their way
   to the reduce-scatter (`Framework.zero3_gather_layers`, `zero3_scatter_layers`). Where autograd
   keeps the gathered weights (`Framework.zero3_keeps_gathered`: the planner's runtime, without
@@ -113,8 +114,8 @@ def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: boo
     """Bytes autograd keeps for one layer of eager PyTorch ops, for one micro-batch of `b`
     sequences of `s` tokens on one tensor-parallel rank: the planner's runtime (`runtime/model.py`,
     `style` "autocast"), computing in `compute_bytes` (2: bf16 under autocast, fp32 weights; 4:
-    fp32 throughout), or HF transformers' Llama and Qwen2 layers on bf16 weights (`style` "hf", as
-    FSDP and DeepSpeed engines train them).
+    fp32 throughout), or HF transformers' Llama layers (with attention biases or without) on bf16
+    weights (`style` "hf", as FSDP and DeepSpeed engines train them).
 
     - Each norm (on the rank's s/t tokens under sequence parallelism): its fp32 input and, for
       RMSNorm, its fp32 normalised value and the per-token rsqrt (LayerNorm: mean and rstd); HF's
@@ -144,7 +145,7 @@ def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: boo
         norms = 2 * (_hf_norm_bytes(spec, mn) + 2 * m * h)
     else:
         gemm_inputs = 3 + (1 if moe is not None or gpt else 2)  # q, k, v; the MLP's up (and gate), or the router
-        norms = 2 * mn * ((4 * h + 8) if gpt else (8 * h + 4)) + (gemm_inputs * c if c < 4 else 2 * 4) * m * h
+        norms = 2 * _runtime_norm_bytes(spec, mn) + (gemm_inputs * c if c < 4 else 2 * 4) * m * h
     attn = c * m * (a * d + 2 * kv * d) / tp + c * m * a * d / tp
     if recompute != "selective":
         attn += 4 * m * a / tp
@@ -153,6 +154,13 @@ def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: boo
     else:
         mlp = (2 if gpt else 4) * c * m * f / tp
     return norms + attn + mlp
+
+
+def _runtime_norm_bytes(spec: ModelSpec, tokens: float) -> float:
+    """What a norm of the runtime keeps of `tokens` tokens: its fp32 input, and RMSNorm's fp32
+    normalised value and per-token rsqrt (LayerNorm's mean and rstd)."""
+    h = spec.hidden_size
+    return tokens * ((4 * h + 8) if spec.model_type == "gpt" else (8 * h + 4))
 
 
 def _hf_norm_bytes(spec: ModelSpec, tokens: float) -> float:
@@ -174,8 +182,7 @@ def eager_head_saved_bytes(spec: ModelSpec, *, head: Head, b: int, s: int, tp: i
     mn = m / tp if sp else m
     if style == "hf":
         return _hf_norm_bytes(spec, mn) + 2 * m * h
-    norm = mn * ((4 * h + 8) if spec.model_type == "gpt" else (8 * h + 4))
-    return norm + (4 if head == "lm" else compute_bytes) * m * h
+    return _runtime_norm_bytes(spec, mn) + (4 if head == "lm" else compute_bytes) * m * h
 
 
 def forward_working_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, kv_len: int | None = None,

@@ -246,20 +246,31 @@ def _runtime_saved_bytes(spec, *, b: int, s: int, dtype, recompute: str, head: s
 
     runner = ModelRunner(spec, head=head, trainable=True, groups=solo_groups(Layout(recompute=recompute)),
                          state=lambda p: init_tensor(p, seed=0), device=torch.device("cpu"), dtype=dtype)
-    params = {t.untyped_storage().data_ptr() for t in runner.shard.params.values()}
+    tokens = torch.randint(0, spec.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+
+    def forward() -> None:
+        h = runner._run_stage(tokens, None)
+        if outputs:
+            runner._outputs(h, tokens, "logprobs" if head == "lm" else "values")
+
+    return _saved_storage_bytes(runner.shard.params.values(), forward)
+
+
+def _saved_storage_bytes(params, forward) -> int:
+    """Bytes of every storage autograd saves while `forward()` runs, `params`' own left out."""
+    import torch
+
+    kept = {t.untyped_storage().data_ptr() for t in params}
     saved: dict[int, int] = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in kept:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    tokens = torch.randint(0, spec.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        h = runner._run_stage(tokens, None)
-        if outputs:
-            runner._outputs(h, tokens, "logprobs" if head == "lm" else "values")
+        forward()
     return sum(saved.values())
 
 
@@ -330,19 +341,8 @@ def _hf_saved_bytes(fields: dict, *, layers: int, b: int, s: int, checkpoint: bo
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).train()
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
     ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        (model if lm_head else model.model)(input_ids=ids)
-    return sum(saved.values())
+    return _saved_storage_bytes(model.parameters(), lambda: (model if lm_head else model.model)(input_ids=ids))
 
 
 HF_SPECS = {k: v for k, v in EAGER_SPECS.items() if v["model_type"] == "llama"}
