@@ -54,8 +54,9 @@ product's two gradients and silu's (3 x 6); the attention output's transpose bac
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from plans.errors import PlannerError
 
@@ -116,6 +117,20 @@ class Framework:
     # SwiGLU per element of the f-wide intermediate (None: one fused kernel, 6 bytes forward, 10 backward).
     swiglu_fwd: tuple[float, ...] | None = None
     swiglu_bwd: tuple[float, ...] | None = None
+    # Kernels per rotary entry: 2 where the queries and the keys are rotated by kernels of their own.
+    rope_launches: int = 1
+    # A LayerNorm model's norm kernels (forward, backward) where they differ from `norm_fwd` /
+    # `norm_bwd`, which then describe an RMSNorm written out in eager ops (LayerNorm being one
+    # native kernel each way); None: the same.
+    layernorm: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    # Q, K and V (and SwiGLU's gate and up) are separate GEMMs, whose input gradients backward sums
+    # with a kernel per extra projection (read two, write one: 3 x param_bytes per element of the
+    # input); False: one fused QKV and one gate-up GEMM. RMSNorm models only (a GPT's are fused).
+    split_projections: bool = False
+    # Its generate calls run on another engine with fused kernels (vLLM under verl and OpenRLHF):
+    # the norm, rotary, residual and SwiGLU kernels and the projections above are this stack's
+    # training and inference layers', not its rollouts' (`for_rollouts`).
+    rollouts_fused: bool = False
     # What a layer keeps for backward (`cost_models.memory.layer_activation_bytes`): "fused",
     # Megatron's fused kernels (Korthikanti et al.'s list); "autocast", PyTorch ops under autocast
     # on fp32 weights, each GEMM saving its own cast of its input (the planner's runtime); "hf",
@@ -217,6 +232,18 @@ class Framework:
     # the calibration's `attention_efficiency` at every length.
     attention_kernels: tuple[tuple[str, str], ...] = ()
 
+    def for_rollouts(self) -> Framework:
+        """The traits its generate calls are costed with: the rollout engine's way of running
+        experts, and its fused kernels where `rollouts_fused`."""
+        fw = self
+        if fw.rollout_expert_gemms is not None:
+            fw = dataclasses.replace(fw, expert_gemms=fw.rollout_expert_gemms)
+        if fw.rollouts_fused:
+            fused: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Framework)
+                                     if f.name in FUSED_LAYER_TRAITS}
+            fw = dataclasses.replace(fw, **fused)
+        return fw
+
     def zero_group(self, layout: Layout) -> str:
         """The group (`cost_models.training.Topology.group`) that shards `layout`'s ZeRO states and
         reduces its gradients: dp x cp, or dp alone where the cp ranks hold replicas of ZeRO-3's
@@ -227,6 +254,28 @@ class Framework:
         """The ranks of `zero_group` under `layout`."""
         return layout.dp if self.zero_group(layout) == "dp" else layout.dp * layout.cp
 
+
+# The traits a stack with eager layers trains and infers with and its rollout engine replaces by
+# fused kernels (`Framework.for_rollouts`).
+FUSED_LAYER_TRAITS = frozenset({"norm_fwd", "norm_bwd", "residual_fwd", "residual_bwd", "rope_fwd", "rope_bwd",
+                                "swiglu_fwd", "swiglu_bwd", "rope_launches", "layernorm", "split_projections"})
+
+# HF transformers' Llama layers on bf16 weights (transformers 5.25.0 `modeling_llama.py`), bytes per
+# element of each kernel as `tests/test_kernel_inventory.py` records them dispatched; kernels of one
+# value per token (the variance's epsilon, its rsqrt, their backward) move no bytes that count.
+# LlamaRMSNorm forward: upcast (2+4), pow (4+4), mean (4), + eps, rsqrt, x * rsqrt (4+4), downcast
+# (4+2), weight * x (2+2). Backward: the weight's (x its grad 2+2, normalised x times grad 2+2+2,
+# summed over tokens 2) and the input's through the upcast graph (upcast 2+4, grad * x 4+4+4, * rsqrt
+# 4+4, summed per token 4, three per-token kernels, div 4+4, pow 4+4, * 2 4+4, * 4+4+4, + 4+4+4,
+# downcast 4+2).
+HF_RMS_NORM = ((6.0, 8.0, 4.0, 0.0, 0.0, 8.0, 6.0, 4.0),
+               (4.0, 6.0, 2.0, 6.0, 12.0, 8.0, 4.0, 0.0, 0.0, 0.0, 8.0, 8.0, 8.0, 12.0, 12.0, 6.0))
+# Rotary per element of q (and apart of k): q * cos (2+2), rotate_half's neg of one half (1+1) and
+# cat (2+2), * sin (2+2), + (2+2+2). Backward: grad * sin (2+2), neg of a half (1+1), the two
+# slices' backward (each a zero fill of the whole, 2, and a copy of its half, 1+1), their sum
+# (2+2+2), grad * cos (2+2), the sum (2+2+2), and the gradient's copy back to the projection's
+# layout (2+2; the view of the transposed heads).
+HF_ROPE = ((4.0, 2.0, 4.0, 4.0, 6.0), (4.0, 2.0, 2.0, 2.0, 2.0, 2.0, 6.0, 4.0, 6.0, 4.0))
 
 # Transformer Engine prefers cuDNN's fused attention on Hopper and FlashAttention-2 on Ampere (NVIDIA
 # NeMo docs, memory_optimizations.rst, PR #9188); PyTorch's SDPA runs FlashAttention-2 first on both;
@@ -285,13 +334,19 @@ FRAMEWORKS: dict[str, Framework] = {
     # DeepSpeed) with `attn_implementation="flash_attention_2"`: activations as HF's eager layers
     # keep them on bf16 weights (RMSNorm upcast to fp32, SwiGLU's four f-wide tensors), byte for byte
     # what `transformers` saves (`tests/test_cost_memory.py`), and FlashAttention-2 on every
-    # architecture; the other kernels are priced as rlhf-engine's (HF's eager elementwise kernels
-    # are not measured here), so its step times are optimistic where those kernels matter.
+    # architecture; its layers' kernels as HF's eager Llama code dispatches them (RMSNorm and
+    # rotary written out in elementwise ops, q, k, v, gate and up as GEMMs of their own: 30
+    # memory-bound kernels a layer forward and 60 backward where the fused stacks run 6 each,
+    # `tests/test_kernel_inventory.py`); its rollouts run on vLLM's fused kernels. A GPT's
+    # LayerNorm is one native kernel each way; its other kernels are counted as rlhf-engine's.
     "rlhf-engine-hf": Framework(
         name="rlhf-engine-hf", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
         decode_cuda_graphs=True, decode_drops_finished=True, expert_gemms="per_expert", rollout_expert_gemms="grouped",
         attention_kernels=SDPA_ATTENTION, tp_dgrad_overlap=True, layer_activations="hf",
+        norm_fwd=HF_RMS_NORM[0], norm_bwd=HF_RMS_NORM[1], rope_fwd=HF_ROPE[0], rope_bwd=HF_ROPE[1], rope_launches=2,
+        swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), layernorm=((4.0,), (6.0,)), split_projections=True,
+        rollouts_fused=True,
     ),
     # vLLM as verl and OpenRLHF run it for rollouts: bf16 weights, fused kernels, decode steps
     # replayed as CUDA graphs (its generate calls; it does not train).

@@ -110,8 +110,7 @@ def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout,
     the responses really are (`cost_models.lengths`; None: all run to `gen_len`)."""
     out = StepTimes()
     split = decode_split(seqs, decode)
-    if fw.rollout_expert_gemms is not None:  # the rollouts' engine runs the experts its own way
-        fw = dataclasses.replace(fw, expert_gemms=fw.rollout_expert_gemms)
+    fw = fw.for_rollouts()  # the rollouts' engine runs the experts, and maybe every layer, its own way
     if fw.weight_cast_bytes:  # the weights are cast once for the call, not on each step
         lp = mean_layer_params(spec, decode.tp) * spec.num_hidden_layers / decode.pp / \
             (decode.ep if spec.is_moe else 1)

@@ -320,7 +320,9 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     drop = fw.dropout
     add_bytes = 7 if drop else 6
 
+    split = fw.split_projections and not gpt
     qkv = gemm(m, (a + 2 * kv) * d // tp, h)
+    projs = [gemm(m, a * d // tp, h), gemm(m, kv * d // tp, h), gemm(m, kv * d // tp, h)] if split else [qkv]
     out = gemm(m, h, a * d // tp)
     if moe is not None:
         sparse = sparse_mlp(spec, fw, m=m, tp=tp, moe=moe)
@@ -328,7 +330,7 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     elif gpt:
         ups, act_fwd, act_bwd = [gemm(m, f // tp, h)], [mem(4.0 * m * f / tp)], [mem(6.0 * m * f / tp)]
     else:
-        ups = [gemm(m, 2 * f // tp, h)]
+        ups = [gemm(m, f // tp, h)] * 2 if split else [gemm(m, 2 * f // tp, h)]
         act_fwd = [mem(x * m * f / tp) for x in fw.swiglu_fwd or (6.0,)]
         act_bwd = [mem(x * m * f / tp) for x in fw.swiglu_bwd or (10.0,)]
     if moe is None:
@@ -336,24 +338,33 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     keys = -(-kv_len // cp) if kv_len is not None else s
     att_f, att_b = _attention(spec, fw, b=b, s_q=s_loc, s_k=keys, tp=tp, causal=kv_len is None)
     qk = m * (a + kv) * d / tp
-    rope_f = [] if gpt else [mem(x * qk) for x in fw.rope_fwd]
-    rope_b = [] if gpt else [mem(x * qk) for x in fw.rope_bwd]
+    rope_f = [] if gpt else [mem(x * qk, fw.rope_launches) for x in fw.rope_fwd]
+    rope_b = [] if gpt else [mem(x * qk, fw.rope_launches) for x in fw.rope_bwd]
 
-    norm_f, norm_b = [mem(x * mn * h) for x in fw.norm_fwd], [mem(x * mn * h) for x in fw.norm_bwd]
+    norm_fwd, norm_bwd = fw.layernorm if gpt and fw.layernorm else (fw.norm_fwd, fw.norm_bwd)
+    norm_f, norm_b = [mem(x * mn * h) for x in norm_fwd], [mem(x * mn * h) for x in norm_bwd]
     add_f = [mem(x * mn * h) for x in fw.residual_fwd or (add_bytes,)]
     add_b = [mem(x * mn * h) for x in fw.residual_bwd or (5 if drop else 6,)]
-    mats = (qkv, out, *ups) + ((down,) if down is not None else ())
+    # Backward sums the input gradients of separate projections: two kernels for q, k, v, one for gate, up.
+    sum_qkv = [mem(3.0 * fw.param_bytes * m * h)] * (len(projs) - 1)
+    if split and spec.attention_bias:  # and each bias's gradient is its output gradient summed over tokens
+        sum_qkv += [mem(fw.param_bytes * m * g.n) for g in projs]
+    sum_up = [mem(3.0 * fw.param_bytes * m * h)] * (len(ups) - 1)
+    mats = (*projs, out, *ups) + ((down,) if down is not None else ())
     casts = [mem(fw.weight_cast_bytes * g.k * g.n) for g in mats] if fw.weight_cast_bytes else []
     if moe is not None and fw.weight_cast_bytes:
         casts.append(mem(fw.weight_cast_bytes * moe.active * 3 * h * moe.width,
                          3 * moe.active if fw.expert_gemms == "loop" else 1))  # one cast per matrix used
     mlp_f = (*ups, *act_fwd) + ((down,) if down is not None else ())
-    fwd = (*casts, *norm_f, qkv, *rope_f, *att_f, out, *add_f, *norm_f, *mlp_f, *add_f)
+    fwd = (*casts, *norm_f, *projs, *rope_f, *att_f, out, *add_f, *norm_f, *mlp_f, *add_f)
     fused = fused_accum_bytes(fw)
     bwd: list[Kernel] = [*add_b, *(gemm_bwd(down, fused) if down is not None else ()), *act_bwd]
     for g in ups:
         bwd += gemm_bwd(g, fused)
-    bwd += [*norm_b, *add_b, *gemm_bwd(out, fused), *att_b, *rope_b, *gemm_bwd(qkv, fused), *norm_b]
+    bwd += [*sum_up, *norm_b, *add_b, *gemm_bwd(out, fused), *att_b, *rope_b]
+    for g in projs:
+        bwd += gemm_bwd(g, fused)
+    bwd += [*sum_qkv, *norm_b]
 
     act = 2.0 * m * h  # one [s, b, h] activation, bytes
     # Per block (attention, MLP): forward, the column-parallel GEMM's input is all-gathered (sequence
