@@ -125,8 +125,13 @@ class Framework:
     layernorm: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     # Q, K and V (and SwiGLU's gate and up) are separate GEMMs, whose input gradients backward sums
     # with a kernel per extra projection (read two, write one: 3 x param_bytes per element of the
-    # input); False: one fused QKV and one gate-up GEMM. RMSNorm models only (a GPT's are fused).
+    # input; with biases, each bias's gradient is a sum over tokens); False: one fused QKV and one
+    # gate-up GEMM.
     split_projections: bool = False
+    # Under autocast each GEMM casts its own fp32 input to the compute dtype, bytes per element (the
+    # norms' outputs, once per projection that reads them); backward casts each one's gradient back
+    # (as many bytes). 0: the inputs are in the compute dtype already.
+    input_cast_bytes: float = 0.0
     # Its generate calls run on another engine with fused kernels (vLLM under verl and OpenRLHF):
     # the norm, rotary, residual and SwiGLU kernels and the projections above are this stack's
     # training and inference layers', not its rollouts' (`for_rollouts`).
@@ -258,7 +263,8 @@ class Framework:
 # The traits a stack with eager layers trains and infers with and its rollout engine replaces by
 # fused kernels (`Framework.for_rollouts`).
 FUSED_LAYER_TRAITS = frozenset({"norm_fwd", "norm_bwd", "residual_fwd", "residual_bwd", "rope_fwd", "rope_bwd",
-                                "swiglu_fwd", "swiglu_bwd", "rope_launches", "layernorm", "split_projections"})
+                                "swiglu_fwd", "swiglu_bwd", "rope_launches", "layernorm", "split_projections",
+                                "input_cast_bytes"})
 
 # HF transformers' Llama layers on bf16 weights (transformers 5.25.0 `modeling_llama.py`), bytes per
 # element of each kernel as `tests/test_kernel_inventory.py` records them dispatched; kernels of one
@@ -276,6 +282,11 @@ HF_RMS_NORM = ((6.0, 8.0, 4.0, 0.0, 0.0, 8.0, 6.0, 4.0),
 # (2+2+2), grad * cos (2+2), the sum (2+2+2), and the gradient's copy back to the projection's
 # layout (2+2; the view of the transposed heads).
 HF_ROPE = ((4.0, 2.0, 4.0, 4.0, 6.0), (4.0, 2.0, 2.0, 2.0, 2.0, 2.0, 6.0, 4.0, 6.0, 4.0))
+
+# PyTorch's native LayerNorm on CUDA by activation bytes: one kernel forward (read, write); backward
+# one for the input's gradient (read the gradient and the input, write) and one for the weight's
+# and bias's (read both again; `layer_norm_kernel.cu`).
+LAYER_NORM_KERNELS = {b: ((2.0 * b,), (3.0 * b, 2.0 * b)) for b in (2, 4)}
 
 # Transformer Engine prefers cuDNN's fused attention on Hopper and FlashAttention-2 on Ampere (NVIDIA
 # NeMo docs, memory_optimizations.rst, PR #9188); PyTorch's SDPA runs FlashAttention-2 first on both;
@@ -338,14 +349,15 @@ FRAMEWORKS: dict[str, Framework] = {
     # rotary written out in elementwise ops, q, k, v, gate and up as GEMMs of their own: 30
     # memory-bound kernels a layer forward and 60 backward where the fused stacks run 6 each,
     # `tests/test_kernel_inventory.py`); its rollouts run on vLLM's fused kernels. A GPT's
-    # LayerNorm is one native kernel each way; its other kernels are counted as rlhf-engine's.
+    # LayerNorm is PyTorch's native kernel, its q, k and v are taken as separate projections (as
+    # OPT's; GPT-2's and GPT-NeoX's are fused) and its other kernels are counted as rlhf-engine's.
     "rlhf-engine-hf": Framework(
         name="rlhf-engine-hf", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
         decode_cuda_graphs=True, decode_drops_finished=True, expert_gemms="per_expert", rollout_expert_gemms="grouped",
         attention_kernels=SDPA_ATTENTION, tp_dgrad_overlap=True, layer_activations="hf",
         norm_fwd=HF_RMS_NORM[0], norm_bwd=HF_RMS_NORM[1], rope_fwd=HF_ROPE[0], rope_bwd=HF_ROPE[1], rope_launches=2,
-        swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), layernorm=((4.0,), (6.0,)), split_projections=True,
+        swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), layernorm=LAYER_NORM_KERNELS[2], split_projections=True,
         rollouts_fused=True,
     ),
     # vLLM as verl and OpenRLHF run it for rollouts: bf16 weights, fused kernels, decode steps
@@ -356,12 +368,24 @@ FRAMEWORKS: dict[str, Framework] = {
         decode_cuda_graphs=True, decode_drops_finished=True, attention_kernels=VLLM_ATTENTION,
     ),
     # Fused AdamW over fp32 p, g, m, v: read 16, write 12, zero the gradient 4. A micro-batch's
-    # weight gradient: bf16 to fp32 (2+4), accumulated (4+4+4).
+    # weight gradient: bf16 to fp32 (2+4, the weight cast's backward), accumulated (4+4+4). Its
+    # layers as `runtime/model.py` runs them under bf16 autocast on fp32 weights and residual stream
+    # (`tests/test_kernel_inventory.py` counts them against the runtime's own): RMSNorm pow (4+4),
+    # mean (4), + eps and rsqrt per token, x * rsqrt (4+4), weight * x (4+4); backward the weight's
+    # (grad x weight 4+4, grad x normalised x 4+4+4, summed 4), the input's (grad x x 4+4+4, x
+    # rsqrt 4+4, summed per token 4, three per-token kernels, div 4+4, pow 4+4, x 2 4+4, x 4+4+4)
+    # and the sum of the two paths into x (4+4+4). The residual add of a bf16 branch to the fp32
+    # stream (2+4+4), backward the branch's gradient cast to bf16 (4+2) and the sum (4+4+4). Rotary
+    # as x * cos + roll(x) * sin per q and k apart, backward the same and the gradient's copy back
+    # to the projection's layout (2+2). q, k, v, gate and up are separate GEMMs, each casting its
+    # input (`input_cast_bytes`).
     "torch": Framework(
         name="torch", attention="flash", dropout=False, param_bytes=4, grad_bytes=4, optimizer_bytes=8,
         optimizer_step_bytes=32, grad_accum_bytes=18, overlap_grad_reduce=True, zero3_prefetch=True,
-        norm_fwd=(8.0, 4.0, 8.0, 6.0, 6.0, 6.0), norm_bwd=(12.0, 8.0, 12.0, 12.0, 8.0, 8.0, 8.0, 8.0),
-        residual_fwd=(10.0,), residual_bwd=(6.0, 12.0), rope_fwd=(4.0, 4.0, 4.0, 6.0), rope_bwd=(4.0, 4.0, 4.0, 6.0),
+        norm_fwd=(8.0, 4.0, 0.0, 0.0, 8.0, 8.0),
+        norm_bwd=(8.0, 12.0, 4.0, 12.0, 8.0, 4.0, 0.0, 0.0, 0.0, 8.0, 8.0, 8.0, 12.0, 12.0),
+        residual_fwd=(10.0,), residual_bwd=(6.0, 12.0), rope_fwd=(4.0, 4.0, 4.0, 6.0), rope_bwd=(4.0, 4.0, 4.0, 6.0, 4.0),
+        rope_launches=2, split_projections=True, input_cast_bytes=6.0, layernorm=LAYER_NORM_KERNELS[4],
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), layer_activations="autocast",
         weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26, decode_cuda_graphs=True,
         windowed_attention=False, cp_comm="all_gather", cp_zero3_replicas=True,

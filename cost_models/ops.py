@@ -99,7 +99,7 @@ class LayerWork:
     bwd_comm: tuple[Comm, ...]
     attn_core: tuple[Kernel, ...]  # what selective recompute reruns
     grad_accum: Kernel  # adding the micro-batch's weight gradients into the gradient buffer
-    grad_tensors: int  # parameter tensors per layer (one accumulation kernel each)
+    grad_tensors: int  # accumulation kernels per layer: one per parameter tensor, one more per cast matrix
 
 
 def gemm(m: int, n: int, k: int, batch: int = 1) -> Kernel:
@@ -320,7 +320,7 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     drop = fw.dropout
     add_bytes = 7 if drop else 6
 
-    split = fw.split_projections and not gpt
+    split = fw.split_projections
     qkv = gemm(m, (a + 2 * kv) * d // tp, h)
     projs = [gemm(m, a * d // tp, h), gemm(m, kv * d // tp, h), gemm(m, kv * d // tp, h)] if split else [qkv]
     out = gemm(m, h, a * d // tp)
@@ -345,7 +345,10 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     norm_f, norm_b = [mem(x * mn * h) for x in norm_fwd], [mem(x * mn * h) for x in norm_bwd]
     add_f = [mem(x * mn * h) for x in fw.residual_fwd or (add_bytes,)]
     add_b = [mem(x * mn * h) for x in fw.residual_bwd or (5 if drop else 6,)]
-    # Backward sums the input gradients of separate projections: two kernels for q, k, v, one for gate, up.
+    # Backward sums the input gradients of separate projections: two kernels for q, k, v, one for
+    # gate, up; under autocast each projection cast its own input (`Framework.input_cast_bytes`).
+    in_cast = [mem(fw.input_cast_bytes * m * h)] if fw.input_cast_bytes else []
+    cast_qkv, cast_up = in_cast * len(projs), (in_cast * len(ups) if moe is None else in_cast)
     sum_qkv = [mem(3.0 * fw.param_bytes * m * h)] * (len(projs) - 1)
     if split and spec.attention_bias:  # and each bias's gradient is its output gradient summed over tokens
         sum_qkv += [mem(fw.param_bytes * m * g.n) for g in projs]
@@ -355,16 +358,16 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     if moe is not None and fw.weight_cast_bytes:
         casts.append(mem(fw.weight_cast_bytes * moe.active * 3 * h * moe.width,
                          3 * moe.active if fw.expert_gemms == "loop" else 1))  # one cast per matrix used
-    mlp_f = (*ups, *act_fwd) + ((down,) if down is not None else ())
-    fwd = (*casts, *norm_f, *projs, *rope_f, *att_f, out, *add_f, *norm_f, *mlp_f, *add_f)
+    mlp_f = (*cast_up, *ups, *act_fwd) + ((down,) if down is not None else ())
+    fwd = (*casts, *norm_f, *cast_qkv, *projs, *rope_f, *att_f, out, *add_f, *norm_f, *mlp_f, *add_f)
     fused = fused_accum_bytes(fw)
     bwd: list[Kernel] = [*add_b, *(gemm_bwd(down, fused) if down is not None else ()), *act_bwd]
     for g in ups:
         bwd += gemm_bwd(g, fused)
-    bwd += [*sum_up, *norm_b, *add_b, *gemm_bwd(out, fused), *att_b, *rope_b]
+    bwd += [*cast_up, *sum_up, *norm_b, *add_b, *gemm_bwd(out, fused), *att_b, *rope_b]
     for g in projs:
         bwd += gemm_bwd(g, fused)
-    bwd += [*sum_qkv, *norm_b]
+    bwd += [*cast_qkv, *sum_qkv, *norm_b]
 
     act = 2.0 * m * h  # one [s, b, h] activation, bytes
     # Per block (attention, MLP): forward, the column-parallel GEMM's input is all-gathered (sequence
@@ -421,6 +424,8 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
         params -= layer_matrix_params(spec, sparse=moe is not None) / tp
     elif moe is not None:
         params += moe.active * 3 * h * moe.width  # only experts that got tokens have gradients to add
+    if fw.weight_cast_bytes:  # each matrix's gradient comes back through its cast's backward first
+        n_tensors += len(mats)
     accum = mem(params * fw.grad_accum_bytes)
     return LayerWork(fwd, tuple(bwd), fwd_comm, bwd_comm, att_f, accum, n_tensors)
 

@@ -86,6 +86,9 @@ Progress = Callable[[SearchProgress], None]
 MAX_CPSAT_ROUNDS = 3  # re-solves after costing reallocations CP-SAT saw only as lower bounds
 CPSAT_WORK_SHARE = (0.3, 0.1, 0.1)  # of --time-limit, as CP-SAT deterministic time, per round
 MAX_ORDERS_TRIED = 5000  # list-scheduling orders tried for the final assignment
+# Where not every pair of candidate changes can be tried, polishing pairs up the single changes that
+# lengthen the schedule least, this many of them (`polish`).
+PROMISING_SINGLES = 24
 # Polishing runs only while the plan is further than this from the proven bound: closer, it could
 # gain no more than this (two steps of CP-SAT's objective, `planner.cpsat.OBJECTIVE_STEP`).
 POLISH_GAP = 0.002
@@ -482,52 +485,86 @@ def polish(problem: Problem, choice: list[int], sched: Schedule, *, rule: Restri
     """Local search on the exact simulator: changes of one call's candidate, then of two calls'
     at once, kept while they shorten the schedule; then the best list-scheduling order of the
     final assignment. CP-SAT works on rounded integer times (and may have seen some
-    reallocations only as lower bounds), so its answer can be a hair off the exact optimum."""
+    reallocations only as lower bounds), so its answer can be a hair off the exact optimum.
+
+    Where every pair of changes is too many to try, the pairs tried are those of the
+    `PROMISING_SINGLES` single changes that lengthen the schedule least: two calls that only
+    gain together (moving both a model's generation and its inference onto the GPUs that hold
+    its weights saves two reallocations, where moving one alone saves none) is the local
+    optimum that single changes cannot leave. Last, every call sharing a mesh moves to another
+    mesh together (`_group_moves`)."""
     evals = 0
 
     def order_of(s: Schedule) -> list:
         return sorted(s.start, key=lambda op: (s.start[op], op))
 
-    def better(trial: list[int]) -> Schedule | None:
+    def evaluate(trial: list[int]) -> Schedule | None:
+        """The shorter schedule of `trial` under the current order and the default one, if it
+        fits and the rule allows it."""
         nonlocal evals
         if rule is not None and not all(rule(problem, j, trial[j], trial) for j in range(len(trial))):
             return None
+        best = None
         for ord_ in (order_of(sched), None):
             evals += 1
             cand = simulate(problem, trial, ord_)
-            if cand.mem_ok and cand.makespan_s < sched.makespan_s * (1 - 1e-12):
-                return cand
-        return None
+            if cand.mem_ok and (best is None or cand.makespan_s < best.makespan_s):
+                best = cand
+        return best
 
-    def moves(width: int):  # noqa: ANN202
-        n = len(problem.slots)
-        if width == 1:
-            for i in range(n):
-                for k in range(len(problem.slots[i].cands)):
-                    if k != choice[i]:
-                        yield {i: k}
+    def shorter(cand: Schedule | None) -> bool:
+        return cand is not None and cand.makespan_s < sched.makespan_s * (1 - 1e-12)
+
+    def out_of_budget() -> bool:
+        return evals >= max_evals or time.perf_counter() > deadline
+
+    n = len(problem.slots)
+    singles = [(i, k) for i in range(n) for k in range(len(problem.slots[i].cands))]
+    pairs = [(a, b) for x, a in enumerate(singles) for b in singles[x + 1:] if a[0] != b[0]]
+    exhaustive = len(pairs) <= max_evals // 4  # every pair where they can all be tried
+    improved = True
+    while improved and not out_of_budget():
+        improved = False
+        tried: list[tuple[float, int, int]] = []  # (makespan, slot, candidate) of each single change
+        for i, k in singles:
+            if k == choice[i] or out_of_budget():
+                continue
+            trial = choice.copy()
+            trial[i] = k
+            found = evaluate(trial)
+            if shorter(found):
+                assert found is not None
+                choice, sched, improved = trial, found, True
+                break
+            if found is not None:
+                tried.append((found.makespan_s, i, k))
+        if improved:
+            continue
+        if exhaustive:
+            moves = [(a, b) for a, b in pairs if a[1] != choice[a[0]] and b[1] != choice[b[0]]]
         else:
-            for i in range(n):
-                for j in range(i + 1, n):
-                    for k in range(len(problem.slots[i].cands)):
-                        for m in range(len(problem.slots[j].cands)):
-                            if k != choice[i] and m != choice[j]:
-                                yield {i: k, j: m}
-
-    n_pairs = sum(len(a.cands) * len(b.cands) for i, a in enumerate(problem.slots) for b in problem.slots[i + 1:])
-    widths = (1, 2) if n_pairs <= max_evals // 4 else (1,)  # pairs only where they can all be tried
-    for width in widths:
-        improved = True
-        while improved:
-            improved = False
-            for move in moves(width):
-                if evals >= max_evals or time.perf_counter() > deadline:
-                    break
-                trial = [move.get(i, k) for i, k in enumerate(choice)]
-                found = better(trial)
-                if found is not None:
-                    choice, sched, improved = trial, found, True
-                    break
+            top = [(i, k) for _, i, k in sorted(tried)[:PROMISING_SINGLES]]
+            moves = [(a, b) for x, a in enumerate(top) for b in top[x + 1:] if a[0] != b[0]]
+        for (i, k), (j, m) in moves:
+            if out_of_budget():
+                break
+            trial = choice.copy()
+            trial[i], trial[j] = k, m
+            found = evaluate(trial)
+            if shorter(found):
+                assert found is not None
+                choice, sched, improved = trial, found, True
+                break
+        if improved:
+            continue
+        for trial in _group_moves(problem, choice):
+            if out_of_budget():
+                break
+            found = evaluate(trial)
+            if shorter(found):
+                assert found is not None
+                choice, sched, improved = trial, found, True
+                break
     for n, ord_ in enumerate(topological_orders(problem)):
         if n >= MAX_ORDERS_TRIED or time.perf_counter() > deadline:
             break
@@ -535,6 +572,32 @@ def polish(problem: Problem, choice: list[int], sched: Schedule, *, rule: Restri
         if cand.makespan_s < sched.makespan_s * (1 - 1e-12):
             sched = cand
     return choice, sched
+
+
+def _group_moves(problem: Problem, choice: list[int]) -> list[list[int]]:
+    """Assignments that move every call sharing a mesh to another mesh together, each at its
+    fastest candidate there: calls colocated to share weights (a generation and the inference
+    after it) only gain from moving together, which no change of one or two of them finds."""
+    groups: dict[str, list[int]] = {}
+    for i, k in enumerate(choice):
+        groups.setdefault(problem.slots[i].cands[k].mesh.short(), []).append(i)
+    meshes = sorted({c.mesh.short(): c.mesh for s in problem.slots for c in s.cands}.items())
+    out = []
+    for here, members in sorted(groups.items()):
+        if len(members) < 3:  # one or two calls: the single and pair changes try them
+            continue
+        for there, _ in meshes:
+            if there == here:
+                continue
+            trial = choice.copy()
+            for i in members:
+                ks = [k for k, c in enumerate(problem.slots[i].cands) if c.mesh.short() == there]
+                if not ks:
+                    break
+                trial[i] = min(ks, key=lambda k: (problem.fastest_s(i, k), k))  # noqa: B023
+            else:
+                out.append(trial)
+    return out
 
 
 def build_plan(problem: Problem, choice: list[int], sched: Schedule, search: SearchInfo) -> Plan:

@@ -85,9 +85,10 @@ def test_no_dense_estimate_above_60_percent_mfu():
     assert worst[0] > 0.3  # the grid reaches realistic utilisations, not only starved ones
     # The runtime's eager layers keep more for backward than fused kernels, so its fastest layouts
     # of 7-8B models at 8k tokens no longer fit (they reached 60.1-61.2% when its memory was
-    # counted as Megatron's); none is above the cap now, the best at 57.4%.
+    # counted as Megatron's); none is above the cap now, the best at 56.7% (57.4% before its
+    # kernels were counted as it launches them: separate projections, each casting its input).
     assert over == []
-    assert round(worst[0], 3) == 0.574
+    assert round(worst[0], 3) == 0.567
 
 
 def test_the_megatron_core_estimates_above_the_cap_are_these():

@@ -25,16 +25,18 @@ GEMMS = {"mm", "addmm", "bmm", "baddbmm"}
 KERNELS_PER_OP = {"slice_backward": 2}
 
 
-def _recorder(tokens: int):
+def _recorder(tokens: int, weights: set[tuple[int, ...]] | frozenset = frozenset()):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
     class Kernels(TorchDispatchMode):
-        """(kernels, bytes) of every memory-bound op dispatched inside the block."""
+        """(kernels, bytes) of every memory-bound op dispatched inside the block; apart, those of
+        ops on the weights' shapes alone (casts of weights and of their gradients, accumulations)."""
 
         def __init__(self) -> None:
             super().__init__()
             self.kernels, self.bytes, self.ops = 0, 0, []
+            self.weight_kernels, self.weight_bytes = 0, 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
             out = func(*args, **(kwargs or {}))
@@ -50,6 +52,11 @@ def _recorder(tokens: int):
                 moved = sum(nbytes)
                 if name == "slice_backward":  # the fill writes the whole, the copy reads and writes the slice
                     moved += nbytes[0]
+            if all(tuple(t.shape) in weights for t in ins + outs):
+                self.weight_kernels += 1
+                self.weight_bytes += sum(t.numel() * t.element_size() for t in ins + outs)
+                self.ops.append((name + " (weight)", moved))
+                return out
             self.kernels += KERNELS_PER_OP.get(name, 1)
             self.bytes += moved
             self.ops.append((name, moved))
@@ -122,3 +129,41 @@ def test_rollouts_of_an_eager_stack_run_the_rollout_engines_fused_kernels():
     assert rollout.layer_activations == "hf" and rollout.expert_gemms == "grouped"  # what else it keeps
     assert layer_work(spec, hf, b=4, s=1, tp=1, cp=1, sp=False, kv_len=512) != \
         layer_work(spec, rollout, b=4, s=1, tp=1, cp=1, sp=False, kv_len=512)
+
+
+def test_the_runtime_layers_launch_the_kernels_the_torch_preset_prices():
+    """`torch` (the planner's runtime) against `runtime/model.py`'s own Llama layer under bf16
+    autocast on fp32 weights, as it trains on a GPU: every memory-bound kernel forward (the weight
+    casts included) and backward by number and bytes; the gradient accumulation of the backward
+    (each matrix's gradient cast back to fp32 and added into the runtime's buffer, the norms' added)
+    against the model's accumulation kernel."""
+    from runtime.engine import ModelRunner
+    from runtime.groups import solo_groups
+    from runtime.model import Rope, _layer, init_tensor
+
+    from plans import Layout
+
+    spec = resolve_model({"model_type": "llama", **HF_SPECS["llama-gqa"], "num_hidden_layers": 1, "vocab_size": 256,
+                          "max_position_embeddings": 128})
+    runner = ModelRunner(spec, head="lm", trainable=True, groups=solo_groups(Layout()),
+                         state=lambda p: init_tensor(p, seed=0), device=torch.device("cpu"))
+    weights = {tuple(p.shape) for p in runner.shard.params.values()}
+    b, s = 2, 24
+    x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
+    positions = torch.arange(s)
+    record = _recorder(b * s, weights)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rope = Rope(spec, positions)
+        rope(torch.bfloat16)  # the tables are built once per forward for every layer
+        with record() as fwd:
+            y = _layer(runner.shard, 0, x, positions, None, False, None, rope)
+    grad = torch.randn_like(y)
+    with record() as bwd:
+        y.backward(grad)
+    want_fwd, want_bwd = _model_kernels(spec, "torch", b=b, s=s)
+    assert (fwd.kernels + fwd.weight_kernels, fwd.bytes + fwd.weight_bytes) == want_fwd, str(fwd.ops)
+    assert (bwd.kernels, bwd.bytes) == want_bwd, str(bwd.ops)
+    work = layer_work(spec, FRAMEWORKS["torch"], b=b, s=s, tp=1, cp=1, sp=False)
+    assert bwd.weight_kernels == work.grad_tensors, str(bwd.ops)
+    # The norms' fp32 weights are added without a cast, which the model charges them (12 bytes of 1,536).
+    assert work.grad_accum.bytes - bwd.weight_bytes == 6 * 2 * spec.hidden_size

@@ -93,7 +93,7 @@ def test_the_search_offloads_where_memory_binds() -> None:
     assert all(c.layout.offload == "none" for c in plain.calls)
     offloaded = {c.name: c.layout.offload for c in plan.calls if c.layout.offload != "none"}
     assert offloaded, "the search offloaded nothing"
-    assert plan.estimate.iteration_s < 0.9 * plain.estimate.iteration_s
+    assert plan.estimate.iteration_s < 0.95 * plain.estimate.iteration_s  # 1.07x (README, Offload)
 
 
 def test_explain_counts_offloaded_states_while_their_call_runs() -> None:

@@ -104,9 +104,9 @@ def test_the_bound_does_not_depend_on_cp_sat_presolve():
     graph = ppo("llama-2-13b", critic="llama-2-7b", reward="llama-2-7b", batch=512, prompt_len=1024, gen_len=1024,
                 ppo_minibatches=4)
     p = build_problem(graph, CostModel(parse_cluster("a100-80gb:6x8")), SearchSpace(node_ranges=True))
-    with_presolve = relaxed_bound(p, incumbent_s=53.0, work_budget=20, time_limit_s=120)
+    with_presolve = relaxed_bound(p, incumbent_s=60.0, work_budget=20, time_limit_s=120)
     with without_presolve():
-        without = relaxed_bound(p, incumbent_s=53.0, work_budget=20, time_limit_s=120)
+        without = relaxed_bound(p, incumbent_s=60.0, work_budget=20, time_limit_s=120)
     assert with_presolve.status == without.status == "OPTIMAL"
     assert with_presolve.lower_bound_s == pytest.approx(without.lower_bound_s, rel=1e-6)
 
