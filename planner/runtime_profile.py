@@ -9,16 +9,16 @@ generated token, and the arithmetic as FLOPs and bytes. The runtime is timed her
   what is left is host time: a forward, a train step and a generation at 1 and at 3 layers give
   the host time per layer, hence per kernel (the cost model says how many kernels a layer has):
   the forward's per forward kernel, then the train step's per backward kernel (autograd's engine
-  runs each backward op as a node, beside the views' and the accumulations' nodes: the runtime
-  issues about three ops per backward kernel of the inventory where its forward issues one and a
-  half, and a backward kernel took 1.8 times a forward one on this machine), then the
-  generation's per kernel of a decode step (which also writes the layer's keys and values into
-  the cache and reads it through views: 1.2 times a forward kernel), and, from what the cost
+  runs each backward op as a node, beside the views' and the accumulations' nodes: with the
+  inventory counting every kernel the runtime launches, `tests/test_kernel_inventory.py`, a
+  backward kernel took 1.5 times a forward one on this machine), then the generation's per kernel
+  of a decode step (which also writes the layer's keys and values into the cache and reads it
+  through views: 1.4 times a forward kernel), and, from what the cost
   model then predicts at 1 layer, the overheads per micro-batch (a forward), per optimizer
   step (a train step) and per generated token (a generation);
 - on a *small real* model (`PROBE`) the forward's time beyond its GEMMs, attention and host
-  work is its memory-bound work (norms, rotary embedding, activations, residuals), each of them
-  several eager passes over float32 tensors where the cost model counts one fused bf16 kernel:
+  work is its memory-bound work (norms, rotary embedding, activations, residuals, casts: the
+  eager kernels the runtime launches, each counted by the cost model with the bytes it moves),
   expressed as the fraction of streaming bandwidth per modeled byte (`elementwise_efficiency`).
 
 Attention (`torch.nn.functional.scaled_dot_product_attention`) on a CPU core pays a setup per
