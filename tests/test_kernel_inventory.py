@@ -137,11 +137,10 @@ def test_the_runtime_layers_launch_the_kernels_the_torch_preset_prices():
     casts included) and backward by number and bytes; the gradient accumulation of the backward
     (each matrix's gradient cast back to fp32 and added into the runtime's buffer, the norms' added)
     against the model's accumulation kernel."""
+    from plans import Layout
     from runtime.engine import ModelRunner
     from runtime.groups import solo_groups
     from runtime.model import Rope, _layer, init_tensor
-
-    from plans import Layout
 
     spec = resolve_model({"model_type": "llama", **HF_SPECS["llama-gqa"], "num_hidden_layers": 1, "vocab_size": 256,
                           "max_position_embeddings": 128})
