@@ -280,7 +280,9 @@
    (125M -17.4%) with Megatron's, 3.39% (+2.32%) with apex's two kernels (4 and 4 bytes per logit,
    read in apex's ``xentropy_kernel.cu``), where the fused default had given 4.22% (-1.16%); that
    stack's kernels are set from its sources, but after this table was seen. All 30 pooled rows
-   7.75% (-0.11%) -> 7.50% (+0.08%).
+   7.75% (-0.11%) -> 7.50% (+0.08%). Then, counting for the runtime (from its source) the kernel
+   that casts a cast weight's gradient back before it is accumulated, which any autocast stack
+   over fp32 weights runs: this stack's rows 3.39% -> 3.38% (+2.22%), all 30 pooled rows +0.06%.
 
    Kernel level, printed and not pooled: OpenXLA's measured bf16 GEMM table for sm_90
    (tensorflow/tensorflow at 372d578bb861, ``third_party/xla/xla/service/gpu/model/
