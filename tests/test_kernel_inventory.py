@@ -1,7 +1,9 @@
 """The memory-bound kernels the cost model prices for a layer are the kernels the stack's own code
-launches: each test runs one decoder layer forward and backward on bf16 weights under a
-TorchDispatchMode that records every aten op with the bytes it reads and writes, and compares their
-number and bytes with `cost_models.ops.layer_work`'s (GEMMs and the attention kernel apart).
+launches: each test runs one decoder layer forward and backward as the stack trains it (HF's on bf16
+weights, the runtime's on fp32 weights under bf16 autocast) under a TorchDispatchMode that records
+every aten op with the bytes it reads and writes, and compares their number and bytes with
+`cost_models.ops.layer_work`'s (GEMMs and the attention kernel apart). Outside attention, the aten
+ops a layer dispatches on a CPU are those it dispatches on a GPU, where each is a kernel.
 
 What is counted: an op is one kernel (ATen's `slice_backward` two: a zero fill of the whole and a
 copy of the slice, `TensorShape.cpp`); its bytes are those of its inputs and outputs, leaving out an
