@@ -132,6 +132,11 @@ class Framework:
     # norms' outputs, once per projection that reads them); backward casts each one's gradient back
     # (as many bytes). 0: the inputs are in the compute dtype already.
     input_cast_bytes: float = 0.0
+    # A GPT's output and down projections add their biases by kernels of their own after the
+    # tensor-parallel reduction, in the weights' dtype (the runtime: `out + bias`, a bf16 product
+    # and an fp32 bias making the fp32 stream), so the residual adds two fp32 tensors; backward
+    # sums each one's gradient over tokens. False: the bias is fused (bias-dropout-add).
+    row_bias_apart: bool = False
     # Its generate calls run on another engine with fused kernels (vLLM under verl and OpenRLHF):
     # the norm, rotary, residual and SwiGLU kernels and the projections above are this stack's
     # training and inference layers', not its rollouts' (`for_rollouts`).
@@ -264,7 +269,7 @@ class Framework:
 # fused kernels (`Framework.for_rollouts`).
 FUSED_LAYER_TRAITS = frozenset({"norm_fwd", "norm_bwd", "residual_fwd", "residual_bwd", "rope_fwd", "rope_bwd",
                                 "swiglu_fwd", "swiglu_bwd", "rope_launches", "layernorm", "split_projections",
-                                "input_cast_bytes"})
+                                "input_cast_bytes", "row_bias_apart"})
 
 # HF transformers' Llama layers on bf16 weights (transformers 5.25.0 `modeling_llama.py`), bytes per
 # element of each kernel as `tests/test_kernel_inventory.py` records them dispatched; kernels of one
@@ -386,6 +391,7 @@ FRAMEWORKS: dict[str, Framework] = {
         norm_bwd=(8.0, 12.0, 4.0, 12.0, 8.0, 4.0, 0.0, 0.0, 0.0, 8.0, 8.0, 8.0, 12.0, 12.0),
         residual_fwd=(10.0,), residual_bwd=(6.0, 12.0), rope_fwd=(4.0, 4.0, 4.0, 6.0), rope_bwd=(4.0, 4.0, 4.0, 6.0, 4.0),
         rope_launches=2, split_projections=True, input_cast_bytes=6.0, layernorm=LAYER_NORM_KERNELS[4],
+        row_bias_apart=True,
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), layer_activations="autocast",
         weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26, decode_cuda_graphs=True,
         windowed_attention=False, cp_comm="all_gather", cp_zero3_replicas=True,

@@ -124,6 +124,9 @@ def fused_accum_bytes(fw: Framework) -> float:
     return 2.0 * fw.grad_bytes - fw.param_bytes if fw.wgrad_accum_fused else 0.0
 
 
+ACT_BYTES = 2.0  # activations in the compute dtype (bf16 or fp16), bytes per element
+
+
 def mem(nbytes: float, launches: int = 1) -> Kernel:
     return Kernel("mem", 0.0, float(nbytes), launches=launches)
 
@@ -345,16 +348,25 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     norm_f, norm_b = [mem(x * mn * h) for x in norm_fwd], [mem(x * mn * h) for x in norm_bwd]
     add_f = [mem(x * mn * h) for x in fw.residual_fwd or (add_bytes,)]
     add_b = [mem(x * mn * h) for x in fw.residual_bwd or (5 if drop else 6,)]
+    if gpt and fw.row_bias_apart:  # the bias made the branch fp32: bias add (2+4), fp32 residual add
+        add_f = [mem(ACT_BYTES * 3 * mn * h), mem(3.0 * fw.param_bytes * mn * h)]
+        add_b = [*add_b, mem(fw.param_bytes * mn * h)]  # and the bias's gradient, summed over tokens
     # Backward sums the input gradients of separate projections: two kernels for q, k, v, one for
     # gate, up; under autocast each projection cast its own input (`Framework.input_cast_bytes`).
     in_cast = [mem(fw.input_cast_bytes * m * h)] if fw.input_cast_bytes else []
     cast_qkv, cast_up = in_cast * len(projs), (in_cast * len(ups) if moe is None else in_cast)
     sum_qkv = [mem(3.0 * fw.param_bytes * m * h)] * (len(projs) - 1)
-    if split and spec.attention_bias:  # and each bias's gradient is its output gradient summed over tokens
-        sum_qkv += [mem(fw.param_bytes * m * g.n) for g in projs]
     sum_up = [mem(3.0 * fw.param_bytes * m * h)] * (len(ups) - 1)
+    # With separate projections each bias inside a GEMM has its gradient summed over tokens apart
+    # (the GEMM's output gradient, in the compute dtype); under autocast the bias is cast too.
+    bias_qkv = projs if split and (gpt or spec.attention_bias) else []
+    bias_up = ups if split and gpt else []
+    biased = [*bias_qkv, *bias_up]
+    sum_qkv += [mem(ACT_BYTES * m * g.n) for g in bias_qkv]
+    sum_up += [mem(ACT_BYTES * m * g.n) for g in bias_up]
     mats = (*projs, out, *ups) + ((down,) if down is not None else ())
     casts = [mem(fw.weight_cast_bytes * g.k * g.n) for g in mats] if fw.weight_cast_bytes else []
+    casts += [mem(fw.weight_cast_bytes * g.n) for g in biased] if fw.weight_cast_bytes else []
     if moe is not None and fw.weight_cast_bytes:
         casts.append(mem(fw.weight_cast_bytes * moe.active * 3 * h * moe.width,
                          3 * moe.active if fw.expert_gemms == "loop" else 1))  # one cast per matrix used
@@ -413,6 +425,8 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
             bwd_comm += (Comm("ring_p2p", 2 * (cp - 1) * kv_chunk, "cp"),)  # K, V and their gradients
 
     n_tensors = (12 if gpt else 9) + (3 if spec.attention_bias else 0) + (2 if spec.qk_norm != "none" else 0)
+    if gpt and split:
+        n_tensors += 4  # q, k and v apart: two more weights and two more biases than a fused QKV
     params = layer_params_per_rank(spec, tp, sparse=moe is not None)
     shared = moe is not None and bool(spec.shared_expert_intermediate_size)
     if moe is not None:
@@ -424,8 +438,8 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
         params -= layer_matrix_params(spec, sparse=moe is not None) / tp
     elif moe is not None:
         params += moe.active * 3 * h * moe.width  # only experts that got tokens have gradients to add
-    if fw.weight_cast_bytes:  # each matrix's gradient comes back through its cast's backward first
-        n_tensors += len(mats)
+    if fw.weight_cast_bytes:  # each cast weight's gradient comes back through its cast's backward first
+        n_tensors += len(mats) + len(biased)
     accum = mem(params * fw.grad_accum_bytes)
     return LayerWork(fwd, tuple(bwd), fwd_comm, bwd_comm, att_f, accum, n_tensors)
 

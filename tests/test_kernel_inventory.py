@@ -6,7 +6,9 @@ every aten op with the bytes it reads and writes, and compares their number and 
 ops a layer dispatches on a CPU are those it dispatches on a GPU, where each is a kernel.
 
 What is counted: an op is one kernel (ATen's `slice_backward` two: a zero fill of the whole and a
-copy of the slice, `TensorShape.cpp`); its bytes are those of its inputs and outputs, leaving out an
+copy of the slice, `TensorShape.cpp`; on CUDA `native_layer_norm_backward` two: the input's
+gradient, and the weight's and bias's, which reads the output gradient and the input again,
+`layer_norm_kernel.cu`); its bytes are those of its inputs and outputs, leaving out an
 operand broadcast over heads or tokens (fewer than half the elements of the op's largest tensor:
 a norm's weight, rotary's cos and sin, a per-token statistic), which is read from cache; an op whose
 tensors hold at most one value per token moves no bytes that count (the model's 0-byte kernels)."""
@@ -24,7 +26,7 @@ torch = pytest.importorskip("torch")
 VIEWS = {"t", "view", "_unsafe_view", "transpose", "expand", "slice", "select", "unsqueeze", "squeeze", "as_strided",
          "alias", "permute", "detach", "_reshape_alias", "reshape", "lift_fresh"}
 GEMMS = {"mm", "addmm", "bmm", "baddbmm"}
-KERNELS_PER_OP = {"slice_backward": 2}
+KERNELS_PER_OP = {"slice_backward": 2, "native_layer_norm_backward": 2}
 
 
 def _recorder(tokens: int, weights: set[tuple[int, ...]] | frozenset = frozenset()):
@@ -54,6 +56,8 @@ def _recorder(tokens: int, weights: set[tuple[int, ...]] | frozenset = frozenset
                 moved = sum(nbytes)
                 if name == "slice_backward":  # the fill writes the whole, the copy reads and writes the slice
                     moved += nbytes[0]
+                if name == "native_layer_norm_backward":  # the weight and bias kernel reads both again
+                    moved += nbytes[0] + nbytes[1]
             if all(tuple(t.shape) in weights for t in ins + outs):
                 self.weight_kernels += 1
                 self.weight_bytes += sum(t.numel() * t.element_size() for t in ins + outs)
@@ -133,18 +137,25 @@ def test_rollouts_of_an_eager_stack_run_the_rollout_engines_fused_kernels():
         layer_work(spec, rollout, b=4, s=1, tp=1, cp=1, sp=False, kv_len=512)
 
 
-def test_the_runtime_layers_launch_the_kernels_the_torch_preset_prices():
-    """`torch` (the planner's runtime) against `runtime/model.py`'s own Llama layer under bf16
-    autocast on fp32 weights, as it trains on a GPU: every memory-bound kernel forward (the weight
-    casts included) and backward by number and bytes; the gradient accumulation of the backward
-    (each matrix's gradient cast back to fp32 and added into the runtime's buffer, the norms' added)
-    against the model's accumulation kernel."""
+RUNTIME_SPECS = {
+    "llama-gqa": {"model_type": "llama", **HF_SPECS["llama-gqa"]},
+    "gpt": dict(model_type="gpt", hidden_size=64, num_attention_heads=8, intermediate_size=256),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNTIME_SPECS))
+def test_the_runtime_layers_launch_the_kernels_the_torch_preset_prices(name):
+    """`torch` (the planner's runtime) against `runtime/model.py`'s own layer (Llama; GPT with its
+    LayerNorm, biases and GELU) under bf16 autocast on fp32 weights, as it trains on a GPU: every
+    memory-bound kernel forward (the weights' and biases' casts included) and backward by number and
+    bytes; the gradient accumulation of the backward (each cast weight's gradient cast back to fp32,
+    and every gradient added into the runtime's buffer) against the model's accumulation kernel."""
     from plans import Layout
     from runtime.engine import ModelRunner
     from runtime.groups import solo_groups
     from runtime.model import Rope, _layer, init_tensor
 
-    spec = resolve_model({"model_type": "llama", **HF_SPECS["llama-gqa"], "num_hidden_layers": 1, "vocab_size": 256,
+    spec = resolve_model({**RUNTIME_SPECS[name], "num_hidden_layers": 1, "vocab_size": 256,
                           "max_position_embeddings": 128})
     runner = ModelRunner(spec, head="lm", trainable=True, groups=solo_groups(Layout()),
                          state=lambda p: init_tensor(p, seed=0), device=torch.device("cpu"))
@@ -154,8 +165,9 @@ def test_the_runtime_layers_launch_the_kernels_the_torch_preset_prices():
     positions = torch.arange(s)
     record = _recorder(b * s, weights)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        rope = Rope(spec, positions)
-        rope(torch.bfloat16)  # the tables are built once per forward for every layer
+        rope = Rope(spec, positions) if spec.model_type == "llama" else None
+        if rope is not None:
+            rope(torch.bfloat16)  # the tables are built once per forward for every layer
         with record() as fwd:
             y = _layer(runner.shard, 0, x, positions, None, False, None, rope)
     grad = torch.randn_like(y)
@@ -166,5 +178,7 @@ def test_the_runtime_layers_launch_the_kernels_the_torch_preset_prices():
     assert (bwd.kernels, bwd.bytes) == want_bwd, str(bwd.ops)
     work = layer_work(spec, FRAMEWORKS["torch"], b=b, s=s, tp=1, cp=1, sp=False)
     assert bwd.weight_kernels == work.grad_tensors, str(bwd.ops)
-    # The norms' fp32 weights are added without a cast, which the model charges them (12 bytes of 1,536).
-    assert work.grad_accum.bytes - bwd.weight_bytes == 6 * 2 * spec.hidden_size
+    # Weights used in fp32 (the norms', a GPT's output and down biases) are added without a cast,
+    # which the model charges them too (6 bytes each, of 18).
+    fp32_only = 2 * spec.hidden_size * (3 if spec.model_type == "gpt" else 1)
+    assert work.grad_accum.bytes - bwd.weight_bytes == 6 * fp32_only
