@@ -348,8 +348,8 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     norm_f, norm_b = [mem(x * mn * h) for x in norm_fwd], [mem(x * mn * h) for x in norm_bwd]
     add_f = [mem(x * mn * h) for x in fw.residual_fwd or (add_bytes,)]
     add_b = [mem(x * mn * h) for x in fw.residual_bwd or (5 if drop else 6,)]
-    if gpt and fw.row_bias_apart:  # the bias made the branch fp32: bias add (2+4), fp32 residual add
-        add_f = [mem(ACT_BYTES * 3 * mn * h), mem(3.0 * fw.param_bytes * mn * h)]
+    if gpt and fw.row_bias_apart:  # the bias add makes the branch the weights' dtype, then the residual add
+        add_f = [mem((ACT_BYTES + fw.param_bytes) * mn * h), mem(3.0 * fw.param_bytes * mn * h)]
         add_b = [*add_b, mem(fw.param_bytes * mn * h)]  # and the bias's gradient, summed over tokens
     # Backward sums the input gradients of separate projections: two kernels for q, k, v, one for
     # gate, up; under autocast each projection cast its own input (`Framework.input_cast_bytes`).
