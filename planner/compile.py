@@ -520,8 +520,9 @@ def polish(problem: Problem, choice: list[int], sched: Schedule, *, rule: Restri
 
     n = len(problem.slots)
     singles = [(i, k) for i in range(n) for k in range(len(problem.slots[i].cands))]
-    pairs = [(a, b) for x, a in enumerate(singles) for b in singles[x + 1:] if a[0] != b[0]]
-    exhaustive = len(pairs) <= max_evals // 4  # every pair where they can all be tried
+    sizes = [len(s.cands) for s in problem.slots]
+    n_pairs = sum(a * b for i, a in enumerate(sizes) for b in sizes[i + 1:])  # counted: they may be millions
+    exhaustive = n_pairs <= max_evals // 4  # every pair where they can all be tried
     improved = True
     while improved and not out_of_budget():
         improved = False
@@ -540,11 +541,10 @@ def polish(problem: Problem, choice: list[int], sched: Schedule, *, rule: Restri
                 tried.append((found.makespan_s, i, k))
         if improved:
             continue
-        if exhaustive:
-            moves = [(a, b) for a, b in pairs if a[1] != choice[a[0]] and b[1] != choice[b[0]]]
-        else:
-            top = [(i, k) for _, i, k in sorted(tried)[:PROMISING_SINGLES]]
-            moves = [(a, b) for x, a in enumerate(top) for b in top[x + 1:] if a[0] != b[0]]
+        # Every other candidate of each call where the pairs can all be tried, else the most promising.
+        pool = [(i, k) for i, k in singles if k != choice[i]] if exhaustive else \
+            [(i, k) for _, i, k in sorted(tried)[:PROMISING_SINGLES]]
+        moves = [(a, b) for x, a in enumerate(pool) for b in pool[x + 1:] if a[0] != b[0]]
         for (i, k), (j, m) in moves:
             if out_of_budget():
                 break
