@@ -179,6 +179,15 @@ class Framework:
     # (DeepEP's dispatch and combine, DeepSeek-V3 report section 3.2.2; Megatron-core's flex
     # dispatcher).
     moe_dispatch: MoeDispatch = "alltoall"
+    # The routing's own kernels. "fused": a fused softmax-top-k, one permutation of the token
+    # copies into expert order and one un-permutation with the weighted sum (Megatron-core's and
+    # vLLM's). "eager": the planner's runtime as `runtime/model._sparse_mlp` and `_experts` run it in
+    # PyTorch ops (`cost_models.ops.eager_routing`): the logits upcast, softmax, top-k and its
+    # renormalisation, an argsort of the copies by expert, index ops on int64 ids, a gather of the
+    # fp32 token copies, each expert's GEMMs casting their own input, a cat of the experts'
+    # outputs, the weighted copies summed back into a zero-filled fp32 tensor by index_add, and
+    # the backward of each.
+    moe_routing: Literal["fused", "eager"] = "fused"
     # How the host issues a rank's routed experts. "grouped": one kernel per expert GEMM kind for
     # all local experts (vLLM's fused MoE kernel). "per_expert": one GEMM launch per local expert
     # and GEMM, the launches spread over streams that fill the GPU together (Transformer Engine's
@@ -396,7 +405,7 @@ FRAMEWORKS: dict[str, Framework] = {
         weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26, decode_cuda_graphs=True,
         windowed_attention=False, cp_comm="all_gather", cp_zero3_replicas=True,
         grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0, zero3_keeps_gathered=True,
-        zero1_all_reduce=True, zero12_step_copy=True, expert_gemms="loop",
+        zero1_all_reduce=True, zero12_step_copy=True, expert_gemms="loop", moe_routing="eager",
         attention_kernels=SDPA_ATTENTION,
     ),
 }

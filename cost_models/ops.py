@@ -351,6 +351,12 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     if gpt and fw.row_bias_apart:  # the bias add makes the branch the weights' dtype, then the residual add
         add_f = [mem((ACT_BYTES + fw.param_bytes) * mn * h), mem(3.0 * fw.param_bytes * mn * h)]
         add_b = [*add_b, mem(fw.param_bytes * mn * h)]  # and the bias's gradient, summed over tokens
+    # The runtime's eager sparse MLP returns its sum in fp32 (index_add into an fp32 tensor): the MLP's
+    # residual add reads two fp32 tensors, and its backward casts no gradient back to bf16 (the
+    # sum where the branch's gradient meets the stream's stays).
+    mlp_add_f, mlp_add_b = add_f, add_b
+    if moe is not None and fw.moe_routing == "eager":
+        mlp_add_f, mlp_add_b = [mem(3.0 * fw.param_bytes * mn * h)], [mem(3.0 * fw.param_bytes * mn * h)]
     # Backward sums the input gradients of separate projections: two kernels for q, k, v, one for
     # gate, up; under autocast each projection cast its own input (`Framework.input_cast_bytes`).
     in_cast = [mem(fw.input_cast_bytes * m * h)] if fw.input_cast_bytes else []
@@ -367,13 +373,18 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     mats = (*projs, out, *ups) + ((down,) if down is not None else ())
     casts = [mem(fw.weight_cast_bytes * g.k * g.n) for g in mats] if fw.weight_cast_bytes else []
     casts += [mem(fw.weight_cast_bytes * g.n) for g in biased] if fw.weight_cast_bytes else []
+    # A sparse layer's other matrices: its router, and a shared expert's projections and gate.
+    fs = spec.shared_expert_intermediate_size if moe is not None else 0
+    sparse_mats = ([gemm(m, spec.experts, h)] + ([gemm(m, fs // tp, h)] * 2 + [gemm(m, h, fs // tp)] if fs else [])
+                   + ([gemm(m, 1, h)] if fs and spec.shared_expert_gate else [])) if moe is not None else []
     if moe is not None and fw.weight_cast_bytes:
         casts.append(mem(fw.weight_cast_bytes * moe.active * 3 * h * moe.width,
                          3 * moe.active if fw.expert_gemms == "loop" else 1))  # one cast per matrix used
+        casts += [mem(fw.weight_cast_bytes * g.k * g.n) for g in sparse_mats]
     mlp_f = (*cast_up, *ups, *act_fwd) + ((down,) if down is not None else ())
-    fwd = (*casts, *norm_f, *cast_qkv, *projs, *rope_f, *att_f, out, *add_f, *norm_f, *mlp_f, *add_f)
+    fwd = (*casts, *norm_f, *cast_qkv, *projs, *rope_f, *att_f, out, *add_f, *norm_f, *mlp_f, *mlp_add_f)
     fused = fused_accum_bytes(fw)
-    bwd: list[Kernel] = [*add_b, *(gemm_bwd(down, fused) if down is not None else ()), *act_bwd]
+    bwd: list[Kernel] = [*mlp_add_b, *(gemm_bwd(down, fused) if down is not None else ()), *act_bwd]
     for g in ups:
         bwd += gemm_bwd(g, fused)
     bwd += [*cast_up, *sum_up, *norm_b, *add_b, *gemm_bwd(out, fused), *att_b, *rope_b]
@@ -438,9 +449,17 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
         params -= layer_matrix_params(spec, sparse=moe is not None) / tp
     elif moe is not None:
         params += moe.active * 3 * h * moe.width  # only experts that got tokens have gradients to add
+    stacked = 0.0
     if fw.weight_cast_bytes:  # each cast weight's gradient comes back through its cast's backward first
-        n_tensors += len(mats) + len(biased)
-    accum = mem(params * fw.grad_accum_bytes)
+        n_tensors += len(mats) + len(biased) + len(sparse_mats)
+        if moe is not None:
+            n_tensors += 3 * moe.active if fw.expert_gemms == "loop" else 3
+    if moe is not None and fw.expert_gemms == "loop" and not fw.wgrad_accum_fused:
+        # The loop takes each expert's matrices apart (unbind), so the backward stacks their
+        # gradients into the three expert tensors (read and write) before they are accumulated.
+        n_tensors += 3
+        stacked = 2.0 * fw.grad_bytes * moe.active * 3 * h * moe.width
+    accum = mem(params * fw.grad_accum_bytes + stacked)
     return LayerWork(fwd, tuple(bwd), fwd_comm, bwd_comm, att_f, accum, n_tensors)
 
 
@@ -468,6 +487,8 @@ def sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLo
     down = gemm(moe.rows, h, moe.width, n)
     cells = float(moe.rows) * n * moe.width
     act_launches = 1
+    if fw.moe_routing == "eager":
+        return eager_sparse_mlp(spec, fw, m=m, tp=tp, moe=moe)
     if fw.expert_gemms == "loop":  # gate and up apart, every kernel once per expert, in turn
         ups = [launched(gemm(moe.rows, moe.width, h, n), n, True) for _ in range(2)]
         down, act_launches = launched(down, n, True), n
@@ -493,6 +514,109 @@ def sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLo
             gate = gemm(m, 1, h)
             fwd += [gate, mem(6.0 * m * h)]
             bwd += [mem(6.0 * m * h), *gemm_bwd(gate)]
+    return SparseMLP(tuple(fwd), tuple(bwd))
+
+
+# Autograd's backward of the runtime's renormalised top-k weights, w / w.sum(-1): per kernel, bytes
+# per (token copy, token): the quotient's gradient (div), the divisor's (div, neg, mul, div, sum
+# over the copies) and the two summed (add).
+RENORM_BWD = ((8.0, 4.0), (8.0, 4.0), (8.0, 0.0), (12.0, 0.0), (8.0, 4.0), (4.0, 4.0), (12.0, 0.0))
+INDEX_BYTES = 8.0  # int64 expert ids and positions
+
+
+def eager_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLoad) -> SparseMLP:
+    """The sparse MLP as the planner's runtime runs it (`Framework.moe_routing` "eager";
+    `runtime/model._sparse_mlp` and `_experts`), kernel by kernel, bytes as
+    `tests/test_kernel_inventory.py` records them (an index or weight vector read beside a much
+    larger tensor is left out, as a broadcast operand is).
+
+    Forward, on the `t` tokens the rank routes (its replica's: experts are split over tensor
+    parallelism like the dense MLP), `c = t k` copies: the bf16 logits upcast (2+4 per logit),
+    softmax (4+4), top-k (4), the top-k weights renormalised (a sum and a division), an argsort of
+    the copies' int64 expert ids (8 in, 8 + 8 out), their tokens (a floor division, 8+8), a gather of
+    the fp32 token copies (4 per element of the tokens read, 4 per copy written), the ids in that
+    order (8+8+8) and their count per expert (8). With expert parallelism the counts per rank (a
+    division and a count), the received copies put in expert order (two argsorts, a gather of the
+    copies and of their ids, the ids made local) and the outputs back in arrival order (a gather).
+    Each expert then casts its rows to bf16 for its gate and its up projection apart (`loop`,
+    `input_cast_bytes` each), SwiGLU, and its down projection; its outputs are concatenated (2+2),
+    the copies' weights gathered (4+8+4 per copy), each copy weighted into fp32 (2+4), and the
+    copies summed back into a zero-filled fp32 tensor (a fill of 4; index_add reading the zeros,
+    the copies and writing the sum, 4+4+4). Backward: each of those in reverse, the copies' gradient
+    gathered from the tokens', the weights' gradient (a product over h and its sum), the copies'
+    gradient (a product and its cast to bf16), each expert's SwiGLU and its two input casts'
+    backward with their sum (4+4+4), the pieces concatenated back (4+4), the tokens' gradient summed
+    from the copies (a fill and an index_add), the top-k's and renormalisation's (`RENORM_BWD`),
+    the softmax's (4+4+4) and the upcast's (4+2), and the router's input gradient added to the
+    experts' (4+4+4). The shared expert is a dense MLP as the runtime runs one: separate gate and up
+    projections each casting its input, SwiGLU, the down projection, its output added to the
+    routed one in fp32 (2+4+4), scaled first by a sigmoid gate where the model has one (a GEMM of
+    one column on its own cast input; the product 2+2), with their backward."""
+    h, e, k = spec.hidden_size, spec.experts, spec.num_experts_per_tok
+    sb, ib, cast = fw.param_bytes, INDEX_BYTES, fw.input_cast_bytes
+    t, n = float(moe.routed), moe.active
+    c = t * k  # this rank's token copies
+    recv = float(moe.rows) * n  # the copies its experts compute
+    te = t * e
+    router = gemm(moe.routed, e, h)
+    cells = float(moe.rows) * n * moe.width
+    # The runtime loops over its experts (`expert_gemms` "loop"); the same kernels issued otherwise
+    # are launched as that trait says, elementwise ones once for all experts unless looped.
+    each = {"loop": (n, True), "per_expert": (n, False)}.get(fw.expert_gemms, (1, False))
+    ups = [launched(gemm(moe.rows, moe.width, h, n), *each) for _ in range(2)]
+    down = launched(gemm(moe.rows, h, moe.width, n), *each)
+    n = n if fw.expert_gemms == "loop" else 1  # launches of each expert's elementwise kernels
+    renorm_f = [mem(4.0 * c + 4.0 * t), mem(8.0 * c + 4.0 * t)] if spec.norm_topk_prob else []
+    renorm_b = [mem(a * c + b * t) for a, b in RENORM_BWD] if spec.norm_topk_prob else []
+    exchange_f: list[Kernel] = []  # before the experts
+    back_f: list[Kernel] = []  # after them
+    back_b: list[Kernel] = []  # backward of `back_f`
+    exchange_b: list[Kernel] = []  # backward of `exchange_f`
+    if moe.a2a_bytes:  # expert parallel: counts per rank, the arrivals sorted by expert, and back
+        exchange_f = [mem(2.0 * ib * c), mem(ib * c), mem(3.0 * ib * recv), mem(3.0 * ib * recv),
+                      mem(2.0 * sb * recv * h), mem(3.0 * ib * recv), mem(2.0 * ib * recv)]
+        back_f = [mem(2.0 * ACT_BYTES * recv * h)]  # the outputs in arrival order (bf16)
+        # Each gather's gradient summed back into a zero-filled tensor: a fill and an index_add.
+        back_b = [mem(ACT_BYTES * recv * h), mem(3.0 * ACT_BYTES * recv * h)]
+        exchange_b = [mem(sb * recv * h), mem(3.0 * sb * recv * h)]
+    in_casts = [mem(cast * recv * h, n)] * 2 if cast else []
+    fwd: list[Kernel] = [router, mem(6.0 * te), mem(8.0 * te), mem(4.0 * te), *renorm_f, mem(3.0 * ib * c),
+                         mem(2.0 * ib * c), mem(sb * t * h + sb * c * h), mem(3.0 * ib * c), *exchange_f,
+                         mem(ib * recv), *in_casts[:1], ups[0], mem(fw.swiglu_fwd[0] * cells, n), *in_casts[1:],
+                         ups[1], *[mem(x * cells, n) for x in fw.swiglu_fwd[1:]], down,
+                         mem(2.0 * ACT_BYTES * recv * h), *back_f, mem(16.0 * c),
+                         mem((ACT_BYTES + sb) * c * h), mem(sb * t * h), mem(sb * (2.0 * t + c) * h)]
+    fused = fused_accum_bytes(fw)
+    bwd: list[Kernel] = [mem(sb * t * h + sb * c * h), mem((2.0 * sb + ACT_BYTES) * c * h), mem(2.0 * sb * c * h),
+                         mem((sb + ACT_BYTES) * c * h), mem(sb * c * h), mem(4.0 * c), mem(20.0 * c),
+                         *back_b, *gemm_bwd(down, fused),
+                         *[mem(x * cells, n) for x in fw.swiglu_bwd[:2]], *in_casts[1:], *gemm_bwd(ups[1], fused),
+                         *[mem(x * cells, n) for x in fw.swiglu_bwd[2:]], *in_casts[:1], *gemm_bwd(ups[0], fused),
+                         mem(3.0 * sb * recv * h, n), mem(2.0 * sb * recv * h), *exchange_b, mem(sb * t * h),
+                         mem(sb * (2.0 * t + c) * h), *renorm_b, mem(4.0 * te), mem(8.0 * te), mem(12.0 * te),
+                         mem(6.0 * te), *gemm_bwd(router), mem(3.0 * sb * t * h)]
+    fs = spec.shared_expert_intermediate_size
+    if fs:
+        mt = float(m)
+        s_ups = [gemm(m, fs // tp, h)] * 2
+        s_down = gemm(m, h, fs // tp)
+        s_cells = mt * fs / tp
+        s_cast = [mem(cast * mt * h)] if cast else []
+        fwd += [*s_cast, s_ups[0], mem(fw.swiglu_fwd[0] * s_cells), *s_cast, s_ups[1],
+                *[mem(x * s_cells) for x in fw.swiglu_fwd[1:]], s_down]
+        # Its gate and up projections' input gradients summed, then with the routed copies'.
+        s_bwd = [*gemm_bwd(s_down, fused), *[mem(x * s_cells) for x in fw.swiglu_bwd[:2]], *s_cast,
+                 *gemm_bwd(s_ups[1], fused), *[mem(x * s_cells) for x in fw.swiglu_bwd[2:]], *s_cast,
+                 *gemm_bwd(s_ups[0], fused), mem(3.0 * sb * mt * h), mem(3.0 * sb * mt * h)]
+        if spec.shared_expert_gate:  # sigmoid of one value per token: a kernel, no bytes that count
+            gate = gemm(m, 1, h)
+            fwd += [*s_cast, gate, mem(0.0), mem(2.0 * ACT_BYTES * mt * h)]
+            # The product's two gradients (the shared output's, and the gate's summed over h), the
+            # sigmoid's, the gate's input cast and its input gradient joining the others.
+            s_bwd = [mem(2.0 * ACT_BYTES * mt * h), mem(3.0 * ACT_BYTES * mt * h), mem(ACT_BYTES * mt * h), mem(0.0),
+                     *s_bwd, *gemm_bwd(gate), *s_cast, mem(3.0 * sb * mt * h)]
+        fwd.append(mem((ACT_BYTES + 2.0 * sb) * mt * h))
+        bwd = [mem((sb + ACT_BYTES) * mt * h), *s_bwd, *bwd]
     return SparseMLP(tuple(fwd), tuple(bwd))
 
 

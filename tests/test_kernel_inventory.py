@@ -10,8 +10,15 @@ copy of the slice, `TensorShape.cpp`; on CUDA `native_layer_norm_backward` two: 
 gradient, and the weight's and bias's, which reads the output gradient and the input again,
 `layer_norm_kernel.cu`); its bytes are those of its inputs and outputs, leaving out an
 operand broadcast over heads or tokens (fewer than half the elements of the op's largest tensor:
-a norm's weight, rotary's cos and sin, a per-token statistic), which is read from cache; an op whose
-tensors hold at most one value per token moves no bytes that count (the model's 0-byte kernels)."""
+a norm's weight, rotary's cos and sin, a per-token statistic, an index vector beside the rows it
+picks), which is read from cache; an op whose tensors hold at most one value per token moves no
+bytes that count (the model's 0-byte kernels). A fill (zeros_like, new_zeros) writes and reads
+nothing; a cat or stack reads every piece however small; views, splits, unbinds, allocations and
+the collectives (counted as communication, not kernels) launch none.
+
+The mixture-of-experts test checks the runtime's sparse layer the same way, on one rank and with
+its experts over two gloo ranks (expert parallel), with a router set so that every expert gets
+the same number of token copies."""
 
 from __future__ import annotations
 
@@ -24,7 +31,10 @@ from plans import resolve_model
 torch = pytest.importorskip("torch")
 
 VIEWS = {"t", "view", "_unsafe_view", "transpose", "expand", "slice", "select", "unsqueeze", "squeeze", "as_strided",
-         "alias", "permute", "detach", "_reshape_alias", "reshape", "lift_fresh"}
+         "alias", "permute", "detach", "_reshape_alias", "reshape", "lift_fresh", "split", "split_with_sizes", "unbind",
+         "empty", "empty_like", "new_empty"}  # allocations launch nothing either
+FILLS = {"zeros_like", "new_zeros", "full_like", "ones_like", "zeros", "full"}  # write only
+GATHERS = {"cat", "stack"}  # read every piece of a list, however small each is
 GEMMS = {"mm", "addmm", "bmm", "baddbmm"}
 KERNELS_PER_OP = {"slice_backward": 2, "native_layer_norm_backward": 2}
 
@@ -45,14 +55,16 @@ def _recorder(tokens: int, weights: set[tuple[int, ...]] | frozenset = frozenset
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
             out = func(*args, **(kwargs or {}))
             name = func.overloadpacket.__name__
-            if name in VIEWS or name in GEMMS or "scaled_dot_product" in name:
+            if name in VIEWS or name in GEMMS or "scaled_dot_product" in name or func.namespace == "c10d":
                 return out
             ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             big = max(t.numel() for t in ins + outs)
             moved = 0
             if big > tokens:
-                nbytes = [t.numel() * t.element_size() for t in ins + outs if 2 * t.numel() >= big]
+                if name in FILLS:
+                    ins = []
+                nbytes = [t.numel() * t.element_size() for t in ins + outs if 2 * t.numel() >= big or name in GATHERS]
                 moved = sum(nbytes)
                 if name == "slice_backward":  # the fill writes the whole, the copy reads and writes the slice
                     moved += nbytes[0]
@@ -182,3 +194,115 @@ def test_the_runtime_layers_launch_the_kernels_the_torch_preset_prices(name):
     # which the model charges them too (6 bytes each, of 18).
     fp32_only = 2 * spec.hidden_size * (3 if spec.model_type == "gpt" else 1)
     assert work.grad_accum.bytes - bwd.weight_bytes == 6 * fp32_only
+
+
+MOE_SPECS = {
+    "routed": {},
+    "shared-gated": dict(shared_expert_intermediate_size=56, shared_expert_gate=True),  # Qwen2-MoE's
+}
+MOE_E, MOE_K, MOE_H, MOE_F = 6, 2, 48, 40
+MOE_B, MOE_S = 2, 15
+
+
+def _moe_spec(name: str):
+    return resolve_model(dict(model_type="llama", hidden_size=MOE_H, num_attention_heads=4, num_key_value_heads=2,
+                              intermediate_size=112, num_experts=MOE_E, num_experts_per_tok=MOE_K,
+                              moe_intermediate_size=MOE_F, num_hidden_layers=1, vocab_size=256,
+                              max_position_embeddings=128, **MOE_SPECS[name]))
+
+
+def _moe_inventory(name: str, groups) -> dict[str, tuple[int, int, int, int]]:  # noqa: ANN001
+    """(kernels, bytes, weight kernels, weight bytes) of the runtime's MoE layer forward and backward
+    on this rank, every expert receiving the same number of copies (token i picks experts i and
+    i+1 mod E, on every rank)."""
+    from runtime.engine import ModelRunner
+    from runtime.model import Rope, _layer, init_tensor
+
+    spec = _moe_spec(name)
+    runner = ModelRunner(spec, head="lm", trainable=True, groups=groups, state=lambda p: init_tensor(p, seed=0),
+                         device=torch.device("cpu"))
+    params = runner.shard.params
+    t, h = MOE_B * MOE_S, MOE_H
+    with torch.no_grad():
+        params["model.layers.0.self_attn.o_proj.weight"].zero_()
+        params["model.layers.0.mlp.gate.weight"].copy_(torch.eye(MOE_E, h))
+    x = 0.01 * torch.randn(t, h, generator=torch.Generator().manual_seed(groups.local))
+    for i in range(t):
+        x[i, i % MOE_E], x[i, (i + 1) % MOE_E] = 10.0, 5.0
+    x = x.view(MOE_B, MOE_S, h).requires_grad_(True)
+    weights = {tuple(p.shape) for p in params.values()} | {(MOE_F, h), (h, MOE_F)}  # an expert's, once unbound
+    record = _recorder(t, weights)
+    positions = torch.arange(MOE_S)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rope = Rope(spec, positions)
+        rope(torch.bfloat16)
+        with record() as fwd:
+            y = _layer(runner.shard, 0, x, positions, None, False, None, rope)
+    grad = torch.randn_like(y)
+    with record() as bwd:
+        y.backward(grad)
+    return {"fwd": (fwd.kernels, fwd.bytes, fwd.weight_kernels, fwd.weight_bytes),
+            "bwd": (bwd.kernels, bwd.bytes, bwd.weight_kernels, bwd.weight_bytes)}
+
+
+def _moe_worker(rank: int, port: int, out_dir: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from plans import Layout, Mesh
+    from runtime.groups import Groups
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        groups = Groups(distributed=True).build(Mesh.block(0, 2), Layout(dp=2, ep=2), rank=rank, tied=False)
+        with open(f"{out_dir}/rank{rank}.json", "w") as fh:
+            json.dump(_moe_inventory("routed", groups), fh)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name,ep", [("routed", 1), ("shared-gated", 1), ("routed", 2)])
+def test_the_runtime_moe_layer_launches_the_kernels_the_torch_preset_prices(name, ep, tmp_path):
+    """`torch` against the runtime's mixture-of-experts layer (`runtime/model._sparse_mlp` and
+    `_experts`: routing in PyTorch ops, a Python loop over the experts; with ep 2 on two gloo
+    ranks, the copies exchanged by all-to-all) under bf16 autocast on fp32 weights: every
+    memory-bound kernel forward and backward by number and bytes, and the weights' casts, their
+    gradients' casts back, the stacking of the experts' gradients and their accumulation. The
+    router is set so that every expert receives the same number of copies, the load the model is
+    given; the attention's output projection is zeroed so the MLP sees those tokens (its kernels
+    run all the same). Dimensions are distinct so no activation has a weight's shape."""
+    import json
+
+    from cost_models.ops import ExpertLoad
+    from plans import Layout
+    from runtime.groups import solo_groups
+
+    if ep == 1:
+        got = _moe_inventory(name, solo_groups(Layout()))
+    else:
+        import torch.multiprocessing as mp
+
+        from tests.test_runtime_parallel import _free_port
+
+        mp.spawn(_moe_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+        ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+        assert ranks[0] == ranks[1]  # the same load on both
+        got = {k: tuple(v) for k, v in ranks[0].items()}
+    t, k, e = MOE_B * MOE_S, MOE_K, MOE_E
+    spec = _moe_spec(name)
+    # Each rank routes t tokens, t k / E copies to every expert from every rank.
+    moe = ExpertLoad(routed=t, active=e // ep, rows=ep * t * k // e, width=MOE_F, skew=1.0,
+                     a2a_bytes=0.0 if ep == 1 else 2.0 * t * MOE_H * k)
+    work = layer_work(spec, FRAMEWORKS["torch"], b=MOE_B, s=MOE_S, tp=1, cp=1, sp=False, moe=moe)
+    pick = lambda ks: [q for q in ks if q.kind == "mem"]  # noqa: E731
+    want_fwd, want_bwd = ((sum(q.launches for q in pick(ks)), sum(q.bytes for q in pick(ks))) for ks in (work.fwd, work.bwd))
+    fk, fb, fwk, fwb = got["fwd"]
+    bk, bb, bwk, bwb = got["bwd"]
+    assert (fk + fwk, fb + fwb) == want_fwd
+    assert (bk, bb) == want_bwd
+    assert bwk == work.grad_tensors
+    assert work.grad_accum.bytes - bwb == 6 * 2 * MOE_H  # the norms' fp32 weights, never cast
+    # The fused routing (Megatron-core's) launches a small fraction of that.
+    fused = layer_work(spec, FRAMEWORKS["megatron-core"], b=MOE_B, s=MOE_S, tp=1, cp=1, sp=False, moe=moe)
+    assert sum(q.launches for q in pick(fused.fwd)) < want_fwd[0] / 4
