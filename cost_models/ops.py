@@ -554,6 +554,7 @@ def eager_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: Ex
     one column on its own cast input; the product 2+2), with their backward."""
     h, e, k = spec.hidden_size, spec.experts, spec.num_experts_per_tok
     sb, ib, cast = fw.param_bytes, INDEX_BYTES, fw.input_cast_bytes
+    sw_f, sw_b = fw.swiglu_fwd or (6.0,), fw.swiglu_bwd or (10.0,)  # a fused SwiGLU: one kernel each way
     t, n = float(moe.routed), moe.active
     c = t * k  # this rank's token copies
     recv = float(moe.rows) * n  # the copies its experts compute
@@ -582,16 +583,16 @@ def eager_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: Ex
     in_casts = [mem(cast * recv * h, n)] * 2 if cast else []
     fwd: list[Kernel] = [router, mem(6.0 * te), mem(8.0 * te), mem(4.0 * te), *renorm_f, mem(3.0 * ib * c),
                          mem(2.0 * ib * c), mem(sb * t * h + sb * c * h), mem(3.0 * ib * c), *exchange_f,
-                         mem(ib * recv), *in_casts[:1], ups[0], mem(fw.swiglu_fwd[0] * cells, n), *in_casts[1:],
-                         ups[1], *[mem(x * cells, n) for x in fw.swiglu_fwd[1:]], down,
+                         mem(ib * recv), *in_casts[:1], ups[0], mem(sw_f[0] * cells, n), *in_casts[1:],
+                         ups[1], *[mem(x * cells, n) for x in sw_f[1:]], down,
                          mem(2.0 * ACT_BYTES * recv * h), *back_f, mem(16.0 * c),
                          mem((ACT_BYTES + sb) * c * h), mem(sb * t * h), mem(sb * (2.0 * t + c) * h)]
     fused = fused_accum_bytes(fw)
     bwd: list[Kernel] = [mem(sb * t * h + sb * c * h), mem((2.0 * sb + ACT_BYTES) * c * h), mem(2.0 * sb * c * h),
                          mem((sb + ACT_BYTES) * c * h), mem(sb * c * h), mem(4.0 * c), mem(20.0 * c),
                          *back_b, *gemm_bwd(down, fused),
-                         *[mem(x * cells, n) for x in fw.swiglu_bwd[:2]], *in_casts[1:], *gemm_bwd(ups[1], fused),
-                         *[mem(x * cells, n) for x in fw.swiglu_bwd[2:]], *in_casts[:1], *gemm_bwd(ups[0], fused),
+                         *[mem(x * cells, n) for x in sw_b[:2]], *in_casts[1:], *gemm_bwd(ups[1], fused),
+                         *[mem(x * cells, n) for x in sw_b[2:]], *in_casts[:1], *gemm_bwd(ups[0], fused),
                          mem(3.0 * sb * recv * h, n), mem(2.0 * sb * recv * h), *exchange_b, mem(sb * t * h),
                          mem(sb * (2.0 * t + c) * h), *renorm_b, mem(4.0 * te), mem(8.0 * te), mem(12.0 * te),
                          mem(6.0 * te), *gemm_bwd(router), mem(3.0 * sb * t * h)]
@@ -602,11 +603,11 @@ def eager_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: Ex
         s_down = gemm(m, h, fs // tp)
         s_cells = mt * fs / tp
         s_cast = [mem(cast * mt * h)] if cast else []
-        fwd += [*s_cast, s_ups[0], mem(fw.swiglu_fwd[0] * s_cells), *s_cast, s_ups[1],
-                *[mem(x * s_cells) for x in fw.swiglu_fwd[1:]], s_down]
+        fwd += [*s_cast, s_ups[0], mem(sw_f[0] * s_cells), *s_cast, s_ups[1],
+                *[mem(x * s_cells) for x in sw_f[1:]], s_down]
         # Its gate and up projections' input gradients summed, then with the routed copies'.
-        s_bwd = [*gemm_bwd(s_down, fused), *[mem(x * s_cells) for x in fw.swiglu_bwd[:2]], *s_cast,
-                 *gemm_bwd(s_ups[1], fused), *[mem(x * s_cells) for x in fw.swiglu_bwd[2:]], *s_cast,
+        s_bwd = [*gemm_bwd(s_down, fused), *[mem(x * s_cells) for x in sw_b[:2]], *s_cast,
+                 *gemm_bwd(s_ups[1], fused), *[mem(x * s_cells) for x in sw_b[2:]], *s_cast,
                  *gemm_bwd(s_ups[0], fused), mem(3.0 * sb * mt * h), mem(3.0 * sb * mt * h)]
         if spec.shared_expert_gate:  # sigmoid of one value per token: a kernel, no bytes that count
             gate = gemm(m, 1, h)
