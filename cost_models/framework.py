@@ -117,6 +117,10 @@ class Framework:
     # SwiGLU per element of the f-wide intermediate (None: one fused kernel, 6 bytes forward, 10 backward).
     swiglu_fwd: tuple[float, ...] | None = None
     swiglu_bwd: tuple[float, ...] | None = None
+    # A GPT's GELU per element of the f-wide intermediate (None: one fused kernel, 4 bytes forward
+    # and 6 backward; HF GPT-2's gelu_new is written out in eager ops: `HF_GELU_NEW`).
+    gelu_fwd: tuple[float, ...] | None = None
+    gelu_bwd: tuple[float, ...] | None = None
     # Kernels per rotary entry: 2 where the queries and the keys are rotated by kernels of their own.
     rope_launches: int = 1
     # A LayerNorm model's norm kernels (forward, backward) where they differ from `norm_fwd` /
@@ -128,6 +132,17 @@ class Framework:
     # input; with biases, each bias's gradient is a sum over tokens); False: one fused QKV and one
     # gate-up GEMM.
     split_projections: bool = False
+    # The same for a GPT's q, k and v where it differs (None: as `split_projections`): HF GPT-2 runs
+    # them as one fused projection (c_attn) split by views, while HF's Llama layers run three.
+    gpt_split_projections: bool | None = None
+    # Each bias's gradient is summed over tokens by a kernel of its own (the GEMM's output
+    # gradient, in the compute dtype: PyTorch's Linear and addmm backward, HF's and the runtime's
+    # layers); False: fused into the weight-gradient GEMM (Megatron, Transformer Engine).
+    bias_grads_apart: bool = False
+    # A fused QKV projection's output is split into q, k and v by views, so backward concatenates
+    # their gradients into its output gradient by a kernel of its own (HF GPT-2); False: the
+    # attention's backward writes them in place (Megatron-core's and Transformer Engine's layouts).
+    qkv_grad_cat: bool = False
     # Under autocast each GEMM casts its own fp32 input to the compute dtype, bytes per element (the
     # norms' outputs, once per projection that reads them); backward casts each one's gradient back
     # (as many bytes). 0: the inputs are in the compute dtype already.
@@ -278,7 +293,8 @@ class Framework:
 # fused kernels (`Framework.for_rollouts`).
 FUSED_LAYER_TRAITS = frozenset({"norm_fwd", "norm_bwd", "residual_fwd", "residual_bwd", "rope_fwd", "rope_bwd",
                                 "swiglu_fwd", "swiglu_bwd", "rope_launches", "layernorm", "split_projections",
-                                "input_cast_bytes", "row_bias_apart"})
+                                "input_cast_bytes", "row_bias_apart", "gelu_fwd", "gelu_bwd",
+                                "gpt_split_projections", "bias_grads_apart", "qkv_grad_cat"})
 
 # HF transformers' Llama layers on bf16 weights (transformers 5.25.0 `modeling_llama.py`), bytes per
 # element of each kernel as `tests/test_kernel_inventory.py` records them dispatched; kernels of one
@@ -296,6 +312,13 @@ HF_RMS_NORM = ((6.0, 8.0, 4.0, 0.0, 0.0, 8.0, 6.0, 4.0),
 # (2+2+2), grad * cos (2+2), the sum (2+2+2), and the gradient's copy back to the projection's
 # layout (2+2; the view of the transposed heads).
 HF_ROPE = ((4.0, 2.0, 4.0, 4.0, 6.0), (4.0, 2.0, 2.0, 2.0, 2.0, 2.0, 6.0, 4.0, 6.0, 4.0))
+
+# HF GPT-2's gelu_new (transformers' NewGELUActivation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715
+# x^3)))) per element, as `tests/test_kernel_inventory.py` records it on bf16: forward 0.5 x (2+2),
+# x^3 (2+2), times 0.044715 (2+2), + x (2+2+2), times sqrt(2/pi) (2+2), tanh (2+2), + 1 (2+2), the
+# product (2+2+2); backward the product's two gradients (2+2+2 each), tanh's (2+2+2), and through
+# the polynomial (scalar products 2+2, x^2 and its product, the sums 2+2+2).
+HF_GELU_NEW = ((4.0, 4.0, 4.0, 6.0, 4.0, 4.0, 4.0, 6.0), (6.0, 6.0, 6.0, 4.0, 4.0, 4.0, 4.0, 6.0, 6.0, 4.0, 6.0))
 
 # PyTorch's native LayerNorm on CUDA by activation bytes: one kernel forward (read, write); backward
 # one for the input's gradient (read the gradient and the input, write) and one for the weight's
@@ -362,9 +385,11 @@ FRAMEWORKS: dict[str, Framework] = {
     # architecture; its layers' kernels as HF's eager Llama code dispatches them (RMSNorm and
     # rotary written out in elementwise ops, q, k, v, gate and up as GEMMs of their own: 30
     # memory-bound kernels a layer forward and 60 backward where the fused stacks run 6 each,
-    # `tests/test_kernel_inventory.py`); its rollouts run on vLLM's fused kernels. A GPT's
-    # LayerNorm is PyTorch's native kernel, its q, k and v are taken as separate projections (as
-    # OPT's; GPT-2's and GPT-NeoX's are fused) and its other kernels are counted as rlhf-engine's.
+    # `tests/test_kernel_inventory.py`); its rollouts run on vLLM's fused kernels. A GPT runs as HF's
+    # GPT-2 (the `gpt` family's HF model): native LayerNorm, one fused c_attn for q, k and v whose
+    # gradients backward concatenates, gelu_new written out in eight eager kernels forward and
+    # eleven backward, and each bias's gradient summed over tokens by a kernel of its own (also
+    # checked against `transformers`' own block, memory included).
     "rlhf-engine-hf": Framework(
         name="rlhf-engine-hf", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
@@ -372,7 +397,8 @@ FRAMEWORKS: dict[str, Framework] = {
         attention_kernels=SDPA_ATTENTION, tp_dgrad_overlap=True, layer_activations="hf",
         norm_fwd=HF_RMS_NORM[0], norm_bwd=HF_RMS_NORM[1], rope_fwd=HF_ROPE[0], rope_bwd=HF_ROPE[1], rope_launches=2,
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), layernorm=LAYER_NORM_KERNELS[2], split_projections=True,
-        rollouts_fused=True,
+        gpt_split_projections=False, bias_grads_apart=True, qkv_grad_cat=True, gelu_fwd=HF_GELU_NEW[0],
+        gelu_bwd=HF_GELU_NEW[1], rollouts_fused=True,
     ),
     # vLLM as verl and OpenRLHF run it for rollouts: bf16 weights, fused kernels, decode steps
     # replayed as CUDA graphs (its generate calls; it does not train).
@@ -400,7 +426,7 @@ FRAMEWORKS: dict[str, Framework] = {
         norm_bwd=(8.0, 12.0, 4.0, 12.0, 8.0, 4.0, 0.0, 0.0, 0.0, 8.0, 8.0, 8.0, 12.0, 12.0),
         residual_fwd=(10.0,), residual_bwd=(6.0, 12.0), rope_fwd=(4.0, 4.0, 4.0, 6.0), rope_bwd=(4.0, 4.0, 4.0, 6.0, 4.0),
         rope_launches=2, split_projections=True, input_cast_bytes=6.0, layernorm=LAYER_NORM_KERNELS[4],
-        row_bias_apart=True,
+        row_bias_apart=True, bias_grads_apart=True,
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), layer_activations="autocast",
         weight_cast_bytes=6.0, gpu_calibrated=False, logits_chunk_elements=2**26, decode_cuda_graphs=True,
         windowed_attention=False, cp_comm="all_gather", cp_zero3_replicas=True,

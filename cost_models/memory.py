@@ -125,7 +125,8 @@ def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: boo
       on the gathered tokens under sequence parallelism; HF's GEMMs share the norm's bf16 output.
     - Attention: q and k after rotary embedding, v, the output (which the output projection reads
       as a view) and the fp32 log-sum-exp of each query row; selective recompute drops the last.
-    - The MLP: SwiGLU's gate, up, activation and product; GELU's input and output.
+    - The MLP: SwiGLU's gate, up, activation and product; GELU's input and output (HF GPT-2's
+      gelu_new, written out in eager ops, also its half input, its tanh and one plus the tanh).
     - Full recompute keeps the layer's input only (fp32 in the runtime; HF's gradient
       checkpointing, bf16).
 
@@ -152,7 +153,7 @@ def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: boo
     if moe is not None:
         mlp = c / 2 * sparse_mlp_saved_bytes(spec, tokens=int(m), tp=tp, moe=moe)
     else:
-        mlp = (2 if gpt else 4) * c * m * f / tp
+        mlp = ((5 if hf else 2) if gpt else 4) * c * m * f / tp
     return norms + attn + mlp
 
 
@@ -165,8 +166,8 @@ def _runtime_norm_bytes(spec: ModelSpec, tokens: float) -> float:
 
 def _hf_norm_bytes(spec: ModelSpec, tokens: float) -> float:
     """What an HF norm keeps of `tokens` tokens besides its output: RMSNorm its fp32 upcast input,
-    the per-token rsqrt and the normalised value cast back to bf16; LayerNorm (bf16, not measured
-    here) its input, mean and rstd."""
+    the per-token rsqrt and the normalised value cast back to bf16; LayerNorm its bf16 input and
+    the fp32 mean and rstd CUDA keeps (on a CPU they are bf16, 4 bytes a token less)."""
     h = spec.hidden_size
     return tokens * ((2 * h + 8) if spec.model_type == "gpt" else (4 * h + 4 + 2 * h))
 

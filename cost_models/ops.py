@@ -323,7 +323,7 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     drop = fw.dropout
     add_bytes = 7 if drop else 6
 
-    split = fw.split_projections
+    split = fw.split_projections if not gpt or fw.gpt_split_projections is None else fw.gpt_split_projections
     qkv = gemm(m, (a + 2 * kv) * d // tp, h)
     projs = [gemm(m, a * d // tp, h), gemm(m, kv * d // tp, h), gemm(m, kv * d // tp, h)] if split else [qkv]
     out = gemm(m, h, a * d // tp)
@@ -331,7 +331,9 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
         sparse = sparse_mlp(spec, fw, m=m, tp=tp, moe=moe)
         ups, act_fwd, act_bwd, down = [], list(sparse.fwd), list(sparse.bwd), None
     elif gpt:
-        ups, act_fwd, act_bwd = [gemm(m, f // tp, h)], [mem(4.0 * m * f / tp)], [mem(6.0 * m * f / tp)]
+        ups = [gemm(m, f // tp, h)]
+        act_fwd = [mem(x * m * f / tp) for x in fw.gelu_fwd or (4.0,)]
+        act_bwd = [mem(x * m * f / tp) for x in fw.gelu_bwd or (6.0,)]
     else:
         ups = [gemm(m, f // tp, h)] * 2 if split else [gemm(m, 2 * f // tp, h)]
         act_fwd = [mem(x * m * f / tp) for x in fw.swiglu_fwd or (6.0,)]
@@ -363,13 +365,19 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     cast_qkv, cast_up = in_cast * len(projs), (in_cast * len(ups) if moe is None else in_cast)
     sum_qkv = [mem(3.0 * fw.param_bytes * m * h)] * (len(projs) - 1)
     sum_up = [mem(3.0 * fw.param_bytes * m * h)] * (len(ups) - 1)
-    # With separate projections each bias inside a GEMM has its gradient summed over tokens apart
-    # (the GEMM's output gradient, in the compute dtype); under autocast the bias is cast too.
-    bias_qkv = projs if split and (gpt or spec.attention_bias) else []
-    bias_up = ups if split and gpt else []
+    # Where a bias inside a GEMM has its gradient summed over tokens apart (the GEMM's output
+    # gradient, in the compute dtype; `Framework.bias_grads_apart`); under autocast the bias is cast
+    # too. A GPT's output and down biases are summed with their adds where those run apart.
+    bias_qkv = projs if fw.bias_grads_apart and (gpt or spec.attention_bias) else []
+    bias_up = ups if fw.bias_grads_apart and gpt else []
     biased = [*bias_qkv, *bias_up]
     sum_qkv += [mem(ACT_BYTES * m * g.n) for g in bias_qkv]
     sum_up += [mem(ACT_BYTES * m * g.n) for g in bias_up]
+    rows_apart = fw.bias_grads_apart and gpt and not fw.row_bias_apart
+    sum_out = [mem(ACT_BYTES * m * h)] if rows_apart else []
+    sum_down = [mem(ACT_BYTES * m * h)] if rows_apart and moe is None else []
+    if fw.qkv_grad_cat and len(projs) == 1:  # q's, k's and v's gradients concatenated back (read, write)
+        sum_qkv.append(mem(2.0 * ACT_BYTES * m * projs[0].n))
     mats = (*projs, out, *ups) + ((down,) if down is not None else ())
     casts = [mem(fw.weight_cast_bytes * g.k * g.n) for g in mats] if fw.weight_cast_bytes else []
     casts += [mem(fw.weight_cast_bytes * g.n) for g in biased] if fw.weight_cast_bytes else []
@@ -384,10 +392,10 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     mlp_f = (*cast_up, *ups, *act_fwd) + ((down,) if down is not None else ())
     fwd = (*casts, *norm_f, *cast_qkv, *projs, *rope_f, *att_f, out, *add_f, *norm_f, *mlp_f, *mlp_add_f)
     fused = fused_accum_bytes(fw)
-    bwd: list[Kernel] = [*mlp_add_b, *(gemm_bwd(down, fused) if down is not None else ()), *act_bwd]
+    bwd: list[Kernel] = [*mlp_add_b, *sum_down, *(gemm_bwd(down, fused) if down is not None else ()), *act_bwd]
     for g in ups:
         bwd += gemm_bwd(g, fused)
-    bwd += [*cast_up, *sum_up, *norm_b, *add_b, *gemm_bwd(out, fused), *att_b, *rope_b]
+    bwd += [*cast_up, *sum_up, *norm_b, *add_b, *sum_out, *gemm_bwd(out, fused), *att_b, *rope_b]
     for g in projs:
         bwd += gemm_bwd(g, fused)
     bwd += [*cast_qkv, *sum_qkv, *norm_b]

@@ -95,6 +95,38 @@ HF_SPECS = {
     "qwen2-bias": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, intermediate_size=352,
                        attention_bias=True),  # q, k and v biases (Qwen2's; HF's Llama would add one to o_proj)
 }
+GPT2_SPEC = dict(hidden_size=64, num_attention_heads=8, intermediate_size=256)
+
+
+def test_hf_gpt2_layers_launch_the_kernels_rlhf_engine_hf_prices():
+    """`rlhf-engine-hf` against `transformers`' own GPT-2 block on bf16 weights, as its configs set
+    it (gelu_new) and RLHF trains it (no dropout): every memory-bound kernel of its forward and
+    backward by number and bytes (native LayerNorm, the residual adds, gelu_new written out in
+    eager ops, each bias's gradient summed over tokens, and the fused c_attn's q, k and v gradients
+    concatenated back)."""
+    from transformers import GPT2Config, GPT2Model
+
+    h, heads, f = GPT2_SPEC["hidden_size"], GPT2_SPEC["num_attention_heads"], GPT2_SPEC["intermediate_size"]
+    cfg = GPT2Config(n_embd=h, n_layer=1, n_head=heads, n_inner=f, vocab_size=256, bos_token_id=0, eos_token_id=0,
+                     n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     activation_function="gelu_new", attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    model = GPT2Model(cfg).to(torch.bfloat16).train()
+    b, s = 2, 24
+    x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
+    record = _recorder(b * s)
+    with record() as fwd:
+        y = model.h[0](x)
+    y = y[0] if isinstance(y, tuple) else y
+    grad = torch.randn_like(y)
+    with record() as bwd:
+        y.backward(grad)
+    spec = resolve_model({"model_type": "gpt", **GPT2_SPEC, "num_hidden_layers": 1, "vocab_size": 256,
+                          "max_position_embeddings": 128})
+    assert ((fwd.kernels, fwd.bytes), (bwd.kernels, bwd.bytes)) == _model_kernels(spec, "rlhf-engine-hf", b=b, s=s), \
+        (fwd.ops, bwd.ops)
+    fused_fwd, _ = _model_kernels(spec, "rlhf-engine", b=b, s=s)
+    assert fused_fwd[0] == 5 and fwd.kernels == 12  # gelu_new is eight kernels where a fused GELU is one
 
 
 @pytest.mark.parametrize("name", sorted(HF_SPECS))
