@@ -487,6 +487,8 @@ def sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLo
     (read 2 per copy and element, write 2 per token and element). A shared expert is a dense
     SwiGLU MLP on all `m` tokens (tensor-parallel), scaled by a sigmoid gate where the model has one.
     """
+    if fw.moe_routing == "eager":
+        return eager_sparse_mlp(spec, fw, m=m, tp=tp, moe=moe)
     h, e, k = spec.hidden_size, spec.experts, spec.num_experts_per_tok
     t = moe.routed
     copies = float(t) * k * h
@@ -495,8 +497,6 @@ def sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLo
     down = gemm(moe.rows, h, moe.width, n)
     cells = float(moe.rows) * n * moe.width
     act_launches = 1
-    if fw.moe_routing == "eager":
-        return eager_sparse_mlp(spec, fw, m=m, tp=tp, moe=moe)
     if fw.expert_gemms == "loop":  # gate and up apart, every kernel once per expert, in turn
         ups = [launched(gemm(moe.rows, moe.width, h, n), n, True) for _ in range(2)]
         down, act_launches = launched(down, n, True), n
