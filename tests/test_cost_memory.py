@@ -326,7 +326,7 @@ def test_the_runtime_head_keeps_its_final_norm_and_its_input(head):
 
 
 def _hf_saved_bytes(fields: dict, *, layers: int, b: int, s: int, checkpoint: bool, lm_head: bool) -> int:
-    """Bytes autograd keeps through an HF transformers Llama forward on bf16 weights (SDPA attention,
+    """Bytes autograd keeps through an HF transformers Llama (or GPT-2) forward on bf16 weights (SDPA attention,
     as FSDP and DeepSpeed engines train it; `checkpoint`: HF's non-reentrant gradient checkpointing),
     the parameters left out: what every saved tensor's storage holds."""
     import torch
@@ -337,23 +337,21 @@ def _hf_saved_bytes(fields: dict, *, layers: int, b: int, s: int, checkpoint: bo
                          n_head=fields["num_attention_heads"], n_layer=layers, vocab_size=fields["vocab_size"],
                          n_positions=fields["max_position_embeddings"], resid_pdrop=0.0, embd_pdrop=0.0,
                          attn_pdrop=0.0, activation_function="gelu_new", attn_implementation="sdpa", use_cache=False)
-        torch.manual_seed(0)
-        gpt2 = GPT2LMHeadModel(cfg).to(torch.bfloat16).train()
-        if checkpoint:
-            gpt2.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
-        return _saved_storage_bytes(gpt2.parameters(), lambda: (gpt2 if lm_head else gpt2.transformer)(input_ids=ids))
-    cfg = LlamaConfig(hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"],
-                      num_attention_heads=fields["num_attention_heads"],
-                      num_key_value_heads=fields["num_key_value_heads"], num_hidden_layers=layers,
-                      vocab_size=fields["vocab_size"], max_position_embeddings=fields["max_position_embeddings"],
-                      attention_bias=fields.get("attention_bias", False), attn_implementation="sdpa", use_cache=False)
+        model_class = GPT2LMHeadModel
+    else:
+        cfg = LlamaConfig(hidden_size=fields["hidden_size"], intermediate_size=fields["intermediate_size"],
+                          num_attention_heads=fields["num_attention_heads"],
+                          num_key_value_heads=fields["num_key_value_heads"], num_hidden_layers=layers,
+                          vocab_size=fields["vocab_size"], max_position_embeddings=fields["max_position_embeddings"],
+                          attention_bias=fields.get("attention_bias", False), attn_implementation="sdpa",
+                          use_cache=False)
+        model_class = LlamaForCausalLM
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).train()
+    model = model_class(cfg).to(torch.bfloat16).train()
     if checkpoint:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
-    return _saved_storage_bytes(model.parameters(), lambda: (model if lm_head else model.model)(input_ids=ids))
+    return _saved_storage_bytes(model.parameters(), lambda: (model if lm_head else model.base_model)(input_ids=ids))
 
 
 HF_SPECS = dict(EAGER_SPECS)
