@@ -82,6 +82,7 @@ bench: $(STAMP)
 	$(PY) bench/realloc.py
 	$(PY) bench/rlhf_learning.py
 	$(PY) bench/predict_vs_measure.py
+	$(PY) bench/predict_vs_measure.py --example examples/tiny_ppo_moe.py
 	$(PY) bench/real_job.py
 
 clean:

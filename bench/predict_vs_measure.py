@@ -166,10 +166,15 @@ def main() -> None:
     ap.add_argument("--calibration", type=Path, help="use this calibration instead of profiling the machine")
     ap.add_argument("--profile-budget-s", type=float, default=20.0, help="budget of each profile (default 20)")
     ap.add_argument("--out", type=Path, help="keep each run's calibration, plan and trace in this folder")
+    ap.add_argument("--example", type=Path, default=ROOT / "examples" / "tiny_ppo.py",
+                    help="the graph file to compile and run, defining `graph` and `CLUSTER` (default "
+                         "examples/tiny_ppo.py; examples/tiny_ppo_moe.py has a mixture-of-experts actor)")
     args = ap.parse_args()
-    example = runpy.run_path(str(ROOT / "examples" / "tiny_ppo.py"))
+    if not args.example.is_file():
+        raise SystemExit(f"--example {args.example}: no such file (give a graph file such as examples/tiny_ppo.py)")
+    example = runpy.run_path(str(args.example))
     cluster = parse_cluster(example["CLUSTER"])
-    print(f"tiny PPO on {cluster.short()}, {os.cpu_count()} CPU cores, {args.steps} steps per run; calibration: "
+    print(f"{example['graph'].name} on {cluster.short()}, {os.cpu_count()} CPU cores, {args.steps} steps per run; calibration: "
           f"{args.calibration or 'planner profile --ranks 4 before each run'}")
     maes, alone, iters, mems = [], [], [], []
     with tempfile.TemporaryDirectory() as scratch:

@@ -9,7 +9,7 @@ import pytest
 from plans.plan import PLAN_VERSION, load_plan, plan_to_json
 from tests.conftest import ROOT
 
-EXAMPLES = ["tiny_ppo", "ppo_llama7b", "grpo_qwen7b", "sft_llama3_70b"]
+EXAMPLES = ["tiny_ppo", "tiny_ppo_moe", "ppo_llama7b", "grpo_qwen7b", "sft_llama3_70b"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,27 @@
+"""Tiny PPO with a mixture-of-experts actor on 4 CPU ranks: `examples/tiny_ppo.py` with the actor
+(and its frozen reference) a tiny Mixtral (4 layers of 4 experts, top 2), to check the cost
+model's pricing of the runtime's MoE layers against their measured times.
+
+    planner compile examples/tiny_ppo_moe.py -o plans/tiny_ppo_moe.json
+    torchrun --nproc-per-node 4 -m runtime plans/tiny_ppo_moe.json --steps 20
+    python bench/predict_vs_measure.py --example examples/tiny_ppo_moe.py
+"""
+
+from planner.algorithms import ppo
+
+CLUSTER = "cpu:1x4"
+
+graph = ppo(
+    "tiny-mixtral",
+    critic="tiny-llama",
+    reward_fn="runtime.tasks:pattern_reward",
+    batch=16,
+    prompt_len=8,
+    gen_len=8,
+    ppo_minibatches=1,
+    name="tiny_ppo_moe",
+    task="pattern",
+    lr=5e-3,
+    adam_eps=1e-5,
+    kl_coef=0.01,
+)
