@@ -574,7 +574,7 @@ def eager_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: Ex
     each = {"loop": (n, True), "per_expert": (n, False)}.get(fw.expert_gemms, (1, False))
     ups = [launched(gemm(moe.rows, moe.width, h, n), *each) for _ in range(2)]
     down = launched(gemm(moe.rows, h, moe.width, n), *each)
-    n = n if fw.expert_gemms == "loop" else 1  # launches of each expert's elementwise kernels
+    each_n = n if fw.expert_gemms == "loop" else 1  # launches of the experts' elementwise kernels
     renorm_f = [mem(4.0 * c + 4.0 * t), mem(8.0 * c + 4.0 * t)] if spec.norm_topk_prob else []
     renorm_b = [mem(a * c + b * t) for a, b in RENORM_BWD] if spec.norm_topk_prob else []
     exchange_f: list[Kernel] = []  # before the experts
@@ -588,20 +588,20 @@ def eager_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: Ex
         # Each gather's gradient summed back into a zero-filled tensor: a fill and an index_add.
         back_b = [mem(ACT_BYTES * recv * h), mem(3.0 * ACT_BYTES * recv * h)]
         exchange_b = [mem(sb * recv * h), mem(3.0 * sb * recv * h)]
-    in_casts = [mem(cast * recv * h, n)] * 2 if cast else []
+    in_casts = [mem(cast * recv * h, each_n)] * 2 if cast else []
     fwd: list[Kernel] = [router, mem(6.0 * te), mem(8.0 * te), mem(4.0 * te), *renorm_f, mem(3.0 * ib * c),
                          mem(2.0 * ib * c), mem(sb * t * h + sb * c * h), mem(3.0 * ib * c), *exchange_f,
-                         mem(ib * recv), *in_casts[:1], ups[0], mem(sw_f[0] * cells, n), *in_casts[1:],
-                         ups[1], *[mem(x * cells, n) for x in sw_f[1:]], down,
+                         mem(ib * recv), *in_casts[:1], ups[0], mem(sw_f[0] * cells, each_n), *in_casts[1:],
+                         ups[1], *[mem(x * cells, each_n) for x in sw_f[1:]], down,
                          mem(2.0 * ACT_BYTES * recv * h), *back_f, mem(16.0 * c),
                          mem((ACT_BYTES + sb) * c * h), mem(sb * t * h), mem(sb * (2.0 * t + c) * h)]
     fused = fused_accum_bytes(fw)
     bwd: list[Kernel] = [mem(sb * t * h + sb * c * h), mem((2.0 * sb + ACT_BYTES) * c * h), mem(2.0 * sb * c * h),
                          mem((sb + ACT_BYTES) * c * h), mem(sb * c * h), mem(4.0 * c), mem(20.0 * c),
                          *back_b, *gemm_bwd(down, fused),
-                         *[mem(x * cells, n) for x in sw_b[:2]], *in_casts[1:], *gemm_bwd(ups[1], fused),
-                         *[mem(x * cells, n) for x in sw_b[2:]], *in_casts[:1], *gemm_bwd(ups[0], fused),
-                         mem(3.0 * sb * recv * h, n), mem(2.0 * sb * recv * h), *exchange_b, mem(sb * t * h),
+                         *[mem(x * cells, each_n) for x in sw_b[:2]], *in_casts[1:], *gemm_bwd(ups[1], fused),
+                         *[mem(x * cells, each_n) for x in sw_b[2:]], *in_casts[:1], *gemm_bwd(ups[0], fused),
+                         mem(3.0 * sb * recv * h, each_n), mem(2.0 * sb * recv * h), *exchange_b, mem(sb * t * h),
                          mem(sb * (2.0 * t + c) * h), *renorm_b, mem(4.0 * te), mem(8.0 * te), mem(12.0 * te),
                          mem(6.0 * te), *gemm_bwd(router), mem(3.0 * sb * t * h)]
     fs = spec.shared_expert_intermediate_size

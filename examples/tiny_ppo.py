@@ -25,17 +25,18 @@ from planner.algorithms import ppo
 
 CLUSTER = "cpu:1x4"
 
-graph = ppo(
-    "tiny-llama",
+# Everything but the actor and the name (`examples/tiny_ppo_moe.py` reuses it with an MoE actor).
+SETTINGS = dict(
     critic="tiny-llama",
     reward_fn="runtime.tasks:pattern_reward",
     batch=16,
     prompt_len=8,
     gen_len=8,
     ppo_minibatches=1,
-    name="tiny_ppo",
     task="pattern",
     lr=5e-3,
     adam_eps=1e-5,
     kl_coef=0.01,
 )
+
+graph = ppo("tiny-llama", name="tiny_ppo", **SETTINGS)

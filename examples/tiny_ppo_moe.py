@@ -7,21 +7,13 @@ model's pricing of the runtime's MoE layers against their measured times.
     python bench/predict_vs_measure.py --example examples/tiny_ppo_moe.py
 """
 
+import runpy
+from pathlib import Path
+
 from planner.algorithms import ppo
 
 CLUSTER = "cpu:1x4"
 
-graph = ppo(
-    "tiny-mixtral",
-    critic="tiny-llama",
-    reward_fn="runtime.tasks:pattern_reward",
-    batch=16,
-    prompt_len=8,
-    gen_len=8,
-    ppo_minibatches=1,
-    name="tiny_ppo_moe",
-    task="pattern",
-    lr=5e-3,
-    adam_eps=1e-5,
-    kl_coef=0.01,
-)
+SETTINGS = runpy.run_path(str(Path(__file__).with_name("tiny_ppo.py")))["SETTINGS"]
+
+graph = ppo("tiny-mixtral", name="tiny_ppo_moe", **SETTINGS)
