@@ -331,6 +331,22 @@
    no per-tile cost, 716 TFLOP/s times the SMs' fill) is 4-12% slower than measured where n and k
    are both at least 2,048 and up to 115% faster where they are short (512 x 512): MAPE 30.06%.
 
+   Two facts of the stacks read again after every table above had been seen, because the Megatron
+   FSDP MoE row (then -19.6%) spent 5.5 s of a predicted 21.9 s in the SMs its hidden collectives
+   took; neither was sized on a table. (1) A hidden collective takes one SM per NCCL channel, and
+   every one had been charged the 32 channels NCCL opens over NVLink inside a node; a ring that
+   leaves the node gets one channel per NIC its ranks on a node use, doubled (NCCL
+   ``src/graph/search.cc``: inter-node channels of up to 48 GB/s, then ``ncclTopoPostset``), and
+   NCCL's logs of one-rank-per-node communicators print two (`cost_models.comm.nccl_channels`).
+   (2) Megatron-LM refuses gradient-accumulation fusion with either FSDP (core_r0.13.0
+   ``arguments.py``): gradients reduce-scattered every micro-batch leave no whole fp32 buffer to
+   add into (`Framework.at_zero`). Together: MoE 10.79% (-3.19%) -> 8.29% (+3.44%; FSDP row
+   -19.6% -> +8.1%), the H100 table 15.68% -> 14.93%, NeMo 6.38% -> 6.76%, the dense AutoModel row
+   +6.4% -> +7.7%, Table 1 4.31% -> 4.79%, Llama 3 6.96% -> 6.85%, torchtitan 5.92% -> 6.26%,
+   llm-foundry 25.88% -> 25.52% (A100) and 44.40% -> 43.46% (H100), the 34 pooled rows 7.28%
+   (+0.72%) -> 7.11% (+2.25%); (1) alone had given 7.41% (+2.62%). vTrain in sample 6.72% ->
+   6.73% (multi-node), single-node unchanged; the coefficients were not refitted.
+
 3. Out of sample on the vTrain rows (``--cross-validate``): leave one model size out. For each
    size, the coefficients are fitted again, from the same fixed start as `planner calibrate`, on
    every row of the other sizes (both files, equal weight), and the held-out size's rows are

@@ -25,11 +25,16 @@ waits ``lag * E[max of n standard normals]`` on average. Devices of their own ru
 at a steady pace (sigma 0).
 
 A collective hidden under compute is not free: NCCL runs one thread block per channel, each on a
-streaming multiprocessor of its own, for as long as the collective lasts; over NVLink it opens 32
-channels (NVIDIA/nccl#1685's log on 8 H100s), so the kernels beside it run on the other SMs and
-take ``1 / (1 - 32/SMs)`` as long while they overlap (`overlap_interference_s`). On a CPU the
-collective's work (gloo's copies and socket sends) runs on the cores that compute: overlapping
-hides none of it.
+streaming multiprocessor of its own, for as long as the collective lasts, so the kernels beside it
+run on the other SMs and take ``1 / (1 - channels/SMs)`` as long while they overlap
+(`overlap_interference_s`). Inside a node NCCL opens 32 channels over NVLink (NVIDIA/nccl#1685's
+log on 8 H100s). A group that spans nodes gets far fewer (`nccl_channels`): NCCL's topology search
+(``src/graph/search.cc``) gives each channel of a ring one NIC pair at up to 48 GB/s (the top of
+its Hopper inter-node speed list), so it finds about one channel per NIC the group's ranks on a
+node use, one per rank on DGX/HGX nodes, and ``ncclTopoPostset`` doubles them: 2 channels for one
+rank per node, as NCCL's logs of such communicators print (``nRanks 4 nNodes 4 localRanks 1``:
+``Channel 00/02``, ``Channel 01/02``; "2 coll channels"), 16 for eight. On a CPU the collective's
+work (gloo's copies and socket sends) runs on the cores that compute: overlapping hides none of it.
 """
 
 from __future__ import annotations
@@ -129,25 +134,36 @@ def p2p_s(nbytes: float, *, cross_node: bool, senders_per_node: int, hw: Hardwar
 
 
 NCCL_CHANNELS = 32  # channels (one thread block, one SM, each) NCCL opens over NVLink on A100/H100 nodes
+NET_CHANNELS_PER_RANK = 2  # channels per rank of a node for a group spanning nodes: one per NIC, doubled
 
 
-def overlap_interference_s(hidden_s: float, hw: Hardware) -> float:
-    """Compute time lost while collectives run for `hidden_s` under it, their SMs taken away.
-    On a CPU nothing is hidden: gloo's threads copy and send on the very cores that compute."""
+def nccl_channels(g: Group | None = None) -> int:
+    """Channels (SMs) a collective of `g` occupies: `NCCL_CHANNELS` inside a node (or for an
+    unnamed group), two per rank on each node for a group spanning nodes, at most as many."""
+    if g is None or not g.spans_nodes:
+        return NCCL_CHANNELS
+    return min(NCCL_CHANNELS, NET_CHANNELS_PER_RANK * g.per_node)
+
+
+def overlap_interference_s(hidden_s: float, hw: Hardware, g: Group | None = None) -> float:
+    """Compute time lost while collectives of `g` run for `hidden_s` under it, their SMs taken
+    away (`nccl_channels`). On a CPU nothing is hidden: gloo's threads copy and send on the very
+    cores that compute."""
     if hidden_s <= 0:
         return 0.0
     if hw.sm_count is None:
         return hidden_s
-    share = min(0.5, NCCL_CHANNELS / hw.sm_count)
+    share = min(0.5, nccl_channels(g) / hw.sm_count)
     return hidden_s * share / (1.0 - share)
 
 
-def overlapped_s(total_s: float, window_s: float, floor_s: float, hw: Hardware) -> float:
-    """Wall time a collective of `total_s` adds when it runs under compute worth `window_s`: what
-    the compute cannot cover, at least `floor_s` (the piece that cannot overlap: the last bucket,
-    one pipelined chunk), plus the slowdown the hidden rest causes (`overlap_interference_s`)."""
+def overlapped_s(total_s: float, window_s: float, floor_s: float, hw: Hardware, g: Group | None = None) -> float:
+    """Wall time a collective of `g` taking `total_s` adds when it runs under compute worth
+    `window_s`: what the compute cannot cover, at least `floor_s` (the piece that cannot overlap:
+    the last bucket, one pipelined chunk), plus the slowdown the hidden rest causes
+    (`overlap_interference_s`)."""
     exposed = max(total_s - window_s, floor_s)
-    return exposed + overlap_interference_s(total_s - exposed, hw)
+    return exposed + overlap_interference_s(total_s - exposed, hw, g)
 
 
 @cache

@@ -278,6 +278,19 @@ class Framework:
             fw = dataclasses.replace(fw, **fused)
         return fw
 
+    def at_zero(self, zero: int) -> Framework:
+        """The stack training at ZeRO stage `zero`: where gradients are reduce-scattered every
+        micro-batch (`grads_sharded_from_zero` and up) there is no whole fp32 buffer for the
+        weight-gradient GEMM to add into, so `wgrad_accum_fused` is off and each weight's gradient
+        goes to the reduction buffer by a kernel of its own. Megatron-LM refuses the fusion with
+        either FSDP (core_r0.13.0 ``megatron/training/arguments.py``: "--use-torch-fsdp2 is not
+        supported with gradient accumulation fusion", "optim_grads_params optim_grads are not
+        supported with gradient accumulation fusion"); its own FSDP's backward hook copies each
+        ``param.grad`` into ``main_grad`` instead (``custom_fsdp/fully_sharded_data_parallel.py``)."""
+        if self.wgrad_accum_fused and zero >= self.grads_sharded_from_zero:
+            return dataclasses.replace(self, wgrad_accum_fused=False)
+        return self
+
     def zero_group(self, layout: Layout) -> str:
         """The group (`cost_models.training.Topology.group`) that shards `layout`'s ZeRO states and
         reduces its gradients: dp x cp, or dp alone where the cp ranks hold replicas of ZeRO-3's

@@ -152,7 +152,7 @@ def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dic
         if c.group == hidden_comm:  # ring attention overlaps the key/value exchange with compute
             t = max(0.0, t - hide_under)
         if c.under is not None and dgrad_overlap and not (tp_pipelined and c.op == "reduce_scatter"):
-            t = comm.overlapped_s(t, kernel_time_s(c.under, hw), 0.0, hw)
+            t = comm.overlapped_s(t, kernel_time_s(c.under, hw), 0.0, hw, g)
         if c.group == "cp":
             t_cp += t
         elif c.group == "ep":
@@ -166,7 +166,7 @@ def stretch_of(kernels: tuple[Kernel, ...], comms: tuple[Comm, ...], groups: dic
         host += hw.host_collective_s * math.log2(max(2, g.n))
     if pipelined:
         gemm_s = kernels_time_s(tuple(k for k in kernels if k.kind == "gemm"), hw)
-        t_comm += comm.overlapped_s(pipelined, gemm_s, pipelined / groups["tp"].n, hw)
+        t_comm += comm.overlapped_s(pipelined, gemm_s, pipelined / groups["tp"].n, hw, groups["tp"])
     return Stretch(dev, t_comm, issue_s + host, t_cp, t_ep)
 
 
@@ -340,6 +340,7 @@ class _Pipeline:
 def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head,
                seqs: int, seq_len: int, load_cv: float = 0.0) -> StepTimes:
     """Wall time of one optimizer step over `seqs` sequences of `seq_len` tokens, by kind."""
+    fw = fw.at_zero(layout.zero)
     pp, tp, m = layout.pp, layout.tp, layout.micro_batches
     pipe = _bare_pipeline(spec, fw, hw, layout, topo, head=head, seqs=seqs, seq_len=seq_len, load_cv=load_cv)
     out = StepTimes(dict(pipe.parts))
@@ -371,7 +372,7 @@ def train_step(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, top
         if fw.overlap_param_gather:  # under the next step's first forward, one bucket exposed
             forward_s = max(0.0, pipe.microbatch_s - pipe.last_bwd_s)
             bucket = comm.all_gather_s(min(params * fw.param_bytes, DDP_BUCKET_BYTES), g, hw)
-            gather = comm.overlapped_s(gather, forward_s, bucket, hw)
+            gather = comm.overlapped_s(gather, forward_s, bucket, hw, g)
         out.add("dp_comm", gather + comm.skew_wait_s(optimizer_s, g.n, hw))
         if experts:
             out.add("dp_comm", comm.all_gather_s(experts * fw.param_bytes, topo.group(layout, "edp"), hw))
@@ -510,7 +511,7 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
         whole = layout.zero == 0 or (layout.zero == 1 and fw.zero1_all_reduce)
         t = comm.all_reduce_s(grad, g, hw) if whole else comm.reduce_scatter_s(grad, g, hw)
         if fw.overlap_grad_reduce:
-            return comm.overlapped_s(t, last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw), hw) + wait
+            return comm.overlapped_s(t, last_bwd_s, comm.all_reduce_s(min(grad, DDP_BUCKET_BYTES), g, hw), hw, g) + wait
         return t + wait
     # Gathers of the weights per micro-batch (`Framework.zero3_keeps_gathered`).
     k = (2 if layout.recompute == "full" else 1) if fw.zero3_keeps_gathered or not fw.zero3_prefetch else 2
@@ -523,14 +524,14 @@ def grad_sync_s(params: float, fw: Framework, hw: Hardware, layout: Layout, topo
     # backward of the groups before it and the next micro-batch: the last micro-batch's leave
     # exposed what its own backward cannot cover, at least one group's share.
     rs = comm.reduce_scatter_s(grad, g, hw)
-    last = comm.overlapped_s(rs, last_bwd_s, rs / max(1, zero3_groups), hw) if fw.overlap_grad_reduce else rs
+    last = comm.overlapped_s(rs, last_bwd_s, rs / max(1, zero3_groups), hw, g) if fw.overlap_grad_reduce else rs
     exposed = last + (m - 1) * max(0.0, rs - microbatch_s) + wait
     hidden = (m - 1) * min(rs, microbatch_s)
     if layout.zero == 3:
         gathers = k * comm.all_gather_s(params * fw.param_bytes, g, hw)
         exposed += m * max(0.0, gathers - microbatch_s)
         hidden += m * min(gathers, microbatch_s)
-    return cp_sum + exposed + comm.overlap_interference_s(hidden, hw)
+    return cp_sum + exposed + comm.overlap_interference_s(hidden, hw, g)
 
 
 def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: Topology, *, head: Head,
@@ -576,11 +577,15 @@ def forward_pass(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, t
         # prefetch, one blocking gather per parameter group.
         counts = stage_param_counts(spec, head, layout)
         params, experts = counts[max(range(pp), key=lambda i: sum(counts[i]))]
-        gather = comm.all_gather_s(params * fw.param_bytes, topo.group(layout, fw.zero_group(layout)), hw) + \
-            comm.all_gather_s(experts * fw.param_bytes, topo.group(layout, "edp"), hw)
+        g_dense, g_expert = topo.group(layout, fw.zero_group(layout)), topo.group(layout, "edp")
+        dense = comm.all_gather_s(params * fw.param_bytes, g_dense, hw)
+        gather = dense + comm.all_gather_s(experts * fw.param_bytes, g_expert, hw)
         if fw.zero3_prefetch:
             hidden = min(gather, stage_s[crit])
-            out.add("dp_comm", m * (gather - hidden + comm.overlap_interference_s(hidden, hw)))
+            share = dense / gather if gather > 0 else 1.0  # each group's gathers slow the compute by its own channels
+            lost = comm.overlap_interference_s(hidden * share, hw, g_dense) + \
+                comm.overlap_interference_s(hidden * (1 - share), hw, g_expert)
+            out.add("dp_comm", m * (gather - hidden + lost))
         else:
             out.add("dp_comm", m * gather)
     return out

@@ -93,6 +93,14 @@ def sft_70b_tp2_pp4() -> Plan:
     return with_layout(sft_70b(), "model_train", Layout(dp=8, tp=2, pp=4, zero=2, micro_batches=64))
 
 
+def filling(plan: Plan, call: str, **degrees) -> Layout:  # noqa: ANN003
+    """A layout of `call` with the given degrees and dp filling the call's mesh, whatever mesh the
+    search gave it."""
+    size = next(c.mesh.size for c in plan.calls if c.name == call)
+    rest = degrees.get("tp", 1) * degrees.get("pp", 1) * degrees.get("cp", 1)
+    return Layout(dp=size // rest, **degrees)
+
+
 def with_layout(plan: Plan, call: str, layout: Layout) -> Plan:
     """The plan with one call's layout replaced (validated like any plan)."""
     data = plan.model_dump(mode="json")

@@ -568,9 +568,24 @@ def test_the_last_micro_batch_reduces_under_its_own_backward():
     the last micro-batch exposes one group's share (of 32) and the interference, not the whole
     reduce-scatter."""
     exposed, cm, topo, layout = _zero_sync("megatron-core", zero=2, m=1, window_s=100.0)
-    rs = comm.reduce_scatter_s(1e9 * 4, topo.group(layout, "dpcp"), cm.hw)
-    assert exposed == pytest.approx(rs / 32 + comm.overlap_interference_s(rs - rs / 32, cm.hw), rel=1e-9)
+    g = topo.group(layout, "dpcp")
+    rs = comm.reduce_scatter_s(1e9 * 4, g, cm.hw)
+    assert exposed == pytest.approx(rs / 32 + comm.overlap_interference_s(rs - rs / 32, cm.hw, g), rel=1e-9)
     assert exposed < 0.5 * rs
+
+
+def test_a_collective_across_nodes_takes_two_sms_per_rank_of_a_node():
+    """NCCL gives a ring that leaves the node one channel per NIC its ranks there use (one NIC per
+    GPU on DGX/HGX nodes) and doubles them; inside a node it opens 32 over NVLink. The SMs those
+    channels hold are what a hidden collective takes from the compute beside it."""
+    hw = CostModel(parse_cluster("h100-sxm:4x8")).hw
+    within, one, four, eight = Group(8, 8, 1), Group(4, 1, 8), Group(16, 4, 2), Group(32, 8, 1)
+    assert [comm.nccl_channels(g) for g in (None, within, one, four, eight)] == [32, 32, 2, 8, 16]
+    lost = {k: comm.overlap_interference_s(1.0, hw, g) for k, g in (("within", within), ("one", one), ("eight", eight))}
+    assert lost["within"] == pytest.approx(32 / (132 - 32)) and lost["one"] == pytest.approx(2 / 130)
+    assert lost["one"] < lost["eight"] < lost["within"]
+    # What stays exposed is the same; only the hidden rest's slowdown depends on the group.
+    assert comm.overlapped_s(1.0, 0.4, 0.1, hw, one) == pytest.approx(0.6 + 0.4 * 2 / 130)
 
 
 def test_the_runtime_all_reduces_under_zero1_and_reduces_once_under_zero2():

@@ -85,18 +85,19 @@ def test_no_dense_estimate_above_60_percent_mfu():
     assert worst[0] > 0.3  # the grid reaches realistic utilisations, not only starved ones
     # The runtime's eager layers keep more for backward than fused kernels, so its fastest layouts
     # of 7-8B models at 8k tokens no longer fit (they reached 60.1-61.2% when its memory was
-    # counted as Megatron's); none is above the cap now, the best at 56.7% (57.4% before its
-    # kernels were counted as it launches them: separate projections, each casting its input).
+    # counted as Megatron's); none is above the cap now, the best at 57.4% (56.7% while every
+    # hidden collective was charged NCCL's 32 channels of a node, also across nodes).
     assert over == []
-    assert round(worst[0], 3) == 0.567
+    assert round(worst[0], 3) == 0.574
 
 
 def test_the_megatron_core_estimates_above_the_cap_are_these():
     """The fused `megatron-core` stack is not held to the cap (README, "the 60% MFU cap"): on the
-    same grid its estimates above 60% are all 7-8B models, 115 on A100s up to 74.0% (within two
-    points of FlashAttention-2's published 72% for a 2.7B GPT at 8k tokens on 8 A100s) and 6 on
-    H100s up to 61.8%. On H100s the stack at that scale is published at 60.1% by the estimates'
-    convention: NeMo 24.12 (Megatron-Core) training Llama 3.1 8B on 8 H100s at 8k tokens in BF16
+    same grid its estimates above 60% are 7-8B models, 124 on A100s up to 74.0% (within two
+    points of FlashAttention-2's published 72% for a 2.7B GPT at 8k tokens on 8 A100s), two
+    ZeRO-3 layouts of Llama 3 70B on 32 A100s at 61.6% and 61.9%, and 7 on H100s up to 61.8%. On
+    H100s the stack at that scale is published at 60.1% by the estimates' convention: NeMo 24.12
+    (Megatron-Core) training Llama 3.1 8B on 8 H100s at 8k tokens in BF16
     (NVIDIA/dgxc-benchmarking v25.03; `bench/cost_accuracy.py`, which prices that very run 8.4%
     faster than published, the model's lean on Hopper). This test lists them, so a change that
     moves them moves the README's figures with it."""
@@ -107,9 +108,13 @@ def test_the_megatron_core_estimates_above_the_cap_are_these():
         if est.mfu > MFU_CAP:
             over[gpu].append((est.mfu, f"{model} {lay.short()} seq {seq}"))
     assert checked == 1578
-    assert {case.split()[0] for cases in over.values() for _, case in cases} == {"llama-2-7b", "llama-3-8b", "qwen2.5-7b"}
-    assert (len(over["a100-80gb"]), round(max(over["a100-80gb"])[0], 3)) == (115, 0.740)
-    assert (len(over["h100-sxm"]), round(max(over["h100-sxm"])[0], 3)) == (6, 0.618)
+    seven = {"llama-2-7b", "llama-3-8b", "qwen2.5-7b"}
+    assert {case.split()[0] for _, case in over["h100-sxm"]} <= seven
+    large = sorted((round(mfu, 3), case) for mfu, case in over["a100-80gb"] if case.split()[0] not in seven)
+    assert [(mfu, case.split()[0], "z3" in case) for mfu, case in large] == [
+        (0.616, "llama-3-70b", True), (0.619, "llama-3-70b", True)]
+    assert (len(over["a100-80gb"]), round(max(over["a100-80gb"])[0], 3)) == (126, 0.740)
+    assert (len(over["h100-sxm"]), round(max(over["h100-sxm"])[0], 3)) == (7, 0.618)
 
 
 def test_the_runtime_is_marked_uncalibrated_on_gpus():

@@ -15,10 +15,9 @@ from planner.exports import export_plan
 from planner.pinned import pinned_plan
 from plans.cluster import parse_cluster
 from plans.errors import PlannerError
-from plans.layout import Layout
 from plans.plan import Plan, save_plan
 from tests.engines.matrix import plans as matrix_plans
-from tests.observe_fixtures import with_layout
+from tests.observe_fixtures import filling, with_layout
 
 
 @cache
@@ -77,8 +76,9 @@ def test_export_then_import_gives_back_the_layouts(name, target, call) -> None: 
 def test_a_partial_export_imports_as_what_the_engine_would_run() -> None:
     """Where the export differs from the plan (its cannot_express), the import is the engine's
     layout: the ZeRO stage verl's FSDP workers use, not the plan's."""
-    plan = with_layout(matrix()["ppo_7b"], "actor_train", Layout(dp=4, tp=2, zero=2, micro_batches=4,
-                                                                 sequence_parallel=True))
+    base = matrix()["ppo_7b"]
+    plan = with_layout(base, "actor_train", filling(base, "actor_train", tp=2, zero=2, micro_batches=4,
+                                                    sequence_parallel=True))
     exp = export_plan(plan, "verl")
     assert any("ZeRO-2" in x for x in exp.cannot_express)
     back = imported(plan, "verl", None, {"actor": "llama-2-7b", "critic": "llama-2-7b", "reward": "llama-2-7b"})
@@ -164,12 +164,12 @@ def test_imports_are_costed_for_the_layers_their_engine_trains() -> None:
     from cost_models import CostModel
 
     assert imports.FRAMEWORK_OF["openrlhf"] == "rlhf-engine-hf"
-    fsdp = matrix()["ppo_7b"]
+    fsdp = base = matrix()["ppo_7b"]
     for name in ("actor_train", "critic_train"):  # verl's FSDP workers: no tensor parallelism anywhere
-        fsdp = with_layout(fsdp, name, Layout(dp=8, zero=3, micro_batches=4))
-    fsdp = with_layout(fsdp, "critic_inference", Layout(dp=16, micro_batches=4))
-    megatron = with_layout(matrix()["ppo_7b"], "actor_train", Layout(dp=4, tp=2, zero=1, micro_batches=4,
-                                                                    sequence_parallel=True))
+        fsdp = with_layout(fsdp, name, filling(base, name, zero=3, micro_batches=4))
+    fsdp = with_layout(fsdp, "critic_inference", filling(base, "critic_inference", micro_batches=4))
+    megatron = with_layout(base, "actor_train", filling(base, "actor_train", tp=2, zero=1, micro_batches=4,
+                                                        sequence_parallel=True))
     models = {"actor": "llama-2-7b", "critic": "llama-2-7b", "reward": "llama-2-7b"}
     for plan, want in ((fsdp, "rlhf-engine-hf"), (megatron, "rlhf-engine")):
         exp = export_plan(plan, "verl")

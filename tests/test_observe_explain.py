@@ -35,7 +35,7 @@ def test_critical_path_is_a_chain_that_ends_the_iteration(tiny_ex) -> None:  # n
 
 
 def test_critical_path_follows_gpus_when_they_bind() -> None:
-    plan = ppo_7b()  # the critic's move to all 16 GPUs waits for the reference on GPUs 8-15
+    plan = ppo_7b()  # its calls share GPUs: each waits for the GPUs the call before it holds
     path = critical_path(plan)
     kinds = [(p.kind, p.call) for p in path]
     assert kinds[0] == ("realloc", "actor_generate") and kinds[-1][1] == plan.calls[-1].name

@@ -17,7 +17,16 @@ import pytest
 from planner.exports import EXPORTERS, TARGETS, export_plan
 from plans.errors import PlannerError
 from plans.layout import Layout
-from tests.observe_fixtures import ppo_7b, sft_70b, sft_70b_tp2_pp4, tiny_ppo, tiny_ppo_rm, with_layout, with_placement
+from tests.observe_fixtures import (
+    filling,
+    ppo_7b,
+    sft_70b,
+    sft_70b_tp2_pp4,
+    tiny_ppo,
+    tiny_ppo_rm,
+    with_layout,
+    with_placement,
+)
 
 
 def _words(text: str) -> list[str]:
@@ -108,8 +117,9 @@ def test_openrlhf_rollout_micro_batch_keeps_every_actor_rank_busy() -> None:
 def test_openrlhf_states_what_it_cannot_express() -> None:
     exp = export_plan(tiny_ppo(), "openrlhf")
     assert any("GPU placement of each role" in x for x in exp.cannot_express)
-    pp = with_layout(with_layout(ppo_7b(), "critic_train", Layout(dp=2, pp=4, zero=1, micro_batches=8)),  # on 8 GPUs
-                     "actor_train", Layout(dp=4, tp=2, zero=2, micro_batches=4, sequence_parallel=True))
+    base = ppo_7b()
+    pp = with_layout(with_layout(base, "critic_train", filling(base, "critic_train", pp=4, zero=1, micro_batches=8)),
+                     "actor_train", filling(base, "actor_train", tp=2, zero=2, micro_batches=4, sequence_parallel=True))
     exp = export_plan(pp, "openrlhf")
     assert any("critic_train: pipeline parallel pp=4" in x for x in exp.cannot_express)
     assert any("one ZeRO stage for every model" in x for x in exp.cannot_express)

@@ -18,8 +18,9 @@ from planner.timeline import (
     predicted_trace,
     timeline_figure,
 )
+from plans.layout import Layout
 from plans.trace import planner_trace_problems, spans, trace_problems
-from tests.observe_fixtures import measured_trace, ppo_7b, tiny_ppo
+from tests.observe_fixtures import measured_trace, ppo_7b, tiny_ppo, with_placement
 
 
 def _bars(ax) -> dict[str, Rectangle]:  # noqa: ANN001
@@ -48,7 +49,10 @@ def test_gpu_groups_merge_ranks_that_run_the_same_calls() -> None:
     groups = gpu_groups(plan)
     assert [g.label for g in groups] == ["GPU 0", "GPU 1", "GPUs 2-3"]
     assert [r for g in groups for r in g.ranks] == list(range(plan.cluster.world_size))
-    assert [g.label for g in gpu_groups(ppo_7b())] == ["GPUs 0-7", "GPUs 8-15"]  # each trains a model
+    # Each node trains a model of its own (the search may put both on all 16 GPUs, one after the other).
+    train = Layout(dp=4, tp=2, zero=3, micro_batches=8, sequence_parallel=True)
+    split = with_placement(ppo_7b(), {"actor_train": (0, train), "critic_train": (8, train)})
+    assert [g.label for g in gpu_groups(split)] == ["GPUs 0-7", "GPUs 8-15"]
 
 
 def test_chart_has_one_row_per_group_and_one_bar_per_call_and_group() -> None:
