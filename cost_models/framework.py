@@ -203,6 +203,13 @@ class Framework:
     # outputs, the weighted copies summed back into a zero-filled fp32 tensor by index_add, and
     # the backward of each.
     moe_routing: Literal["fused", "eager"] = "fused"
+    # Copies the stack makes around its tensor-parallel collectives (the planner's runtime,
+    # `runtime/tensor_parallel.py`): under sequence parallelism each all-gather and reduce-scatter
+    # along the sequence takes its input and gives its output through a transpose-and-contiguous
+    # copy ([b, s, h] to [s, b, h] and back), and without it each backward all-reduce of a block's
+    # input gradient clones the gradient first. Megatron's collectives split the sequence-first
+    # layout in place and reduce gradients where they lie (False).
+    tp_copies: bool = False
     # How the host issues a rank's routed experts. "grouped": one kernel per expert GEMM kind for
     # all local experts (vLLM's fused MoE kernel). "per_expert": one GEMM launch per local expert
     # and GEMM, the launches spread over streams that fill the GPU together (Transformer Engine's
@@ -307,7 +314,7 @@ class Framework:
 FUSED_LAYER_TRAITS = frozenset({"norm_fwd", "norm_bwd", "residual_fwd", "residual_bwd", "rope_fwd", "rope_bwd",
                                 "swiglu_fwd", "swiglu_bwd", "rope_launches", "layernorm", "split_projections",
                                 "input_cast_bytes", "row_bias_apart", "gelu_fwd", "gelu_bwd",
-                                "gpt_split_projections", "bias_grads_apart", "qkv_grad_cat"})
+                                "gpt_split_projections", "bias_grads_apart", "qkv_grad_cat", "tp_copies"})
 
 # HF transformers' Llama layers on bf16 weights (transformers 5.25.0 `modeling_llama.py`), bytes per
 # element of each kernel as `tests/test_kernel_inventory.py` records them dispatched; kernels of one
@@ -445,7 +452,7 @@ FRAMEWORKS: dict[str, Framework] = {
         windowed_attention=False, cp_comm="all_gather", cp_zero3_replicas=True,
         grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0, zero3_keeps_gathered=True,
         zero1_all_reduce=True, zero12_step_copy=True, expert_gemms="loop", moe_routing="eager",
-        attention_kernels=SDPA_ATTENTION,
+        attention_kernels=SDPA_ATTENTION, tp_copies=True,
     ),
 }
 

@@ -328,7 +328,7 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     projs = [gemm(m, a * d // tp, h), gemm(m, kv * d // tp, h), gemm(m, kv * d // tp, h)] if split else [qkv]
     out = gemm(m, h, a * d // tp)
     if moe is not None:
-        sparse = sparse_mlp(spec, fw, m=m, tp=tp, moe=moe)
+        sparse = sparse_mlp(spec, fw, m=m, tp=tp, moe=moe, sp=sp)
         ups, act_fwd, act_bwd, down = [], list(sparse.fwd), list(sparse.bwd), None
     elif gpt:
         ups = [gemm(m, f // tp, h)]
@@ -362,7 +362,9 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     # Backward sums the input gradients of separate projections: two kernels for q, k, v, one for
     # gate, up; under autocast each projection cast its own input (`Framework.input_cast_bytes`).
     in_cast = [mem(fw.input_cast_bytes * m * h)] if fw.input_cast_bytes else []
-    cast_qkv, cast_up = in_cast * len(projs), (in_cast * len(ups) if moe is None else in_cast)
+    # A router reads the rank's own tokens (its chunk of the sequence under sequence parallel).
+    router_cast = [mem(fw.input_cast_bytes * mn * h)] if fw.input_cast_bytes else []
+    cast_qkv, cast_up = in_cast * len(projs), (in_cast * len(ups) if moe is None else router_cast)
     sum_qkv = [mem(3.0 * fw.param_bytes * m * h)] * (len(projs) - 1)
     sum_up = [mem(3.0 * fw.param_bytes * m * h)] * (len(ups) - 1)
     # Where a bias inside a GEMM has its gradient summed over tokens apart (the GEMM's output
@@ -389,16 +391,39 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
         casts.append(mem(fw.weight_cast_bytes * moe.active * 3 * h * moe.width,
                          3 * moe.active if fw.expert_gemms == "loop" else 1))  # one cast per matrix used
         casts += [mem(fw.weight_cast_bytes * g.k * g.n) for g in sparse_mats]
-    mlp_f = (*cast_up, *ups, *act_fwd) + ((down,) if down is not None else ())
-    fwd = (*casts, *norm_f, *cast_qkv, *projs, *rope_f, *att_f, out, *add_f, *norm_f, *mlp_f, *mlp_add_f)
+    # The stack's copies around each block's tensor-parallel collectives (`Framework.tp_copies`):
+    # a block gathers its input (the residual stream's dtype) and reduce-scatters its output (the
+    # compute dtype) under sequence parallelism, each through two copies, and backward the reverse;
+    # without it only the backward all-reduce of the input's gradient copies (one clone). A sparse
+    # MLP makes its own (`eager_sparse_mlp`).
+    stream = fw.input_cast_bytes - ACT_BYTES if fw.input_cast_bytes else float(ACT_BYTES)
+    enter_f: list[Kernel] = []
+    exit_f: list[Kernel] = []
+    exit_b: list[Kernel] = []
+    enter_b: list[Kernel] = []
+    if fw.tp_copies and tp > 1:
+        if sp:
+            enter_f = [mem(2.0 * stream * mn * h), mem(2.0 * stream * m * h)]
+            exit_f = [mem(2.0 * ACT_BYTES * m * h), mem(2.0 * ACT_BYTES * mn * h)]
+            exit_b = [mem(2.0 * ACT_BYTES * mn * h), mem(2.0 * ACT_BYTES * m * h)]
+            enter_b = [mem(2.0 * stream * m * h), mem(2.0 * stream * mn * h)]
+        else:
+            enter_b = [mem(2.0 * stream * m * h)]
+    dense = moe is None
+    mlp_f = (*(enter_f if dense else ()), *cast_up, *ups, *act_fwd) + ((down,) if down is not None else ()) + \
+        tuple(exit_f if dense else ())
+    fwd = (*casts, *norm_f, *enter_f, *cast_qkv, *projs, *rope_f, *att_f, out, *exit_f, *add_f, *norm_f, *mlp_f,
+           *mlp_add_f)
     fused = fused_accum_bytes(fw)
-    bwd: list[Kernel] = [*mlp_add_b, *sum_down, *(gemm_bwd(down, fused) if down is not None else ()), *act_bwd]
+    bwd: list[Kernel] = [*mlp_add_b, *(exit_b if dense else ()), *sum_down,
+                         *(gemm_bwd(down, fused) if down is not None else ()), *act_bwd]
     for g in ups:
         bwd += gemm_bwd(g, fused)
-    bwd += [*cast_up, *sum_up, *norm_b, *add_b, *sum_out, *gemm_bwd(out, fused), *att_b, *rope_b]
+    bwd += [*cast_up, *sum_up, *(enter_b if dense else ()), *norm_b, *add_b, *sum_out, *exit_b, *gemm_bwd(out, fused),
+            *att_b, *rope_b]
     for g in projs:
         bwd += gemm_bwd(g, fused)
-    bwd += [*cast_qkv, *sum_qkv, *norm_b]
+    bwd += [*cast_qkv, *sum_qkv, *enter_b, *norm_b]
 
     act = 2.0 * m * h  # one [s, b, h] activation, bytes
     # Per block (attention, MLP): forward, the column-parallel GEMM's input is all-gathered (sequence
@@ -477,7 +502,7 @@ class SparseMLP:
     bwd: tuple[Kernel, ...]
 
 
-def sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLoad) -> SparseMLP:
+def sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLoad, sp: bool = False) -> SparseMLP:
     """Kernels of a sparse MLP for `m` tokens on a rank (before the expert all-to-alls).
 
     Router logits (fp16) to an fp32 softmax and top-k (read 2 + write 4, then read 4 + write the k
@@ -488,7 +513,7 @@ def sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLo
     SwiGLU MLP on all `m` tokens (tensor-parallel), scaled by a sigmoid gate where the model has one.
     """
     if fw.moe_routing == "eager":
-        return eager_sparse_mlp(spec, fw, m=m, tp=tp, moe=moe)
+        return eager_sparse_mlp(spec, fw, m=m, tp=tp, moe=moe, sp=sp)
     h, e, k = spec.hidden_size, spec.experts, spec.num_experts_per_tok
     t = moe.routed
     copies = float(t) * k * h
@@ -532,7 +557,8 @@ RENORM_BWD = ((8.0, 4.0), (8.0, 4.0), (8.0, 0.0), (12.0, 0.0), (8.0, 4.0), (4.0,
 INDEX_BYTES = 8.0  # int64 expert ids and positions
 
 
-def eager_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLoad) -> SparseMLP:
+def eager_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLoad,
+                     sp: bool = False) -> SparseMLP:
     """The sparse MLP as the planner's runtime runs it (`Framework.moe_routing` "eager";
     `runtime/model._sparse_mlp` and `_experts`), kernel by kernel, bytes as
     `tests/test_kernel_inventory.py` records them (an index or weight vector read beside a much
@@ -559,15 +585,35 @@ def eager_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: Ex
     experts' (4+4+4). The shared expert is a dense MLP as the runtime runs one: separate gate and up
     projections each casting its input, SwiGLU, the down projection, its output added to the
     routed one in fp32 (2+4+4), scaled first by a sigmoid gate where the model has one (a GEMM of
-    one column on its own cast input; the product 2+2), with their backward."""
+    one column on its own cast input; the product 2+2), with their backward.
+
+    Under sequence parallelism (`sp`, tp > 1) the router and the top-k run on the rank's own
+    chunk of the tokens; the top-k weights (fp32), their ids and the tokens are then gathered
+    along the sequence and the fp32 sum reduce-scattered back, each through the stack's copies
+    (`Framework.tp_copies`: two per collective, backward the reverse); without it the backward
+    all-reduces of the tokens' and the weights' gradients clone them first."""
     h, e, k = spec.hidden_size, spec.experts, spec.num_experts_per_tok
     sb, ib, cast = fw.param_bytes, INDEX_BYTES, fw.input_cast_bytes
     sw_f, sw_b = fw.swiglu_fwd or (6.0,), fw.swiglu_bwd or (10.0,)  # a fused SwiGLU: one kernel each way
     t, n = float(moe.routed), moe.active
     c = t * k  # this rank's token copies
     recv = float(moe.rows) * n  # the copies its experts compute
-    te = t * e
-    router = gemm(moe.routed, e, h)
+    chunk = sp and tp > 1  # the router on this rank's chunk of the sequence
+    t_r = t / tp if chunk else t
+    c_r = t_r * k
+    te = t_r * e
+    router = gemm(moe.routed // tp if chunk else moe.routed, e, h)
+    # The stack's copies around the collectives (`Framework.tp_copies`): forward the gathers of the
+    # weights, the ids and the tokens, and the sum's reduce-scatter; backward the sum's gradient
+    # gathered, the tokens' and the weights' reduce-scattered (or, without sp, cloned for their
+    # all-reduce).
+    copies = fw.tp_copies and tp > 1
+    gathers_f = [mem(2.0 * sb * c_r), mem(2.0 * sb * c), mem(2.0 * ib * c_r), mem(2.0 * ib * c),
+                 mem(2.0 * sb * t_r * h), mem(2.0 * sb * t * h)] if copies and chunk else []
+    scatter_f = [mem(2.0 * sb * t * h), mem(2.0 * sb * t_r * h)] if copies and chunk else []
+    scatter_b = [mem(2.0 * sb * t_r * h), mem(2.0 * sb * t * h)] if copies and chunk else []
+    tokens_b = ([mem(2.0 * sb * t * h), mem(2.0 * sb * t_r * h)] if chunk else [mem(2.0 * sb * t * h)]) if copies else []
+    weights_b = ([mem(2.0 * sb * c), mem(2.0 * sb * c_r)] if chunk else [mem(2.0 * sb * c)]) if copies else []
     cells = float(moe.rows) * n * moe.width
     # The runtime loops over its experts (`expert_gemms` "loop"); the same kernels issued otherwise
     # are launched as that trait says, elementwise ones once for all experts unless looped.
@@ -575,8 +621,8 @@ def eager_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: Ex
     ups = [launched(gemm(moe.rows, moe.width, h, n), *each) for _ in range(2)]
     down = launched(gemm(moe.rows, h, moe.width, n), *each)
     each_n = n if fw.expert_gemms == "loop" else 1  # launches of the experts' elementwise kernels
-    renorm_f = [mem(4.0 * c + 4.0 * t), mem(8.0 * c + 4.0 * t)] if spec.norm_topk_prob else []
-    renorm_b = [mem(a * c + b * t) for a, b in RENORM_BWD] if spec.norm_topk_prob else []
+    renorm_f = [mem(4.0 * c_r + 4.0 * t_r), mem(8.0 * c_r + 4.0 * t_r)] if spec.norm_topk_prob else []
+    renorm_b = [mem(a * c_r + b * t_r) for a, b in RENORM_BWD] if spec.norm_topk_prob else []
     exchange_f: list[Kernel] = []  # before the experts
     back_f: list[Kernel] = []  # after them
     back_b: list[Kernel] = []  # backward of `back_f`
@@ -589,21 +635,22 @@ def eager_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: Ex
         back_b = [mem(ACT_BYTES * recv * h), mem(3.0 * ACT_BYTES * recv * h)]
         exchange_b = [mem(sb * recv * h), mem(3.0 * sb * recv * h)]
     in_casts = [mem(cast * recv * h, each_n)] * 2 if cast else []
-    fwd: list[Kernel] = [router, mem(6.0 * te), mem(8.0 * te), mem(4.0 * te), *renorm_f, mem(3.0 * ib * c),
+    fwd: list[Kernel] = [router, mem(6.0 * te), mem(8.0 * te), mem(4.0 * te), *renorm_f, *gathers_f, mem(3.0 * ib * c),
                          mem(2.0 * ib * c), mem(sb * t * h + sb * c * h), mem(3.0 * ib * c), *exchange_f,
                          mem(ib * recv), *in_casts[:1], ups[0], mem(sw_f[0] * cells, each_n), *in_casts[1:],
                          ups[1], *[mem(x * cells, each_n) for x in sw_f[1:]], down,
                          mem(2.0 * ACT_BYTES * recv * h), *back_f, mem(16.0 * c),
-                         mem((ACT_BYTES + sb) * c * h), mem(sb * t * h), mem(sb * (2.0 * t + c) * h)]
+                         mem((ACT_BYTES + sb) * c * h), mem(sb * t * h), mem(sb * (2.0 * t + c) * h), *scatter_f]
     fused = fused_accum_bytes(fw)
-    bwd: list[Kernel] = [mem(sb * t * h + sb * c * h), mem((2.0 * sb + ACT_BYTES) * c * h), mem(2.0 * sb * c * h),
+    bwd: list[Kernel] = [*scatter_b, mem(sb * t * h + sb * c * h), mem((2.0 * sb + ACT_BYTES) * c * h),
+                         mem(2.0 * sb * c * h),
                          mem((sb + ACT_BYTES) * c * h), mem(sb * c * h), mem(4.0 * c), mem(20.0 * c),
                          *back_b, *gemm_bwd(down, fused),
                          *[mem(x * cells, each_n) for x in sw_b[:2]], *in_casts[1:], *gemm_bwd(ups[1], fused),
                          *[mem(x * cells, each_n) for x in sw_b[2:]], *in_casts[:1], *gemm_bwd(ups[0], fused),
                          mem(3.0 * sb * recv * h, each_n), mem(2.0 * sb * recv * h), *exchange_b, mem(sb * t * h),
-                         mem(sb * (2.0 * t + c) * h), *renorm_b, mem(4.0 * te), mem(8.0 * te), mem(12.0 * te),
-                         mem(6.0 * te), *gemm_bwd(router), mem(3.0 * sb * t * h)]
+                         mem(sb * (2.0 * t + c) * h), *tokens_b, *weights_b, *renorm_b, mem(4.0 * te), mem(8.0 * te),
+                         mem(12.0 * te), mem(6.0 * te), *gemm_bwd(router), mem(3.0 * sb * t_r * h)]
     fs = spec.shared_expert_intermediate_size
     if fs:
         mt = float(m)
@@ -618,12 +665,17 @@ def eager_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: Ex
                  *gemm_bwd(s_ups[1], fused), *[mem(x * s_cells) for x in sw_b[2:]], *s_cast,
                  *gemm_bwd(s_ups[0], fused), mem(3.0 * sb * mt * h), mem(3.0 * sb * mt * h)]
         if spec.shared_expert_gate:  # sigmoid of one value per token: a kernel, no bytes that count
-            gate = gemm(m, 1, h)
-            fwd += [*s_cast, gate, mem(0.0), mem(2.0 * ACT_BYTES * mt * h)]
+            # on the rank's chunk under sequence parallel, gathered like the top-k weights
+            g_m = m // tp if chunk else m
+            g_cast = [mem(cast * g_m * h)] if cast else []
+            gate = gemm(g_m, 1, h)
+            g_f = [mem(0.0), mem(2.0 * ACT_BYTES * mt)] if copies and chunk else []
+            g_b = ([mem(2.0 * ACT_BYTES * mt), mem(0.0)] if chunk else [mem(0.0)]) if copies else []
+            fwd += [*g_cast, gate, mem(0.0), *g_f, mem(2.0 * ACT_BYTES * mt * h)]
             # The product's two gradients (the shared output's, and the gate's summed over h), the
             # sigmoid's, the gate's input cast and its input gradient joining the others.
-            s_bwd = [mem(2.0 * ACT_BYTES * mt * h), mem(3.0 * ACT_BYTES * mt * h), mem(ACT_BYTES * mt * h), mem(0.0),
-                     *s_bwd, *gemm_bwd(gate), *s_cast, mem(3.0 * sb * mt * h)]
+            s_bwd = [mem(2.0 * ACT_BYTES * mt * h), mem(3.0 * ACT_BYTES * mt * h), mem(ACT_BYTES * mt * h), *g_b,
+                     mem(0.0), *s_bwd, *gemm_bwd(gate), *g_cast, mem(3.0 * sb * g_m * h)]
         fwd.append(mem((ACT_BYTES + 2.0 * sb) * mt * h))
         bwd = [mem((sb + ACT_BYTES) * mt * h), *s_bwd, *bwd]
     return SparseMLP(tuple(fwd), tuple(bwd))

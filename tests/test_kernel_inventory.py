@@ -22,6 +22,8 @@ the same number of token copies."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cost_models.framework import FRAMEWORKS
@@ -228,48 +230,37 @@ def test_the_runtime_layers_launch_the_kernels_the_torch_preset_prices(name):
     assert work.grad_accum.bytes - bwd.weight_bytes == 6 * fp32_only
 
 
-MOE_SPECS = {
-    "routed": {},
-    "shared-gated": dict(shared_expert_intermediate_size=56, shared_expert_gate=True),  # Qwen2-MoE's
-}
-MOE_E, MOE_K, MOE_H, MOE_F = 6, 2, 48, 40
-MOE_B, MOE_S = 2, 15
+def _backend_collectives_unrecorded() -> None:
+    """A collective's own work is the backend's, not a kernel the runtime launches: gloo copies the
+    reduced block into the output tensor on the host (NCCL writes it there), so the runtime's
+    all-gather and reduce-scatter calls run unrecorded in these ranks."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    import runtime.tensor_parallel as tpx
+
+    def unrecorded(fn):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            with _disable_current_modes():
+                return fn(*args, **kwargs)
+        return call
+
+    tpx.all_gather_into = unrecorded(tpx.all_gather_into)
+    tpx.reduce_scatter_into = unrecorded(tpx.reduce_scatter_into)
 
 
-def _moe_spec(name: str):
-    return resolve_model(dict(model_type="llama", hidden_size=MOE_H, num_attention_heads=4, num_key_value_heads=2,
-                              intermediate_size=112, num_experts=MOE_E, num_experts_per_tok=MOE_K,
-                              moe_intermediate_size=MOE_F, num_hidden_layers=1, vocab_size=256,
-                              max_position_embeddings=128, **MOE_SPECS[name]))
+def _layer_inventory(runner, x, positions, sp: bool, record) -> dict[str, tuple[int, int, int, int]]:  # noqa: ANN001
+    """(kernels, bytes, weight kernels, weight bytes) of the runner's first layer, forward and
+    backward, under bf16 autocast as the runtime trains (the rotary tables built beforehand, once
+    per forward for every layer)."""
+    from runtime.model import Rope, _layer
 
-
-def _moe_inventory(name: str, groups) -> dict[str, tuple[int, int, int, int]]:  # noqa: ANN001
-    """(kernels, bytes, weight kernels, weight bytes) of the runtime's MoE layer forward and backward
-    on this rank, every expert receiving the same number of copies (token i picks experts i and
-    i+1 mod E, on every rank)."""
-    from runtime.engine import ModelRunner
-    from runtime.model import Rope, _layer, init_tensor
-
-    spec = _moe_spec(name)
-    runner = ModelRunner(spec, head="lm", trainable=True, groups=groups, state=lambda p: init_tensor(p, seed=0),
-                         device=torch.device("cpu"))
-    params = runner.shard.params
-    t, h = MOE_B * MOE_S, MOE_H
-    with torch.no_grad():
-        params["model.layers.0.self_attn.o_proj.weight"].zero_()
-        params["model.layers.0.mlp.gate.weight"].copy_(torch.eye(MOE_E, h))
-    x = 0.01 * torch.randn(t, h, generator=torch.Generator().manual_seed(groups.local))
-    for i in range(t):
-        x[i, i % MOE_E], x[i, (i + 1) % MOE_E] = 10.0, 5.0
-    x = x.view(MOE_B, MOE_S, h).requires_grad_(True)
-    weights = {tuple(p.shape) for p in params.values()} | {(MOE_F, h), (h, MOE_F)}  # an expert's, once unbound
-    record = _recorder(t, weights)
-    positions = torch.arange(MOE_S)
+    spec = runner.shard.spec
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        rope = Rope(spec, positions)
-        rope(torch.bfloat16)
+        rope = Rope(spec, positions) if spec.model_type == "llama" else None
+        if rope is not None:
+            rope(torch.bfloat16)
         with record() as fwd:
-            y = _layer(runner.shard, 0, x, positions, None, False, None, rope)
+            y = _layer(runner.shard, 0, x, positions, None, sp, None, rope)
     grad = torch.randn_like(y)
     with record() as bwd:
         y.backward(grad)
@@ -277,7 +268,127 @@ def _moe_inventory(name: str, groups) -> dict[str, tuple[int, int, int, int]]:  
             "bwd": (bwd.kernels, bwd.bytes, bwd.weight_kernels, bwd.weight_bytes)}
 
 
-def _moe_worker(rank: int, port: int, out_dir: str) -> None:
+def _dense_tp_worker(rank: int, port: int, out_dir: str) -> None:
+    """Each runtime layer of `RUNTIME_SPECS` on two gloo ranks at tp 2, with and without sequence
+    parallel: (kernels, bytes, weight kernels, weight bytes) forward and backward."""
+    import json
+
+    import torch.distributed as dist
+
+    from plans import Layout, Mesh
+    from runtime.engine import ModelRunner
+    from runtime.groups import Groups
+    from runtime.model import init_tensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    _backend_collectives_unrecorded()
+    out = {}
+    try:
+        for sp in (False, True):
+            groups = Groups(distributed=True).build(Mesh.block(0, 2), Layout(tp=2, sequence_parallel=sp), rank=rank,
+                                                    tied=False)
+            for name in sorted(RUNTIME_SPECS):
+                spec = resolve_model({**RUNTIME_SPECS[name], "num_hidden_layers": 1, "vocab_size": 256,
+                                      "max_position_embeddings": 128})
+                runner = ModelRunner(spec, head="lm", trainable=True, groups=groups,
+                                     state=lambda p: init_tensor(p, seed=0), device=torch.device("cpu"))
+                s_loc = TP_S // 2 if sp else TP_S
+                x = torch.randn(TP_B, s_loc, spec.hidden_size, requires_grad=True)
+                positions = torch.arange(TP_S)
+                record = _recorder(TP_B * s_loc, {tuple(p.shape) for p in runner.shard.params.values()})
+                out[f"{name} sp={sp}"] = _layer_inventory(runner, x, positions, sp, record)
+        with open(f"{out_dir}/rank{rank}.json", "w") as fh:
+            json.dump(out, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+TP_B, TP_S = 2, 24
+
+
+def test_the_runtime_layers_at_tp2_launch_the_kernels_the_torch_preset_prices(tmp_path):
+    """`torch` against the runtime's layers on two gloo ranks at tp 2 (`runtime/tensor_parallel.py`):
+    besides each rank's share of the layer's kernels, under sequence parallel every all-gather and
+    reduce-scatter along the sequence copies its input and its output (a transpose made
+    contiguous), and without it the backward all-reduce of each block's input gradient clones it
+    first (`Framework.tp_copies`); by number and bytes, forward and backward, weights apart."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.test_runtime_parallel import _free_port
+
+    mp.spawn(_dense_tp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    pick = lambda ks: [q for q in ks if q.kind == "mem"]  # noqa: E731
+    for case, got in ranks[0].items():
+        name, sp = case.split(" sp=")
+        spec = resolve_model({**RUNTIME_SPECS[name], "num_hidden_layers": 1, "vocab_size": 256,
+                              "max_position_embeddings": 128})
+        work = layer_work(spec, FRAMEWORKS["torch"], b=TP_B, s=TP_S, tp=2, cp=1, sp=sp == "True")
+        want_fwd, want_bwd = ((sum(q.launches for q in pick(ks)), sum(q.bytes for q in pick(ks)))
+                              for ks in (work.fwd, work.bwd))
+        fk, fb, fwk, fwb = got["fwd"]
+        bk, bb, bwk, _ = got["bwd"]
+        assert (fk + fwk, fb + fwb) == want_fwd, case
+        assert (bk, bb) == want_bwd, case
+        assert bwk == work.grad_tensors, case
+        untouched = dataclasses.replace(FRAMEWORKS["torch"], tp_copies=False)
+        bare = layer_work(spec, untouched, b=TP_B, s=TP_S, tp=2, cp=1, sp=sp == "True")
+        copies = (8, 8) if sp == "True" else (0, 2)  # per layer: two blocks, each way
+        assert (len(pick(work.fwd)) - len(pick(bare.fwd)), len(pick(work.bwd)) - len(pick(bare.bwd))) == copies, case
+
+
+MOE_SPECS = {
+    "routed": {},
+    "shared-gated": dict(shared_expert_intermediate_size=56, shared_expert_gate=True),  # Qwen2-MoE's
+}
+MOE_E, MOE_K, MOE_H, MOE_F = 6, 2, 48, 40
+MOE_B, MOE_S = 2, 15
+# Under sequence parallel over tp 2: 3 sequences of 36 positions, 18 on each rank (54 tokens a rank, 108
+# in all, 36 copies per expert). The spec has four key heads, so each rank keeps two: with one, the
+# eager layers skip the copy of k's gradient back to its projection's layout (a transposed size-1 dim
+# is already contiguous), which the model charges (4 bytes per key element and layer).
+MOE_B_SP, MOE_S_SP = 3, 18
+
+
+def _moe_spec(name: str):
+    return resolve_model(dict(model_type="llama", hidden_size=MOE_H, num_attention_heads=4, num_key_value_heads=4,
+                              intermediate_size=112, num_experts=MOE_E, num_experts_per_tok=MOE_K,
+                              moe_intermediate_size=MOE_F, num_hidden_layers=1, vocab_size=256,
+                              max_position_embeddings=128, **MOE_SPECS[name]))
+
+
+def _moe_inventory(name: str, groups, b: int = MOE_B, s: int = MOE_S) -> dict[str, tuple[int, int, int, int]]:  # noqa: ANN001
+    """(kernels, bytes, weight kernels, weight bytes) of the runtime's MoE layer forward and backward
+    on this rank, `b` sequences of `s` positions (its chunk under sequence parallel), every expert
+    receiving the same number of copies (token i picks experts i and i+1 mod E, on every rank)."""
+    from runtime.engine import ModelRunner
+    from runtime.model import init_tensor
+
+    spec = _moe_spec(name)
+    runner = ModelRunner(spec, head="lm", trainable=True, groups=groups, state=lambda p: init_tensor(p, seed=0),
+                         device=torch.device("cpu"))
+    params = runner.shard.params
+    t, h = b * s, MOE_H
+    with torch.no_grad():
+        params["model.layers.0.self_attn.o_proj.weight"].zero_()
+        params["model.layers.0.mlp.gate.weight"].copy_(torch.eye(MOE_E, h))
+    x = 0.01 * torch.randn(t, h, generator=torch.Generator().manual_seed(groups.local))
+    for i in range(t):
+        x[i, i % MOE_E], x[i, (i + 1) % MOE_E] = 10.0, 5.0
+    x = x.view(b, s, h).requires_grad_(True)
+    f_loc = MOE_F // groups.layout.tp
+    weights = {tuple(p.shape) for p in params.values()} | {(f_loc, h), (h, f_loc)}  # an expert's, once unbound
+    sp = groups.layout.sequence_parallel
+    return _layer_inventory(runner, x, torch.arange(s * (groups.layout.tp if sp else 1)), sp, _recorder(t, weights))
+
+
+MOE_LAYOUTS = {"ep": dict(dp=2, ep=2), "tp-sp": dict(tp=2, etp=2, sequence_parallel=True)}
+
+
+def _moe_worker(rank: int, port: int, out_dir: str, layout: str) -> None:
     import json
 
     import torch.distributed as dist
@@ -286,47 +397,54 @@ def _moe_worker(rank: int, port: int, out_dir: str) -> None:
     from runtime.groups import Groups
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    _backend_collectives_unrecorded()
     try:
-        groups = Groups(distributed=True).build(Mesh.block(0, 2), Layout(dp=2, ep=2), rank=rank, tied=False)
+        groups = Groups(distributed=True).build(Mesh.block(0, 2), Layout(**MOE_LAYOUTS[layout]), rank=rank, tied=False)
         with open(f"{out_dir}/rank{rank}.json", "w") as fh:
-            json.dump(_moe_inventory("routed", groups), fh)
+            json.dump(_moe_inventory("routed", groups, *((MOE_B_SP, MOE_S_SP) if layout == "tp-sp" else (MOE_B, MOE_S))),
+                      fh)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name,ep", [("routed", 1), ("shared-gated", 1), ("routed", 2)])
-def test_the_runtime_moe_layer_launches_the_kernels_the_torch_preset_prices(name, ep, tmp_path):
+@pytest.mark.parametrize("name,layout", [("routed", None), ("shared-gated", None), ("routed", "ep"),
+                                         ("routed", "tp-sp")])
+def test_the_runtime_moe_layer_launches_the_kernels_the_torch_preset_prices(name, layout, tmp_path):
     """`torch` against the runtime's mixture-of-experts layer (`runtime/model._sparse_mlp` and
     `_experts`: routing in PyTorch ops, a Python loop over the experts; with ep 2 on two gloo
-    ranks, the copies exchanged by all-to-all) under bf16 autocast on fp32 weights: every
-    memory-bound kernel forward and backward by number and bytes, and the weights' casts, their
-    gradients' casts back, the stacking of the experts' gradients and their accumulation. The
-    router is set so that every expert receives the same number of copies, the load the model is
-    given; the attention's output projection is zeroed so the MLP sees those tokens (its kernels
-    run all the same). Dimensions are distinct so no activation has a weight's shape."""
+    ranks, the copies exchanged by all-to-all; with tp 2 and sequence parallel, each expert split
+    over the two ranks, the router on each rank's chunk of the sequence and its weights, ids and
+    tokens gathered) under bf16 autocast on fp32 weights: every memory-bound kernel forward and
+    backward by number and bytes, and the weights' casts, their gradients' casts back, the stacking
+    of the experts' gradients and their accumulation. The router is set so that every expert
+    receives the same number of copies, the load the model is given; the attention's output
+    projection is zeroed so the MLP sees those tokens (its kernels run all the same). Dimensions
+    are distinct so no activation has a weight's shape."""
     import json
 
     from cost_models.ops import ExpertLoad
     from plans import Layout
     from runtime.groups import solo_groups
 
-    if ep == 1:
+    if layout is None:
         got = _moe_inventory(name, solo_groups(Layout()))
     else:
         import torch.multiprocessing as mp
 
         from tests.test_runtime_parallel import _free_port
 
-        mp.spawn(_moe_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+        mp.spawn(_moe_worker, args=(_free_port(), str(tmp_path), layout), nprocs=2, join=True)
         ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
         assert ranks[0] == ranks[1]  # the same load on both
         got = {k: tuple(v) for k, v in ranks[0].items()}
-    t, k, e = MOE_B * MOE_S, MOE_K, MOE_E
+    ep, tp = (2, 1) if layout == "ep" else (1, 2) if layout == "tp-sp" else (1, 1)
+    b, s = (MOE_B_SP, MOE_S_SP * tp) if layout == "tp-sp" else (MOE_B, MOE_S)
+    t, k, e = b * s, MOE_K, MOE_E
     spec = _moe_spec(name)
-    # Each rank routes t tokens, t k / E copies to every expert from every rank.
-    moe = ExpertLoad(routed=t, active=e // ep, rows=ep * t * k // e, width=MOE_F, skew=1.0,
+    # Each rank routes t tokens (its replica's), t k / E copies to every expert from every rank.
+    moe = ExpertLoad(routed=t, active=e // ep, rows=ep * t * k // e, width=MOE_F // tp, skew=1.0,
                      a2a_bytes=0.0 if ep == 1 else 2.0 * t * MOE_H * k)
-    work = layer_work(spec, FRAMEWORKS["torch"], b=MOE_B, s=MOE_S, tp=1, cp=1, sp=False, moe=moe)
+    work = layer_work(spec, FRAMEWORKS["torch"], b=b, s=s, tp=tp, cp=1, sp=tp > 1, moe=moe)
     pick = lambda ks: [q for q in ks if q.kind == "mem"]  # noqa: E731
     want_fwd, want_bwd = ((sum(q.launches for q in pick(ks)), sum(q.bytes for q in pick(ks))) for ks in (work.fwd, work.bwd))
     fk, fb, fwk, fwb = got["fwd"]
@@ -336,5 +454,5 @@ def test_the_runtime_moe_layer_launches_the_kernels_the_torch_preset_prices(name
     assert bwk == work.grad_tensors
     assert work.grad_accum.bytes - bwb == 6 * 2 * MOE_H  # the norms' fp32 weights, never cast
     # The fused routing (Megatron-core's) launches a small fraction of that.
-    fused = layer_work(spec, FRAMEWORKS["megatron-core"], b=MOE_B, s=MOE_S, tp=1, cp=1, sp=False, moe=moe)
+    fused = layer_work(spec, FRAMEWORKS["megatron-core"], b=b, s=s, tp=tp, cp=1, sp=tp > 1, moe=moe)
     assert sum(q.launches for q in pick(fused.fwd)) < want_fwd[0] / 4
