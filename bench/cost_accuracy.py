@@ -683,7 +683,7 @@ def report_mcore_h100(cal: Calibration) -> list[float]:
     print("\nheld out: Megatron-Core r0.8.0 on H100s (Megatron-LM README, 2024-07-15), GPT, vocabulary 131,072,"
           " sequence 4096, teraFLOP/s per GPU; the rows without a pipeline")
     errs: list[float] = []
-    other: list[list[tuple[int, float, float]]] = []
+    other: list[str] = []
     for params_b, heads, hidden, layers, tp, gpus, batch, published in MCORE_H100:
         spec = resolve_model(dict(model_type="gpt", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                                   vocab_size=131072, max_position_embeddings=4096, tie_word_embeddings=False))
@@ -691,34 +691,24 @@ def report_mcore_h100(cal: Calibration) -> list[float]:
         call = Call(name="train", model="m", kind="train", seqs=batch, seq_len=4096, loss="sft")
         decl = ModelDecl(spec=spec, trainable=True)
         dp = gpus // tp
-        rc, fits, cost = cost_by_recompute_rule(cm, call, decl, gpus, Layout(
-            tp=tp, dp=dp, zero=1, micro_batches=batch // dp, sequence_parallel=tp > 1))
-        predicted = korthikanti_flops(batch, 4096, layers, hidden, 131072) / cost.time_s / gpus / 1e12
+        flops = korthikanti_flops(batch, 4096, layers, hidden, 131072)
+        # The protocol's micro-batch of 1, then (not pooled) the rank's 4 sequences in 2 or 1.
+        (rc, fits, cost), *more = [cost_by_recompute_rule(cm, call, decl, gpus, Layout(
+            tp=tp, dp=dp, zero=1, micro_batches=batch // dp // mb, sequence_parallel=tp > 1)) for mb in (1, 2, 4)]
+        predicted = flops / cost.time_s / gpus / 1e12
         errs.append(pct(predicted, published))
         print(f"  {params_b:5.1f}B tp{tp} dp{dp} mb1 recompute {rc:9s} published {published:6.1f}  predicted {predicted:6.1f}"
               f"  {errs[-1]:+6.1f}%, tensor-parallel {cost.breakdown_s.get('tp_comm', 0.0):.2f} s and data-parallel "
               f"{cost.breakdown_s.get('dp_comm', 0.0):.2f} s of {cost.time_s:.2f} s, peak memory "
               f"{cost.peak_mem_bytes / 2**30:.0f} GiB{'' if fits else ' (does not fit)'}")
-        other.append(_mcore_h100_micro_batches(cm, call, decl, gpus, tp, dp, batch, layers, hidden, published))
+        other.append(f"  {params_b:5.1f}B  " + "  ".join(
+            f"mb{mb} {pct(flops / c.time_s / gpus / 1e12, published):+6.1f}% (data-parallel "
+            f"{c.breakdown_s.get('dp_comm', 0.0):.2f} s)" for mb, (_, _, c) in zip((2, 4), more)))
     summarize_throughput(errs)
     print("  the micro-batch is not published: with the rank's 4 sequences in 2 micro-batches of 2 or one of 4 "
           "(printed after the result, not pooled), error of the throughput:")
-    for params_b, row in zip((r[0] for r in MCORE_H100), other):
-        print(f"  {params_b:5.1f}B  " + "  ".join(f"mb{mb} {err:+6.1f}% (data-parallel {dp_s:.2f} s)" for mb, err, dp_s in row))
+    print("\n".join(other))
     return errs
-
-
-def _mcore_h100_micro_batches(cm: CostModel, call: Call, decl: ModelDecl, gpus: int, tp: int, dp: int, batch: int,
-                              layers: int, hidden: int, published: float) -> list[tuple[int, float, float]]:
-    """A Megatron-Core H100 row at micro-batches of 2 and 4 sequences (the rank's 4 in 2 or 1):
-    (micro-batch, throughput error, exposed data-parallel seconds)."""
-    out = []
-    for mb in (2, 4):
-        _, _, cost = cost_by_recompute_rule(cm, call, decl, gpus, Layout(
-            tp=tp, dp=dp, zero=1, micro_batches=batch // dp // mb, sequence_parallel=tp > 1))
-        predicted = korthikanti_flops(batch, 4096, layers, hidden, 131072) / cost.time_s / gpus / 1e12
-        out.append((mb, pct(predicted, published), cost.breakdown_s.get("dp_comm", 0.0)))
-    return out
 
 
 def report_llama3(cal: Calibration) -> list[float]:

@@ -72,6 +72,7 @@ def test_no_dense_estimate_above_60_percent_mfu():
     (`torch`) and Megatron-LM x 8 and 32 GPUs x 6 (tp, pp) shapes x 2k/8k tokens x micro-batch
     1/2/4 x ZeRO 0/1/3 x no or full recompute."""
     checked, worst = 0, (0.0, None)
+    best = dict.fromkeys(FRAMEWORKS, 0.0)
     over = []  # above 60%, under a published figure (none since the eager activations: the README says so)
     for model, gpu, fw, lay, seq, est in fitting_estimates():
         n = lay.dp * lay.tp * lay.pp
@@ -79,6 +80,7 @@ def test_no_dense_estimate_above_60_percent_mfu():
         cap = PUBLISHED_ABOVE_CAP.get((model, gpu, fw), MFU_CAP)
         assert est.mfu <= cap, f"{model} on {n} {gpu} ({fw}) {lay.short()} seq {seq}: MFU {est.mfu:.1%}"
         worst = max(worst, (est.mfu, (model, gpu, fw, lay.short(), seq)))
+        best[fw] = max(best[fw], est.mfu)
         if est.mfu > MFU_CAP:
             over.append((est.mfu, gpu, fw, seq))
     assert checked > 1000, checked
@@ -89,6 +91,9 @@ def test_no_dense_estimate_above_60_percent_mfu():
     # hidden collective was charged NCCL's 32 channels of a node, also across nodes).
     assert over == []
     assert round(worst[0], 3) == 0.574
+    # The runtime's own best (README): 52.3% since the copies around its tensor-parallel
+    # collectives are counted (Qwen2.5-7B at 8k tokens, dp16 tp2 z1 on 32 A100s).
+    assert round(best["torch"], 3) == 0.523
 
 
 def test_the_megatron_core_estimates_above_the_cap_are_these():
