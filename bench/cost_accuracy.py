@@ -347,6 +347,17 @@
    (+0.72%) -> 7.11% (+2.25%); (1) alone had given 7.41% (+2.62%). vTrain in sample 6.72% ->
    6.73% (multi-node), single-node unchanged; the coefficients were not refitted.
 
+   The model's ends, read in the sources and the runtime after every table above had been seen,
+   none sized on a table: each stack adds every micro-batch's gradients of the embedding, the head
+   and the final norm into its buffer as it adds a layer's (Megatron's DDP hook for the
+   embedding, its fused weight-gradient GEMM for the head), a GPT's learned positions are looked
+   up per token and their gradient index-added, the final norm runs the stack's norm kernels
+   (`cost_models.ops.embedding_work`, `head_work`); the runtime's ends as it launches them
+   (`Framework.runtime_ends`). H100 14.93% -> 14.42%, NeMo 6.76% -> 6.56%, Korthikanti 9.72% ->
+   9.99%, Table 1 4.79% -> 4.74%, MoE 8.29% -> 8.31%, the 34 pooled rows 7.11% (+2.25%) -> 7.04%
+   (+2.01%); vTrain in sample 6.73% -> 6.72% (multi-node), 6.68% -> 6.79% (single-node); not
+   refitted.
+
 3. Out of sample on the vTrain rows (``--cross-validate``): leave one model size out. For each
    size, the coefficients are fitted again, from the same fixed start as `planner calibrate`, on
    every row of the other sizes (both files, equal weight), and the held-out size's rows are

@@ -210,6 +210,15 @@ class Framework:
     # input gradient clones the gradient first. Megatron's collectives split the sequence-first
     # layout in place and reduce gradients where they lie (False).
     tp_copies: bool = False
+    # The model's ends as the planner's runtime runs them (`runtime/model.py`, `runtime/tensor_parallel.py`;
+    # `tests/test_kernel_inventory.py` counts them): fp32 tables looked up into the fp32 residual
+    # stream, learned positions once per sequence position and broadcast over the batch, and the LM
+    # head fused with the log-probs (`head_logprobs`): the weight cast once per call and direction,
+    # each chunk of at most `logits_chunk_elements` logits made in bf16, upcast, log-softmaxed and
+    # picked, its backward the softmax in place, the chunk's weight gradient added into an fp32 sum.
+    # False: the ends as the fused stacks run them (Megatron's: the tables in the weights' dtype,
+    # positions looked up per token, the head one GEMM and the stack's loss kernels).
+    runtime_ends: bool = False
     # How the host issues a rank's routed experts. "grouped": one kernel per expert GEMM kind for
     # all local experts (vLLM's fused MoE kernel). "per_expert": one GEMM launch per local expert
     # and GEMM, the launches spread over streams that fill the GPU together (Transformer Engine's
@@ -314,7 +323,8 @@ class Framework:
 FUSED_LAYER_TRAITS = frozenset({"norm_fwd", "norm_bwd", "residual_fwd", "residual_bwd", "rope_fwd", "rope_bwd",
                                 "swiglu_fwd", "swiglu_bwd", "rope_launches", "layernorm", "split_projections",
                                 "input_cast_bytes", "row_bias_apart", "gelu_fwd", "gelu_bwd",
-                                "gpt_split_projections", "bias_grads_apart", "qkv_grad_cat", "tp_copies"})
+                                "gpt_split_projections", "bias_grads_apart", "qkv_grad_cat", "tp_copies",
+                                "runtime_ends"})
 
 # HF transformers' Llama layers on bf16 weights (transformers 5.25.0 `modeling_llama.py`), bytes per
 # element of each kernel as `tests/test_kernel_inventory.py` records them dispatched; kernels of one
@@ -452,7 +462,7 @@ FRAMEWORKS: dict[str, Framework] = {
         windowed_attention=False, cp_comm="all_gather", cp_zero3_replicas=True,
         grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0, zero3_keeps_gathered=True,
         zero1_all_reduce=True, zero12_step_copy=True, expert_gemms="loop", moe_routing="eager",
-        attention_kernels=SDPA_ATTENTION, tp_copies=True,
+        attention_kernels=SDPA_ATTENTION, tp_copies=True, runtime_ends=True,
     ),
 }
 

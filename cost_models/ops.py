@@ -681,34 +681,159 @@ def eager_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: Ex
     return SparseMLP(tuple(fwd), tuple(bwd))
 
 
+def final_norm(spec: ModelSpec, fw: Framework, rows: int) -> tuple[list[Kernel], list[Kernel]]:
+    """The final norm over `rows` tokens, forward and backward: the stack's norm kernels, as its
+    layers run them."""
+    h = spec.hidden_size
+    nf, nb = fw.layernorm if spec.model_type == "gpt" and fw.layernorm else (fw.norm_fwd, fw.norm_bwd)
+    return [mem(x * rows * h) for x in nf], [mem(x * rows * h) for x in nb]
+
+
+def ends_accum(fw: Framework, elements: float) -> Kernel:
+    """One end tensor's micro-batch gradient (`elements` on the rank) added into the gradient
+    buffer: the stack's accumulation kernel, less the cast of the gradient back to the weights'
+    dtype where the weights are cast for compute (`Framework.weight_cast_bytes`), which a table, a
+    norm and the runtime's fused head (fp32 sums) do not need."""
+    return mem(elements * (fw.grad_accum_bytes - fw.weight_cast_bytes))
+
+
 @lru_cache(maxsize=4096)
 def head_work(spec: ModelSpec, fw: Framework, *, head: Head, b: int, s: int, tp: int, cp: int, sp: bool,
               loss: bool) -> tuple[tuple[Kernel, ...], tuple[Kernel, ...]]:
-    """Final norm, output head and loss (forward, backward) for one micro-batch on the last stage."""
+    """Final norm, output head and loss (forward, backward) for one micro-batch on the last stage,
+    the micro-batch's gradients of the norm and the head added into the gradient buffer."""
     h, v = spec.hidden_size, spec.vocab_size
     m = b * (s // cp)
     mn = m // tp if sp else m
+    norm_f, norm_b = final_norm(spec, fw, mn)
+    norm_acc = [ends_accum(fw, h)] * (2 if spec.model_type == "gpt" else 1)  # weight (and bias)
     if head == "value":
-        g = gemm(m, 1, h)
-        return (mem(4.0 * mn * h), g), (*gemm_bwd(g), mem(6.0 * mn * h))
-    g = gemm(m, -(-v // tp), h)
+        g = gemm(mn if fw.runtime_ends else m, 1, h)  # the runtime scores its own chunk under sp
+        # Under autocast the scores' input is cast to bf16 and its gradient back; the [1, h] weight
+        # likewise (a value per hidden unit), its gradient then added.
+        cast = [mem(fw.input_cast_bytes * mn * h)] if fw.input_cast_bytes else []
+        w_cast = [mem(fw.weight_cast_bytes * h)] if fw.weight_cast_bytes else []
+        acc = [mem(fw.grad_accum_bytes * h, 2 if fw.weight_cast_bytes else 1)]
+        # The runtime's values upcast to fp32 (one per token), and under sequence parallel gathered
+        # along the sequence (a copy in and out of the all-gather; backward the rank's chunk copied).
+        up_f = ([mem(0.0, 3 if sp and tp > 1 else 1)]) if fw.runtime_ends else []
+        up_b = ([mem(0.0, 2 if sp and tp > 1 else 1)]) if fw.runtime_ends else []
+        return (*norm_f, *cast, *w_cast, g, *up_f), (*up_b, *gemm_bwd(g), *cast, *norm_b, *acc, *norm_acc)
+    vt = -(-v // tp)
+    weight = float(vt) * h
+    if fw.runtime_ends:
+        return _runtime_lm_head(spec, fw, m=m, mn=mn, tp=tp, sp=sp, loss=loss, norm=(norm_f, norm_b),
+                                norm_acc=norm_acc)
+    g = gemm(m, vt, h)
     logits = float(m) * v / tp
-    fwd = (mem(4.0 * mn * h), g, *[mem(x * logits) for x in (fw.loss_fwd if loss else (LOGPROB_BYTES,))])
+    fwd = (*norm_f, g, *[mem(x * logits) for x in (fw.loss_fwd if loss else (LOGPROB_BYTES,))])
     chunk = fw.logits_chunk_elements
     again = (g,) if chunk is not None and logits > chunk else ()  # each chunk's logits made again
-    bwd = (*again, *[mem(x * logits) for x in fw.loss_bwd], *gemm_bwd(g), mem(6.0 * mn * h))
+    fused = fused_accum_bytes(fw)
+    acc = [] if fused else [ends_accum(fw, weight)]  # the head's weight gradient, where no GEMM adds it
+    bwd = (*again, *[mem(x * logits) for x in fw.loss_bwd], *gemm_bwd(g, fused), *norm_b, *acc, *norm_acc)
     return fwd, bwd
 
 
+def _runtime_lm_head(spec: ModelSpec, fw: Framework, *, m: int, mn: int, tp: int, sp: bool, loss: bool,
+                     norm: tuple[list[Kernel], list[Kernel]], norm_acc: list[Kernel]) -> tuple[
+                         tuple[Kernel, ...], tuple[Kernel, ...]]:
+    """The runtime's LM head (`runtime.model.token_logprobs`, `tensor_parallel.head_logprobs`) as
+    it launches its kernels: every position's next token looked up (arange, +1, clamp,
+    index_select; the last position's prediction dropped after), the weight cast to bf16 once per
+    call and direction, and per chunk of at most `Framework.logits_chunk_elements` logits: the
+    chunk's hidden states cast, the GEMM, the logits upcast to fp32 (2+4), then with one rank a
+    log-softmax (4+4) and two picks and a subtraction per token; over a tensor-parallel group the
+    max (4), the shift (4+4), exp (4+4) and sum (4), the sums and picked logits stacked (16 bytes a
+    token), twelve kernels on per-token values and two all-reduces of them (not priced: a few bytes
+    per token). Backward: the weight cast again and
+    an fp32 gradient sum zeroed (4), per chunk the hidden states cast, the logits made again unless
+    one chunk held them all (then its log-softmax is kept), the softmax in place (exp 4+4, shifted
+    first over a group 4+4), times the output gradient (4+4), the targets' ones added (nine
+    kernels on per-token values), the gradient cast to bf16 (4+2), the input-gradient GEMM copied
+    into the fp32 result (2+4), and the weight-gradient GEMM's bf16 product added into the fp32 sum
+    (2+4+4). Per-token kernels move no bytes that count."""
+    h, v = spec.hidden_size, spec.vocab_size
+    vt = -(-v // tp)
+    weight = float(vt) * h
+    norm_f, norm_b = norm
+    stream = fw.input_cast_bytes - ACT_BYTES  # the residual stream's (and the hidden states') dtype
+    enter_f: list[Kernel] = []
+    enter_b: list[Kernel] = []
+    if fw.tp_copies and tp > 1:  # the hidden states enter the column-parallel head as a layer's block
+        if sp:
+            enter_f = [mem(2.0 * stream * mn * h), mem(2.0 * stream * m * h)]
+            enter_b = [mem(2.0 * stream * m * h), mem(2.0 * stream * mn * h)]
+        else:
+            enter_b = [mem(2.0 * stream * m * h)]
+    rows = max(1, (fw.logits_chunk_elements or m * vt) // vt)
+    chunks = [min(rows, m - lo) for lo in range(0, m, rows)]
+    kept = loss and len(chunks) == 1
+    cast_in = stream + ACT_BYTES
+
+    def per_chunk(r: int) -> tuple[list[Kernel], list[Kernel]]:
+        lg = float(r) * vt
+        g = gemm(r, vt, h)
+        make = [mem(cast_in * r * h), g, mem((ACT_BYTES + 4.0) * lg)]
+        if tp == 1:
+            pick = [mem(8.0 * lg), mem(0.0, 3)]
+            keep = [mem(8.0 * lg)]  # log-softmax, made again when not kept
+            soft = [mem(8.0 * lg)]
+        else:
+            # the sums and the picked logits stacked for one all-reduce (2 x 4 bytes a token, and written)
+            pick = [mem(4.0 * lg), mem(8.0 * lg), mem(8.0 * lg), mem(4.0 * lg), mem(16.0 * r), mem(0.0, 12)]
+            keep = []
+            soft = [mem(8.0 * lg), mem(8.0 * lg)]
+        f = [*make, *pick]
+        again = [] if kept else [g, mem((ACT_BYTES + 4.0) * lg), *keep]
+        dgrad, wgrad = gemm_bwd(g)
+        bwd = [mem(cast_in * r * h), *again, *soft, mem(0.0), mem(8.0 * lg), mem(0.0, 9), mem((4.0 + ACT_BYTES) * lg),
+               dgrad, mem((ACT_BYTES + stream) * r * h), wgrad, mem((ACT_BYTES + 8.0) * weight)]
+        return f, bwd
+
+    fwd: list[Kernel] = [*norm_f, *enter_f, mem(0.0, 4), mem(fw.weight_cast_bytes * weight)]
+    bwd: list[Kernel] = [mem(0.0, 2), mem(fw.weight_cast_bytes * weight), mem(4.0 * weight)]
+    for r in chunks:
+        f, bw = per_chunk(r)
+        fwd += f  # inference runs the same forward, under no_grad
+        bwd += bw
+    fwd += [mem(0.0, 2 if len(chunks) > 1 else 1)]  # the chunks' log-sum-exps (and log-probs) concatenated
+    bwd += [ends_accum(fw, weight), *enter_b, *norm_b, *norm_acc]
+    return tuple(fwd), tuple(bwd)
+
+
 @lru_cache(maxsize=4096)
-def embedding_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: int) -> tuple[
+def embedding_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: int, sp: bool = False) -> tuple[
         tuple[Kernel, ...], tuple[Kernel, ...]]:
-    """Token (and position) embedding lookup forward and backward on the first stage."""
+    """Token (and position) embedding lookup forward and backward on the first stage, the tables'
+    micro-batch gradients added into the gradient buffer. A table holds the weights' dtype: a
+    lookup reads and writes rows of it, its backward zero-fills a dense gradient of the whole table
+    and index-adds the rows (read the incoming gradient, read and write the rows)."""
     h = spec.hidden_size
-    m = b * (s // cp)
-    fwd = [mem(4.0 * m * h)]  # gather rows (read + write)
+    pb = fw.param_bytes
+    s_loc = s // cp
+    m = b * s_loc
+    table = float(-(-spec.vocab_size // tp)) * h
+    fwd = [mem(2.0 * pb * m * h)]  # gather rows (read + write)
+    bwd = [mem(pb * table), mem(3.0 * pb * m * h)]
+    mn, s_pos = (m // tp, s_loc // tp) if sp else (m, s_loc)  # the rows the stream holds after the lookup
+    if fw.runtime_ends and tp > 1:
+        # Ids outside the rank's vocabulary block masked (five kernels on ids), their rows zeroed
+        # after the lookup, then reduced over the group: under sequence parallel a reduce-scatter
+        # with its copies (`Framework.tp_copies`, here in the table's dtype), backward an all-gather.
+        fwd = [mem(0.0, 5), *fwd, mem(2.0 * pb * m * h)]
+        bwd = [mem(2.0 * pb * m * h), *bwd]
+        if sp and fw.tp_copies:
+            fwd += [mem(2.0 * pb * m * h), mem(2.0 * pb * mn * h)]
+            bwd = [mem(2.0 * pb * mn * h), mem(2.0 * pb * m * h), *bwd]
+    acc = [ends_accum(fw, table)]
     if spec.model_type == "gpt":
-        fwd.append(mem((7 if fw.dropout else 6) * m * h))  # add positions (+ dropout)
-    # Backward scatters into a dense [V/t, h] gradient: zero it, then index-add the rows.
-    bwd = (mem(2.0 * spec.vocab_size * h / tp), mem(6.0 * m * h))
-    return tuple(fwd), bwd
+        positions = float(spec.max_position_embeddings) * h
+        if fw.runtime_ends:  # looked up once per position, broadcast over the batch; backward summed over it
+            fwd += [mem(2.0 * pb * s_pos * h), mem(2.0 * pb * mn * h)]
+            bwd = [mem(pb * mn * h), mem(pb * positions), mem(3.0 * pb * s_pos * h), *bwd]
+        else:  # looked up per token, added (+ dropout)
+            fwd += [mem(2.0 * pb * m * h), mem((7 if fw.dropout else 6) * m * h)]
+            bwd = [*bwd, mem(pb * positions), mem(3.0 * pb * m * h)]
+        acc.append(ends_accum(fw, positions))
+    return tuple(fwd), (*bwd, *acc)

@@ -278,7 +278,7 @@ def _ends(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, topo: To
 @lru_cache(maxsize=16384)
 def _ends_of(spec: ModelSpec, fw: Framework, hw: Hardware, tp: int, cp: int, sp: bool, tp_group: comm.Group, *,
              head: Head, b: int, s: int, loss: bool, head_tokens: int | None) -> tuple[Stretch, Stretch, Stretch, Stretch]:
-    ef, eb = embedding_work(spec, fw, b=b, s=s, tp=tp, cp=cp)
+    ef, eb = embedding_work(spec, fw, b=b, s=s, tp=tp, cp=cp, sp=sp and head_tokens is None)
     hs = s if head_tokens is None else head_tokens * cp
     hf, hb = head_work(spec, fw, head=head, b=b, s=hs, tp=tp, cp=cp, sp=sp and head_tokens is None, loss=loss)
     g = {"tp": tp_group}

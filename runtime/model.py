@@ -603,22 +603,19 @@ def token_logprobs(shard: Shard, h: Tensor, tokens: Tensor) -> Tensor:
 
     The head runs fused with the log-probs (`tensor_parallel.head_logprobs`), a chunk of at most
     LOGITS_CHUNK_ELEMENTS logits at a time, forward and backward; the last position predicts
-    nothing and is left out before the head. Under context parallel `h` holds this rank's slots
-    (`tokens` the whole padded rows): each slot's next token is looked up, the last slot's
-    prediction (of nothing) is made and dropped after the log-probs are gathered over the group."""
+    nothing: its prediction (of itself) is made and dropped after the head, so the hidden states go
+    in whole, with no copy of them. Under context parallel `h` holds this rank's slots (`tokens`
+    the whole padded rows): each slot's next token is looked up, and the last slot's prediction is
+    dropped after the log-probs are gathered over the group."""
     sp, cp = shard.tp.sequence_parallel, shard.cp
     h = tpx.enter(_final_norm(shard, h), shard.tp, sp=sp)  # sequence parallel: gathered here
-    if cp.size > 1:
-        s = tokens.shape[1]
-        nxt = (cp.slots(s, tokens.device) + 1).clamp(max=s - 1)
-        targets = tokens.index_select(1, nxt)
-    else:
-        h, targets = h[:, :-1], tokens[:, 1:]
+    s = tokens.shape[1]
+    nxt = (cp.slots(s, tokens.device) + 1).clamp(max=s - 1)
+    targets = tokens.index_select(1, nxt)
     b, s1, hidden = h.shape
     out = tpx.head_logprobs(h.reshape(b * s1, hidden), _lm_weight(shard), targets.reshape(-1), shard.tp,
                             vocab_size=shard.spec.vocab_size, chunk_elements=LOGITS_CHUNK_ELEMENTS)
-    out = out.view(b, s1)
-    return gather_positions(out, cp)[:, :-1] if cp.size > 1 else out
+    return gather_positions(out.view(b, s1), cp)[:, :-1]
 
 
 def token_values(shard: Shard, h: Tensor) -> Tensor:

@@ -247,7 +247,9 @@ def head_logprobs(h: Tensor, weight: Tensor, targets: Tensor, tp: TensorParallel
     unless all of them fit one chunk: that chunk's log-softmax (with one rank; the logits with
     several) is kept instead, which costs no extra peak memory because a pipeline's last stage
     runs a micro-batch's backward right after its forward. Gradients are those of the unfused
-    ops to rounding (each chunk's weight gradient is accumulated in fp32)."""
+    ops to rounding (each chunk's weight gradient is accumulated in fp32). The weight is cast to
+    the compute dtype once per call and direction, each chunk of `h` once per direction, whatever
+    the number of chunks."""
     device = h.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
     rows = max(1, chunk_elements // max(1, weight.shape[0]))
@@ -301,8 +303,9 @@ class _HeadLogprobs(torch.autograd.Function):
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         keep = grads and n <= rows
         out, lses, kept = [], [], None
+        wc = w.to(dtype)  # cast once for every chunk
         for lo in range(0, n, rows):
-            logits = _chunk_logits(h[lo:lo + rows], w, dtype)
+            logits = _chunk_logits(h[lo:lo + rows], wc, dtype)
             lp, lse, rest = _chunk_logprobs(logits, targets[lo:lo + rows], tp, vocab_size)
             out.append(lp)
             lses.append(lse)
@@ -322,9 +325,9 @@ class _HeadLogprobs(torch.autograd.Function):
         dh = torch.empty_like(h)
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         for lo in range(0, h.shape[0], rows):
-            hc, g = h[lo:lo + rows], grad[lo:lo + rows]
+            hc, g = h[lo:lo + rows].to(dtype), grad[lo:lo + rows]  # the chunk cast once, for both GEMMs
             t = targets[lo:lo + rows]
-            rest = ctx.kept if ctx.kept is not None else _kept_form(_chunk_logits(hc, w, dtype), tp)
+            rest = ctx.kept if ctx.kept is not None else _kept_form(_chunk_logits(hc, wc, dtype), tp)
             # d log p[t] / d logits = onehot(t) - softmax(logits)
             dlogits = _softmax_(rest, lse[lo:lo + rows], tp).mul_(-g[:, None])
             inside = (t >= lo_v) & (t < hi_v)
@@ -332,6 +335,6 @@ class _HeadLogprobs(torch.autograd.Function):
                                  g.masked_fill(~inside, 0.0).unsqueeze(-1))
             dc = dlogits.to(dtype)
             dh[lo:lo + rows] = dc @ wc
-            dw += (dc.t() @ hc.to(dtype)).float()
+            dw.add_(dc.t() @ hc)  # upcast inside the add: one kernel, the sum the same as an fp32 copy's
         ctx.kept = None
         return dh, dw.to(w.dtype), None, None, None, None, None

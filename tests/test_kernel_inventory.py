@@ -38,7 +38,19 @@ VIEWS = {"t", "view", "_unsafe_view", "transpose", "expand", "slice", "select", 
 FILLS = {"zeros_like", "new_zeros", "full_like", "ones_like", "zeros", "full"}  # write only
 GATHERS = {"cat", "stack"}  # read every piece of a list, however small each is
 GEMMS = {"mm", "addmm", "bmm", "baddbmm"}
-KERNELS_PER_OP = {"slice_backward": 2, "native_layer_norm_backward": 2}
+KERNELS_PER_OP = {"slice_backward": 2, "native_layer_norm_backward": 2, "embedding_dense_backward": 2}
+# Indexing ops, by the elements they pick (a lookup's rows, a gather's or scatter's values): a
+# lookup reads and writes its rows; a gather reads and writes what it picks; a scatter-add reads
+# its values and reads and writes their places; an embedding's backward zero-fills the dense
+# gradient of the whole table, then index-adds the incoming rows (read them, read and write theirs:
+# two kernels, ATen's `embedding_dense_backward` on CUDA sorting the ids as well); a copy into a
+# slice reads its source and writes the slice (nothing of the destination is read, `copy_`).
+PICKS = {
+    "embedding": lambda picked, out: 2 * picked.numel() * picked.element_size(),
+    "gather": lambda picked, out: 2 * picked.numel() * picked.element_size(),
+    "scatter_add_": lambda picked, out: 3 * picked.numel() * out.element_size(),
+    "embedding_dense_backward": lambda picked, out: out.numel() * out.element_size() + 3 * picked.numel() * out.element_size(),
+}
 
 
 def _recorder(tokens: int, weights: set[tuple[int, ...]] | frozenset = frozenset()):
@@ -63,15 +75,23 @@ def _recorder(tokens: int, weights: set[tuple[int, ...]] | frozenset = frozenset
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             big = max(t.numel() for t in ins + outs)
             moved = 0
+            if name in PICKS:  # an indexing op moves the rows it picks, not the table it picks them from
+                picked = {"embedding": outs[0], "gather": outs[0], "scatter_add_": ins[-1],
+                          "embedding_dense_backward": ins[0]}[name]
+                big = picked.numel()
             if big > tokens:
                 if name in FILLS:
                     ins = []
                 nbytes = [t.numel() * t.element_size() for t in ins + outs if 2 * t.numel() >= big or name in GATHERS]
                 moved = sum(nbytes)
+                if name in PICKS:
+                    moved = PICKS[name](picked, outs[0])
                 if name == "slice_backward":  # the fill writes the whole, the copy reads and writes the slice
                     moved += nbytes[0]
                 if name == "native_layer_norm_backward":  # the weight and bias kernel reads both again
                     moved += nbytes[0] + nbytes[1]
+                if name == "copy_":  # into a slice: the destination is written, not read
+                    moved -= nbytes[0]
             if all(tuple(t.shape) in weights for t in ins + outs):
                 self.weight_kernels += 1
                 self.weight_bytes += sum(t.numel() * t.element_size() for t in ins + outs)
@@ -456,3 +476,127 @@ def test_the_runtime_moe_layer_launches_the_kernels_the_torch_preset_prices(name
     # The fused routing (Megatron-core's) launches a small fraction of that.
     fused = layer_work(spec, FRAMEWORKS["megatron-core"], b=b, s=s, tp=tp, cp=1, sp=tp > 1, moe=moe)
     assert sum(q.launches for q in pick(fused.fwd)) < want_fwd[0] / 4
+
+
+ENDS_B, ENDS_S = 3, 24  # 72 tokens, more than the hidden size: a value head's [1, h] weight is per-token-sized
+ENDS_CASES = [(name, "lm", tied, chunk) for name in sorted(RUNTIME_SPECS) for tied in (False, True)
+              for chunk in (None, 4608)] + [(name, "value", False, None) for name in sorted(RUNTIME_SPECS)]
+
+
+def _ends_spec(name: str, tied: bool = False):
+    return resolve_model({**RUNTIME_SPECS[name], "num_hidden_layers": 1, "vocab_size": 256,
+                          "max_position_embeddings": 128, "tie_word_embeddings": tied})
+
+
+def _ends_inventory(spec, head: str, groups, b: int, s: int) -> dict[str, tuple[int, int]]:  # noqa: ANN001
+    """(kernels, bytes) forward and backward of the runtime's ends on this rank, weights' ops
+    included: `stage_forward`'s embedding and `token_logprobs` or `token_values`, under bf16
+    autocast on fp32 weights, with every parameter's gradient a view of a buffer as in training
+    (so each is added there)."""
+    import dataclasses as dc
+
+    from runtime.engine import ModelRunner
+    from runtime.model import init_tensor, stage_forward, token_logprobs, token_values
+
+    runner = ModelRunner(spec, head=head, trainable=True, groups=groups, state=lambda p: init_tensor(p, seed=0),
+                         device=torch.device("cpu"))
+    shard = dc.replace(runner.shard, layers=())  # the ends alone
+    for p in shard.params.values():
+        p.grad = torch.zeros_like(p)
+    g = torch.Generator().manual_seed(0)  # the same tokens on every rank
+    tokens, positions = torch.randint(0, spec.vocab_size, (b, s), generator=g), torch.arange(s)
+    # Per-token values are the whole sequence's here (the head's), also under sequence parallel.
+    record = _recorder(b * s, {tuple(p.shape) for p in shard.params.values()})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with record() as fwd:
+            x = stage_forward(shard, tokens, positions=positions)
+            out = token_logprobs(shard, x, tokens) if head == "lm" else token_values(shard, x)
+    grad = torch.randn(out.shape, generator=g)
+    with record() as bwd:
+        out.backward(grad)
+    return {"fwd": (fwd.kernels + fwd.weight_kernels, fwd.bytes + fwd.weight_bytes),
+            "bwd": (bwd.kernels + bwd.weight_kernels, bwd.bytes + bwd.weight_bytes)}
+
+
+def _ends_model(spec, fw, head: str, *, b: int, s: int, tp: int, sp: bool) -> dict[str, tuple[int, float]]:  # noqa: ANN001
+    from cost_models.ops import embedding_work, head_work
+
+    ef, eb = embedding_work(spec, fw, b=b, s=s, tp=tp, cp=1, sp=sp)
+    hf, hb = head_work(spec, fw, head=head, b=b, s=s, tp=tp, cp=1, sp=sp, loss=True)
+    pick = lambda ks: [k for k in ks if k.kind == "mem"]  # noqa: E731
+    return {way: (sum(k.launches for k in pick(ks)), sum(k.bytes for k in pick(ks)))
+            for way, ks in (("fwd", (*ef, *hf)), ("bwd", (*eb, *hb)))}
+
+
+@pytest.mark.parametrize("name,head,tied,chunk", ENDS_CASES)
+def test_the_runtime_ends_launch_the_kernels_the_torch_preset_prices(name, head, tied, chunk, monkeypatch):
+    """`torch` against the runtime's own ends (`runtime/model.py`: `stage_forward`'s embedding,
+    `token_logprobs` or `token_values`): every memory-bound kernel forward and backward by number
+    and bytes, weights' casts and gradient accumulations included, against `embedding_work` and
+    `head_work`. The LM head with one chunk (its log-softmax kept for backward) and with chunks of
+    4,608 logits (four of 18 tokens, made again in backward), tied to the embedding and not (the
+    same kernels: one more add of the two gradients, one accumulation fewer)."""
+    import dataclasses as dc
+
+    import runtime.model as rm
+    from cost_models.ops import head_work
+    from plans import Layout
+    from runtime.groups import solo_groups
+
+    spec = _ends_spec(name, tied)
+    fw = FRAMEWORKS["torch"]
+    if chunk is not None:
+        monkeypatch.setattr(rm, "LOGITS_CHUNK_ELEMENTS", chunk)
+        fw = dc.replace(fw, logits_chunk_elements=chunk)
+    got = _ends_inventory(spec, head, solo_groups(Layout()), ENDS_B, ENDS_S)
+    assert got == _ends_model(spec, fw, head, b=ENDS_B, s=ENDS_S, tp=1, sp=False)
+    if head == "lm":
+        hf, hb = head_work(spec, fw, head=head, b=ENDS_B, s=ENDS_S, tp=1, cp=1, sp=False, loss=True)
+        gemms = [k for k in (*hf, *hb) if k.kind == "gemm"]
+        assert len(gemms) == (3 if chunk is None else 4 * 4)  # one chunk kept; four made again
+
+
+def _ends_tp_worker(rank: int, port: int, out_dir: str) -> None:
+    """The runtime's ends on two gloo ranks at tp 2, with and without sequence parallel."""
+    import json
+
+    import torch.distributed as dist
+
+    from plans import Layout, Mesh
+    from runtime.groups import Groups
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    _backend_collectives_unrecorded()
+    out = {}
+    try:
+        for sp in (False, True):
+            groups = Groups(distributed=True).build(Mesh.block(0, 2), Layout(tp=2, sequence_parallel=sp), rank=rank,
+                                                    tied=False)
+            for name in sorted(RUNTIME_SPECS):
+                for head in ("lm", "value"):
+                    out[f"{name} {head} sp={sp}"] = _ends_inventory(_ends_spec(name), head, groups, ENDS_B, ENDS_S)
+        with open(f"{out_dir}/rank{rank}.json", "w") as fh:
+            json.dump(out, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_runtime_ends_at_tp2_launch_the_kernels_the_torch_preset_prices(tmp_path):
+    """The same on two gloo ranks at tp 2, with and without sequence parallel: each rank looks up
+    its vocabulary block's rows (the other ids masked, their rows zeroed) and reduces them over the
+    group, its head makes its block's logits, and the log-softmax is assembled from the group's
+    maxima and sums; the hidden states enter the head and leave the embedding through the copies
+    of `Framework.tp_copies`."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.test_runtime_parallel import _free_port
+
+    mp.spawn(_ends_tp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    for case, got in ranks[0].items():
+        name, head, sp = case.replace(" sp=", " ").split()
+        want = _ends_model(_ends_spec(name), FRAMEWORKS["torch"], head, b=ENDS_B, s=ENDS_S, tp=2, sp=sp == "True")
+        assert {k: tuple(v) for k, v in got.items()} == want, case

@@ -177,7 +177,8 @@ def test_verl_states_per_role_placements() -> None:
     assert any("reward_inference runs on GPUs [4] only" in x for x in rm.cannot_express)
     pool = export_plan(with_placement(tiny_ppo_rm(), {
         "reward_inference": (4, Layout(dp=4)), "ref_inference": (2, Layout(dp=2)),
-        "critic_inference": (1, Layout())}), "verl")  # everything on node 0, the reward model on node 1
+        "critic_inference": (1, Layout()), "critic_train": (1, Layout())}), "verl")  # everything on node 0,
+    # the reward model on node 1
     rw = pool.data["reward"]["reward_model"]
     assert (rw["enable_resource_pool"], rw["nnodes"], rw["n_gpus_per_node"]) == (True, 1, 4)
     assert pool.data["trainer"] == {"nnodes": 1, "n_gpus_per_node": 4}

@@ -77,11 +77,14 @@ def test_log_probs_make_the_logits_and_their_log_softmax_and_nothing_else_vocabu
         with Ops() as ops:
             lp = token_logprobs(r.shard, h, tokens)
     full = [x for x in ops.seen if x[1] >= b * (s - 1) * SPEC.vocab_size and x[0] not in VIEWS]
-    # the logits and one fused log-softmax pass over them (a chunk's: see the next test); no
-    # slice copy, no fp32 upcast copy, no separate max / exp / sum passes
+    # the logits and one fused log-softmax pass over them (a chunk's: see the next test); no fp32
+    # upcast copy, no separate max / exp / sum passes. Every position goes through the head (the
+    # last one's prediction is dropped after): a copy of all hidden states but the last would move
+    # more bytes than that one position's logits whenever s x hidden exceeds the vocabulary.
     assert [name for name, _, _ in full] in (["mm", "_log_softmax"], ["addmm", "_log_softmax"]), full
-    assert not any(x[1] >= b * s * SPEC.vocab_size for x in ops.seen if x[0] not in VIEWS)  # the last position
-    # never reaches the head
+    assert all(n == b * s * SPEC.vocab_size for _, n, _ in full)
+    hidden = b * (s - 1) * SPEC.hidden_size
+    assert not [x for x in ops.seen if x[0] in ("clone", "copy_", "_to_copy") and x[1] >= hidden]  # h goes in as it is
     want = torch.log_softmax(torch.nn.functional.linear(torch.nn.functional.rms_norm(
         h, (SPEC.hidden_size,), r.shard.params["model.norm.weight"], SPEC.rms_norm_eps),
         r.shard.params["lm_head.weight"]), -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
