@@ -534,8 +534,7 @@ class CostModel:
         if nccl is None:
             kinds = ("tp", "cp", self.framework.zero_group(layout)) + (("ep", "edp") if moe else ())
             used = [g for g in (topo.group(layout, k) for k in kinds) if g.n > 1]
-            nccl = self._nccl[key] = nccl_bytes(collectives=len(used), cross_node=sum(g.spans_nodes for g in used),
-                                                p2p_peers=min(2, layout.pp - 1))
+            nccl = self._nccl[key] = nccl_bytes(used, p2p_peers=min(2, layout.pp - 1))
         return {"reserve": reserve_bytes(self.cluster.mem_bytes), "nccl": nccl, "fragmentation": fragmentation_bytes(mem)}
 
     def _step_copy_bytes(self, decl: ModelDecl, layout: Layout, stage_params: tuple[float, float]) -> float:

@@ -34,6 +34,8 @@
     connection's buffers, 10 MiB (Simple + LL128 + LL) and 2 MiB, measured by NCCL's allocation
     log (NVIDIA/nccl#1685), on 32 channels over NVLink; memory grows linearly with channels and a
     ring keeps two connections at any scale, trees add theirs across nodes (NVIDIA/nccl#986). A
+    communicator spanning nodes has the channels its NICs give it (`comm.nccl_channels`: two per
+    rank it has on each node), not the 32 of NVLink inside a node. A
     pipeline neighbour's send/recv shares one buffer per channel of the peer (NVIDIA/nccl#1450);
   - ``fragmentation``: the caching allocator's split blocks that no request fits. GMLake (Guo
     et al., ASPLOS 2024) measured 15% on average (up to 33%) over eight LLMs' training on
@@ -44,7 +46,9 @@
 
 from __future__ import annotations
 
-from cost_models.comm import NCCL_CHANNELS
+from collections.abc import Sequence
+
+from cost_models.comm import Group, nccl_channels
 from cost_models.framework import Framework
 from cost_models.galore import GaLoreLayer, saved_optimizer_bytes
 from cost_models.ops import ExpertLoad
@@ -264,11 +268,13 @@ def reserve_bytes(capacity_bytes: int) -> int:
     return int(min(RESERVE_MAX_BYTES, RESERVE_FRACTION * capacity_bytes))
 
 
-def nccl_bytes(*, collectives: int, cross_node: int, p2p_peers: int) -> int:
-    """NCCL buffers of a rank in `collectives` communicators (`cross_node` of them spanning nodes,
-    which add tree connections) with `p2p_peers` pipeline neighbours."""
-    ring = NCCL_CHANNELS * NCCL_CHANNEL_BYTES
-    return int(collectives * ring + cross_node * ring + p2p_peers * NCCL_P2P_CHANNELS * NCCL_CHANNEL_BYTES)
+def nccl_bytes(groups: Sequence[Group], *, p2p_peers: int) -> int:
+    """NCCL buffers of a rank in the communicators of `groups` with `p2p_peers` pipeline
+    neighbours: per channel of each communicator (`comm.nccl_channels`: 32 inside a node, two per
+    rank on each node for one spanning nodes) a connection's buffers, twice for one spanning
+    nodes (its tree's as well as its ring's)."""
+    coll = sum(nccl_channels(g) * (2 if g.spans_nodes else 1) for g in groups)
+    return int((coll + p2p_peers * NCCL_P2P_CHANNELS) * NCCL_CHANNEL_BYTES)
 
 
 def fragmentation_bytes(mem: dict[str, int]) -> int:

@@ -588,6 +588,27 @@ def test_a_collective_across_nodes_takes_two_sms_per_rank_of_a_node():
     assert comm.overlapped_s(1.0, 0.4, 0.1, hw, one) == pytest.approx(0.6 + 0.4 * 2 / 130)
 
 
+def test_a_communicator_across_nodes_holds_buffers_for_its_own_channels():
+    """NCCL keeps a connection's buffers per channel of a communicator (12 MiB, NVIDIA/nccl#1685),
+    so one across nodes holds them for the channels its NICs give it, with its tree's beside its
+    ring's; one inside a node for NVLink's 32. A plan's data-parallel group under tp 8 across four
+    nodes thus holds 48 MiB, not 768."""
+    from cost_models.memory import NCCL_CHANNEL_BYTES, NCCL_P2P_CHANNELS, nccl_bytes
+
+    within, one, eight = Group(8, 8, 1), Group(4, 1, 8), Group(32, 8, 1)
+    assert nccl_bytes([within], p2p_peers=0) == 32 * NCCL_CHANNEL_BYTES
+    assert nccl_bytes([one], p2p_peers=0) == 2 * 2 * NCCL_CHANNEL_BYTES == 48 * 2**20
+    assert nccl_bytes([eight], p2p_peers=0) == 2 * 16 * NCCL_CHANNEL_BYTES
+    assert nccl_bytes([within, one], p2p_peers=2) == (32 + 4 + 2 * NCCL_P2P_CHANNELS) * NCCL_CHANNEL_BYTES
+    # ... and a plan's memory says so: tp 8 inside each node, dp 4 across the four nodes.
+    cm = CostModel(parse_cluster("h100-sxm:4x8"), framework="megatron-core")
+    decl = ModelDecl(spec=LLAMA, trainable=True)
+    call = Call(name="t", model="m", kind="train", seqs=64, seq_len=2048, loss="sft")
+    cost = cm.call_cost(call, decl, Mesh.block(0, 32), Layout(tp=8, dp=4, zero=1, micro_batches=16,
+                                                               sequence_parallel=True))
+    assert cost.mem_breakdown_bytes["nccl"] == (32 + 4) * NCCL_CHANNEL_BYTES
+
+
 def test_the_runtime_all_reduces_under_zero1_and_reduces_once_under_zero2():
     """The runtime keeps whole gradients until ZeRO-3 (`grads_sharded_from_zero`): ZeRO-1 all-reduces
     them and ZeRO-2 sums each bucket on its owner, once per step; Megatron's distributed optimizer

@@ -113,7 +113,7 @@ def test_the_megatron_core_estimates_above_the_cap_are_these():
         checked += 1
         if est.mfu > MFU_CAP:
             over[gpu].append((est.mfu, f"{model} {lay.short()} seq {seq}"))
-    assert checked == 1578
+    assert checked == 1582  # 1,578 while a communicator across nodes was charged 32 channels of buffers
     seven = {"llama-2-7b", "llama-3-8b", "qwen2.5-7b"}
     assert {case.split()[0] for _, case in over["h100-sxm"]} <= seven
     large = sorted((round(mfu, 3), case) for mfu, case in over["a100-80gb"] if case.split()[0] not in seven)
