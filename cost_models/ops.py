@@ -744,15 +744,22 @@ def _runtime_lm_head(spec: ModelSpec, fw: Framework, *, m: int, mn: int, tp: int
     call and direction, and per chunk of at most `Framework.logits_chunk_elements` logits: the
     chunk's hidden states cast, the GEMM, the logits upcast to fp32 (2+4), then with one rank a
     log-softmax (4+4) and two picks and a subtraction per token; over a tensor-parallel group the
-    max (4), the shift (4+4), exp (4+4) and sum (4), the sums and picked logits stacked (16 bytes a
-    token), twelve kernels on per-token values and two all-reduces of them (not priced: a few bytes
-    per token). Backward: the weight cast again and
-    an fp32 gradient sum zeroed (4), per chunk the hidden states cast, the logits made again unless
-    one chunk held them all (then its log-softmax is kept), the softmax in place (exp 4+4, shifted
-    first over a group 4+4), times the output gradient (4+4), the targets' ones added (nine
-    kernels on per-token values), the gradient cast to bf16 (4+2), the input-gradient GEMM copied
-    into the fp32 result (2+4), and the weight-gradient GEMM's bf16 product added into the fp32 sum
-    (2+4+4). Per-token kernels move no bytes that count."""
+    max (4), the shift (4+4), exp (4+4) and sum (4), thirteen kernels on per-token values (the sums
+    and picked logits stacked for one all-reduce among them) and two all-reduces of them (not
+    priced: a few bytes per token). Backward: the weight cast again, then either
+    - where one chunk held every logit, or the rank has no more vocabulary rows than tokens, a run
+      of tokens at a time: an fp32 weight-gradient sum zeroed (4), per chunk the hidden states cast,
+      the logits made again unless kept (then the log-softmax is), the softmax in place (exp 4+4,
+      shifted first over a group 4+4), times the output gradient (4+4), the targets' ones added
+      (nine kernels on per-token values), the gradient cast to bf16 (4+2), the input-gradient GEMM
+      copied into the fp32 result (2+4), and the weight-gradient GEMM's bf16 product added into the
+      fp32 sum (2+4+4);
+    - or a slice of the vocabulary at a time over every token: the hidden states cast once, an fp32
+      input-gradient sum zeroed (4), per slice the logits made again and upcast (2+4), shifted by
+      the kept log-sum-exp (4+4), exponentiated (4+4), times the output gradient (4+4), the
+      targets' ones added (nine per-token kernels), cast to bf16 (4+2), the input-gradient GEMM's
+      product added into the fp32 sum (2+4+4), and the slice's weight gradient written once (2+4).
+    Per-token kernels move no bytes that count."""
     h, v = spec.hidden_size, spec.vocab_size
     vt = -(-v // tp)
     weight = float(vt) * h
@@ -780,8 +787,7 @@ def _runtime_lm_head(spec: ModelSpec, fw: Framework, *, m: int, mn: int, tp: int
             keep = [mem(8.0 * lg)]  # log-softmax, made again when not kept
             soft = [mem(8.0 * lg)]
         else:
-            # the sums and the picked logits stacked for one all-reduce (2 x 4 bytes a token, and written)
-            pick = [mem(4.0 * lg), mem(8.0 * lg), mem(8.0 * lg), mem(4.0 * lg), mem(16.0 * r), mem(0.0, 12)]
+            pick = [mem(4.0 * lg), mem(8.0 * lg), mem(8.0 * lg), mem(4.0 * lg), mem(0.0, 13)]
             keep = []
             soft = [mem(8.0 * lg), mem(8.0 * lg)]
         f = [*make, *pick]
@@ -792,11 +798,25 @@ def _runtime_lm_head(spec: ModelSpec, fw: Framework, *, m: int, mn: int, tp: int
         return f, bwd
 
     fwd: list[Kernel] = [*norm_f, *enter_f, mem(0.0, 4), mem(fw.weight_cast_bytes * weight)]
-    bwd: list[Kernel] = [mem(0.0, 2), mem(fw.weight_cast_bytes * weight), mem(4.0 * weight)]
+    bwd: list[Kernel] = [mem(0.0, 2), mem(fw.weight_cast_bytes * weight)]
+    by_vocabulary = not kept and m < vt
+    if by_vocabulary:
+        bwd += [mem(0.0), mem(cast_in * m * h), mem(4.0 * m * h), mem(0.0)]  # ids in the block, h cast, dh, -grad
+        cols = max(1, (fw.logits_chunk_elements or m * vt) // m)
+        for c in [min(cols, vt - v0) for v0 in range(0, vt, cols)]:
+            lg = float(m) * c
+            g = gemm(m, c, h)
+            dgrad, wgrad = gemm_bwd(g)
+            bwd += [g, mem((ACT_BYTES + 4.0) * lg), mem(8.0 * lg), mem(8.0 * lg), mem(8.0 * lg), mem(0.0, 9),
+                    mem((4.0 + ACT_BYTES) * lg), dgrad, mem((ACT_BYTES + 8.0) * m * h), wgrad,
+                    mem((ACT_BYTES + 4.0) * c * h)]
+    else:
+        bwd.append(mem(4.0 * weight))  # the weight gradient's fp32 sum, zeroed
     for r in chunks:
         f, bw = per_chunk(r)
         fwd += f  # inference runs the same forward, under no_grad
-        bwd += bw
+        if not by_vocabulary:
+            bwd += bw
     fwd += [mem(0.0, 2 if len(chunks) > 1 else 1)]  # the chunks' log-sum-exps (and log-probs) concatenated
     bwd += [ends_accum(fw, weight), *enter_b, *norm_b, *norm_acc]
     return tuple(fwd), tuple(bwd)

@@ -247,14 +247,20 @@ def head_logprobs(h: Tensor, weight: Tensor, targets: Tensor, tp: TensorParallel
     unless all of them fit one chunk: that chunk's log-softmax (with one rank; the logits with
     several) is kept instead, which costs no extra peak memory because a pipeline's last stage
     runs a micro-batch's backward right after its forward. Gradients are those of the unfused
-    ops to rounding (each chunk's weight gradient is accumulated in fp32). The weight is cast to
-    the compute dtype once per call and direction, each chunk of `h` once per direction, whatever
-    the number of chunks."""
+    ops to rounding. The weight is cast to the compute dtype once per call and direction, `h`
+    once per direction, whatever the number of chunks.
+
+    Made again, the logits are cut along whichever side is longer, so that the gradient summed
+    over chunks (in fp32, one kernel per chunk) is the smaller one: with fewer tokens than
+    vocabulary rows on the rank (the usual case), a chunk is a slice of the vocabulary over every
+    token, each slice of the weight's gradient is made once by one GEMM, and the chunks add into
+    the input's gradient [n, hidden]; otherwise a chunk is a run of tokens and the chunks add
+    into the weight's [V/tp, hidden]. The softmax needs no pass over the whole vocabulary there:
+    forward kept each token's log-sum-exp."""
     device = h.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
-    rows = max(1, chunk_elements // max(1, weight.shape[0]))
     with torch.autocast(device_type=device, enabled=False):
-        return _HeadLogprobs.apply(h, weight, targets, tp, vocab_size, dtype, rows)
+        return _HeadLogprobs.apply(h, weight, targets, tp, vocab_size, dtype, max(1, chunk_elements))
 
 
 def _chunk_logits(h: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
@@ -298,8 +304,9 @@ def _picked(logits: Tensor, targets: Tensor, lo: int, hi: int) -> Tensor:
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h: Tensor, w: Tensor, targets: Tensor, tp: TensorParallel, vocab_size: int,
-                dtype: torch.dtype, rows: int) -> Tensor:
+                dtype: torch.dtype, chunk: int) -> Tensor:
         n = h.shape[0]
+        rows = max(1, chunk // max(1, w.shape[0]))
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         keep = grads and n <= rows
         out, lses, kept = [], [], None
@@ -311,7 +318,7 @@ class _HeadLogprobs(torch.autograd.Function):
             lses.append(lse)
             if keep:
                 kept = rest
-        ctx.tp, ctx.vocab_size, ctx.dtype, ctx.rows, ctx.kept = tp, vocab_size, dtype, rows, kept
+        ctx.tp, ctx.vocab_size, ctx.dtype, ctx.chunk, ctx.kept = tp, vocab_size, dtype, chunk, kept
         if grads:
             ctx.save_for_backward(h, w, targets, torch.cat(lses))
         return torch.cat(out) if len(out) > 1 else out[0]
@@ -319,9 +326,13 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
         h, w, targets, lse = ctx.saved_tensors
-        tp, dtype, rows = ctx.tp, ctx.dtype, ctx.rows
+        tp, dtype, n = ctx.tp, ctx.dtype, h.shape[0]
         lo_v, hi_v = tp.vocab_range(ctx.vocab_size)
         wc = w.to(dtype)
+        if ctx.kept is None and n < w.shape[0]:
+            dh, dw = _backward_by_vocabulary(h, wc, targets - lo_v, grad, lse, dtype, max(1, ctx.chunk // n))
+            return dh, dw.to(w.dtype), None, None, None, None, None
+        rows = max(1, ctx.chunk // max(1, w.shape[0]))
         dh = torch.empty_like(h)
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
         for lo in range(0, h.shape[0], rows):
@@ -338,3 +349,26 @@ class _HeadLogprobs(torch.autograd.Function):
             dw.add_(dc.t() @ hc)  # upcast inside the add: one kernel, the sum the same as an fp32 copy's
         ctx.kept = None
         return dh, dw.to(w.dtype), None, None, None, None, None
+
+
+def _backward_by_vocabulary(h: Tensor, wc: Tensor, local: Tensor, grad: Tensor, lse: Tensor, dtype: torch.dtype,
+                            cols: int) -> tuple[Tensor, Tensor]:
+    """The head's gradients (input, weight) with the logits made again `cols` vocabulary rows at a
+    time over every token: softmax from the kept log-sum-exp, minus the targets' one-hots (`local`:
+    each target's row in this rank's block, outside it where no slice holds it); each slice of the
+    weight's gradient written once, the input's summed over the slices in fp32."""
+    hc = h.to(dtype)
+    dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    dw = torch.empty(wc.shape, dtype=torch.float32, device=wc.device)
+    neg = -grad[:, None]
+    for v0 in range(0, wc.shape[0], cols):
+        wj = wc[v0:v0 + cols]
+        # d log p[t] / d logits = onehot(t) - softmax(logits)
+        dlogits = (hc @ wj.t()).float().sub_(lse[:, None]).exp_().mul_(neg)
+        mine = (local >= v0) & (local < v0 + wj.shape[0])
+        dlogits.scatter_add_(-1, (local - v0).masked_fill(~mine, 0).unsqueeze(-1),
+                             grad.masked_fill(~mine, 0.0).unsqueeze(-1))
+        dc = dlogits.to(dtype)
+        dh.add_(dc @ wj)  # upcast inside the add
+        dw[v0:v0 + cols] = dc.t() @ hc
+    return dh.to(h.dtype), dw

@@ -13,7 +13,8 @@ operand broadcast over heads or tokens (fewer than half the elements of the op's
 a norm's weight, rotary's cos and sin, a per-token statistic, an index vector beside the rows it
 picks), which is read from cache; an op whose tensors hold at most one value per token moves no
 bytes that count (the model's 0-byte kernels). A fill (zeros_like, new_zeros) writes and reads
-nothing; a cat or stack reads every piece however small; views, splits, unbinds, allocations and
+nothing; a cat or stack reads every piece however small (unless each holds a value per token at
+most); views, splits, unbinds, allocations and
 the collectives (counted as communication, not kernels) launch none.
 
 The mixture-of-experts test checks the runtime's sparse layer the same way, on one rank and with
@@ -74,6 +75,8 @@ def _recorder(tokens: int, weights: set[tuple[int, ...]] | frozenset = frozenset
             ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             big = max(t.numel() for t in ins + outs)
+            if name in GATHERS:  # pieces of one value per token make a per-token whole, however many
+                big = max(t.numel() for t in ins)
             moved = 0
             if name in PICKS:  # an indexing op moves the rows it picks, not the table it picks them from
                 picked = {"embedding": outs[0], "gather": outs[0], "scatter_add_": ins[-1],
@@ -479,12 +482,16 @@ def test_the_runtime_moe_layer_launches_the_kernels_the_torch_preset_prices(name
 
 
 ENDS_B, ENDS_S = 3, 24  # 72 tokens, more than the hidden size: a value head's [1, h] weight is per-token-sized
-ENDS_CASES = [(name, "lm", tied, chunk) for name in sorted(RUNTIME_SPECS) for tied in (False, True)
-              for chunk in (None, 4608)] + [(name, "value", False, None) for name in sorted(RUNTIME_SPECS)]
+# (model, head, tied, logits per chunk, vocabulary): with 256 rows, more than the 72 tokens, backward
+# goes a slice of the vocabulary at a time (4,608 logits: 64 rows of every token, four slices); with 48
+# rows, fewer than the tokens, a run of tokens at a time (1,152 logits: 24 tokens, three runs).
+ENDS_CASES = [(name, "lm", tied, chunk, 256) for name in sorted(RUNTIME_SPECS) for tied in (False, True)
+              for chunk in (None, 4608)] + [(name, "lm", False, 1152, 48) for name in sorted(RUNTIME_SPECS)] + \
+    [(name, "value", False, None, 256) for name in sorted(RUNTIME_SPECS)]
 
 
-def _ends_spec(name: str, tied: bool = False):
-    return resolve_model({**RUNTIME_SPECS[name], "num_hidden_layers": 1, "vocab_size": 256,
+def _ends_spec(name: str, tied: bool = False, vocab: int = 256):
+    return resolve_model({**RUNTIME_SPECS[name], "num_hidden_layers": 1, "vocab_size": vocab,
                           "max_position_embeddings": 128, "tie_word_embeddings": tied})
 
 
@@ -506,7 +513,7 @@ def _ends_inventory(spec, head: str, groups, b: int, s: int) -> dict[str, tuple[
     g = torch.Generator().manual_seed(0)  # the same tokens on every rank
     tokens, positions = torch.randint(0, spec.vocab_size, (b, s), generator=g), torch.arange(s)
     # Per-token values are the whole sequence's here (the head's), also under sequence parallel.
-    record = _recorder(b * s, {tuple(p.shape) for p in shard.params.values()})
+    record = _recorder(b * s, {tuple(p.shape) for n, p in shard.params.items() if ".layers." not in n})
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with record() as fwd:
             x = stage_forward(shard, tokens, positions=positions)
@@ -528,14 +535,15 @@ def _ends_model(spec, fw, head: str, *, b: int, s: int, tp: int, sp: bool) -> di
             for way, ks in (("fwd", (*ef, *hf)), ("bwd", (*eb, *hb)))}
 
 
-@pytest.mark.parametrize("name,head,tied,chunk", ENDS_CASES)
-def test_the_runtime_ends_launch_the_kernels_the_torch_preset_prices(name, head, tied, chunk, monkeypatch):
+@pytest.mark.parametrize("name,head,tied,chunk,vocab", ENDS_CASES)
+def test_the_runtime_ends_launch_the_kernels_the_torch_preset_prices(name, head, tied, chunk, vocab, monkeypatch):
     """`torch` against the runtime's own ends (`runtime/model.py`: `stage_forward`'s embedding,
     `token_logprobs` or `token_values`): every memory-bound kernel forward and backward by number
     and bytes, weights' casts and gradient accumulations included, against `embedding_work` and
-    `head_work`. The LM head with one chunk (its log-softmax kept for backward) and with chunks of
-    4,608 logits (four of 18 tokens, made again in backward), tied to the embedding and not (the
-    same kernels: one more add of the two gradients, one accumulation fewer)."""
+    `head_work`. The LM head with one chunk (its log-softmax kept for backward) and with several,
+    made again in backward along the vocabulary or along the tokens (`ENDS_CASES`), tied to the
+    embedding and not (the same kernels: one more add of the two gradients, one accumulation
+    fewer)."""
     import dataclasses as dc
 
     import runtime.model as rm
@@ -543,7 +551,7 @@ def test_the_runtime_ends_launch_the_kernels_the_torch_preset_prices(name, head,
     from plans import Layout
     from runtime.groups import solo_groups
 
-    spec = _ends_spec(name, tied)
+    spec = _ends_spec(name, tied, vocab)
     fw = FRAMEWORKS["torch"]
     if chunk is not None:
         monkeypatch.setattr(rm, "LOGITS_CHUNK_ELEMENTS", chunk)
@@ -553,7 +561,8 @@ def test_the_runtime_ends_launch_the_kernels_the_torch_preset_prices(name, head,
     if head == "lm":
         hf, hb = head_work(spec, fw, head=head, b=ENDS_B, s=ENDS_S, tp=1, cp=1, sp=False, loss=True)
         gemms = [k for k in (*hf, *hb) if k.kind == "gemm"]
-        assert len(gemms) == (3 if chunk is None else 4 * 4)  # one chunk kept; four made again
+        # one chunk kept: 3 GEMMs; else each chunk's forward, and each slice or run's three backward
+        assert len(gemms) == {None: 3, 4608: 4 + 4 * 3, 1152: 3 + 3 * 3}[chunk]
 
 
 def _ends_tp_worker(rank: int, port: int, out_dir: str) -> None:
@@ -562,12 +571,14 @@ def _ends_tp_worker(rank: int, port: int, out_dir: str) -> None:
 
     import torch.distributed as dist
 
+    import runtime.model as rm
     from plans import Layout, Mesh
     from runtime.groups import Groups
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     _backend_collectives_unrecorded()
-    out = {}
+    out: dict = {}
+    whole = rm.LOGITS_CHUNK_ELEMENTS
     try:
         for sp in (False, True):
             groups = Groups(distributed=True).build(Mesh.block(0, 2), Layout(tp=2, sequence_parallel=sp), rank=rank,
@@ -575,10 +586,43 @@ def _ends_tp_worker(rank: int, port: int, out_dir: str) -> None:
             for name in sorted(RUNTIME_SPECS):
                 for head in ("lm", "value"):
                     out[f"{name} {head} sp={sp}"] = _ends_inventory(_ends_spec(name), head, groups, ENDS_B, ENDS_S)
+                rm.LOGITS_CHUNK_ELEMENTS = TP_CHUNK  # 32 of the rank's 128 vocabulary rows at a time
+                out[f"{name} lm sp={sp} chunk={TP_CHUNK}"] = _ends_inventory(_ends_spec(name), "lm", groups, ENDS_B,
+                                                                            ENDS_S)
+                rm.LOGITS_CHUNK_ELEMENTS = whole
+            out["chunked gradients off by"] = _chunked_head_difference(groups)
         with open(f"{out_dir}/rank{rank}.json", "w") as fh:
             json.dump(out, fh)
     finally:
         dist.destroy_process_group()
+
+
+TP_CHUNK = 2304
+
+
+def _chunked_head_difference(groups) -> float:  # noqa: ANN001
+    """Largest difference, in fp32, between the head's log-probs and gradients (hidden states,
+    the rank's weight rows) made in one chunk and in slices of the vocabulary (`TP_CHUNK`)."""
+    import runtime.model as rm
+    from runtime import tensor_parallel as tpx
+    from runtime.engine import ModelRunner
+    from runtime.model import init_tensor
+
+    spec = _ends_spec("llama-gqa")
+    runner = ModelRunner(spec, head="lm", trainable=True, groups=groups, state=lambda p: init_tensor(p, seed=0),
+                         device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(ENDS_B * ENDS_S, spec.hidden_size, generator=g)
+    targets = torch.randint(0, spec.vocab_size, (ENDS_B * ENDS_S,), generator=g)
+    weight = rm._lm_weight(runner.shard).detach()
+    grad = torch.randn(ENDS_B * ENDS_S, generator=g)
+    got = []
+    for chunk in (rm.LOGITS_CHUNK_ELEMENTS, TP_CHUNK):
+        x, w = h.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp = tpx.head_logprobs(x, w, targets, runner.shard.tp, vocab_size=spec.vocab_size, chunk_elements=chunk)
+        lp.backward(grad)
+        got.append((lp.detach(), x.grad, w.grad))
+    return max(float((a - b).abs().max()) for a, b in zip(*got))
 
 
 def test_the_runtime_ends_at_tp2_launch_the_kernels_the_torch_preset_prices(tmp_path):
@@ -595,8 +639,11 @@ def test_the_runtime_ends_at_tp2_launch_the_kernels_the_torch_preset_prices(tmp_
 
     mp.spawn(_ends_tp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:  # slices of the vocabulary give one chunk's values, on each rank's block
+        assert rank.pop("chunked gradients off by") < 1e-5
     assert ranks[0] == ranks[1]
     for case, got in ranks[0].items():
-        name, head, sp = case.replace(" sp=", " ").split()
-        want = _ends_model(_ends_spec(name), FRAMEWORKS["torch"], head, b=ENDS_B, s=ENDS_S, tp=2, sp=sp == "True")
+        name, head, sp, *chunk = case.replace(" sp=", " ").replace(" chunk=", " ").split()
+        fw = FRAMEWORKS["torch"] if not chunk else dataclasses.replace(FRAMEWORKS["torch"], logits_chunk_elements=TP_CHUNK)
+        want = _ends_model(_ends_spec(name), fw, head, b=ENDS_B, s=ENDS_S, tp=2, sp=sp == "True")
         assert {k: tuple(v) for k, v in got.items()} == want, case

@@ -9,6 +9,7 @@ vocabulary. Exact equality with the reference and with transformers is the other
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -143,15 +144,19 @@ def _largest(ops: Ops, dtype: torch.dtype | None = None) -> int:
                if name not in VIEWS and name != "cat" and dtype in (None, dt) and n != weight)
 
 
-def test_log_probs_make_a_chunk_of_logits_at_a_time_forward_and_backward(monkeypatch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("b", [8, 40])
+def test_log_probs_make_a_chunk_of_logits_at_a_time_forward_and_backward(b, monkeypatch) -> None:  # noqa: ANN001
+    """With 8 rows of 16 the batch has fewer tokens than vocabulary rows, and backward makes the
+    logits again a slice of the vocabulary at a time; with 40 it has more, and backward goes a run
+    of tokens at a time (`tensor_parallel.head_logprobs`)."""
     import runtime.model as model
 
     r = runner()
-    b, s = 8, 16
+    s = 16
     tokens = torch.randint(0, SPEC.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
     want, want_grads = _grads(r, tokens, _unfused_logprobs)
     whole, whole_grads = _grads(r, tokens, _fused)  # one chunk: its logits are kept for backward
-    chunk = 4 * (s - 1)  # tokens per chunk (of 8 rows' 15): backward makes each chunk's logits again
+    chunk = b // 2 * (s - 1)  # tokens per chunk, half the batch's: backward makes the logits again
     monkeypatch.setattr(model, "LOGITS_CHUNK_ELEMENTS", chunk * SPEC.vocab_size)
     with Ops() as ops:
         chunked, chunked_grads = _grads(r, tokens, _fused)
@@ -183,8 +188,15 @@ def test_fused_head_under_bf16_autocast_matches_the_plain_ops_without_fp32_logit
             got, grads = _grads(r, tokens, _fused)
     assert _largest(ops, torch.float32) <= chunk * SPEC.vocab_size < b * (s - 1) * SPEC.vocab_size
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2)  # bf16 logits on both sides
-    for g, w in zip(grads, want_grads):
-        torch.testing.assert_close(g, w, rtol=5e-2, atol=5e-3)
+    # Both are bf16 computations; against the same model in fp64 the fused head's gradients are
+    # as accurate as the plain ops' (within twice their error, and a bf16 step of the smallest).
+    exact = runner()
+    for name, p in exact.shard.params.items():
+        p.data = r.shard.params[name].data.double()
+    monkeypatch.setattr(model, "LOGITS_CHUNK_ELEMENTS", b * s * SPEC.vocab_size)
+    _, truth = _grads(exact, tokens, _unfused_logprobs)
+    for g, w, t in zip(grads, want_grads, truth):
+        assert (g.double() - t).abs().max() <= 2 * (w.double() - t).abs().max() + 1e-3
 
 
 def test_adam_is_torch_adamw_in_one_fused_pass(monkeypatch) -> None:  # noqa: ANN001
