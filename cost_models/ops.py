@@ -302,6 +302,39 @@ def _attention(spec: ModelSpec, fw: Framework, *, b: int, s_q: int, s_k: int, tp
     return tuple(fwd), tuple(bwd)
 
 
+def stream_bytes(fw: Framework) -> float:
+    """Bytes per element of the residual stream, which the hidden states between layers keep:
+    fp32 where each GEMM casts its input from it (`Framework.input_cast_bytes`), else bf16."""
+    return fw.input_cast_bytes - ACT_BYTES if fw.input_cast_bytes else float(ACT_BYTES)
+
+
+@dataclass(frozen=True)
+class TpCopies:
+    """The stack's copies around a block's tensor-parallel collectives (`Framework.tp_copies`), of
+    `m` tokens (`mn` a rank's chunk under sequence parallelism): under it, the block's input
+    all-gathered and its output reduce-scattered each through two copies (a transpose made
+    contiguous in and out), backward the reverse; without it only the backward all-reduce of the
+    input's gradient copies it first (one clone). Empty lists without them."""
+
+    enter_f: list[Kernel]
+    exit_f: list[Kernel]
+    exit_b: list[Kernel]
+    enter_b: list[Kernel]
+
+
+def tp_copies(fw: Framework, *, tp: int, sp: bool, m: int, mn: int, h: int, enter_bytes: float,
+              exit_bytes: float) -> TpCopies:
+    """`TpCopies` of a block whose input holds `enter_bytes` per element and output `exit_bytes`."""
+    if not (fw.tp_copies and tp > 1):
+        return TpCopies([], [], [], [])
+    if not sp:
+        return TpCopies([], [], [], [mem(2.0 * enter_bytes * m * h)])
+    return TpCopies([mem(2.0 * enter_bytes * mn * h), mem(2.0 * enter_bytes * m * h)],
+                    [mem(2.0 * exit_bytes * m * h), mem(2.0 * exit_bytes * mn * h)],
+                    [mem(2.0 * exit_bytes * mn * h), mem(2.0 * exit_bytes * m * h)],
+                    [mem(2.0 * enter_bytes * m * h), mem(2.0 * enter_bytes * mn * h)])
+
+
 @lru_cache(maxsize=4096)
 def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: int, sp: bool,
                kv_len: int | None = None, moe: ExpertLoad | None = None) -> LayerWork:
@@ -391,24 +424,10 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
         casts.append(mem(fw.weight_cast_bytes * moe.active * 3 * h * moe.width,
                          3 * moe.active if fw.expert_gemms == "loop" else 1))  # one cast per matrix used
         casts += [mem(fw.weight_cast_bytes * g.k * g.n) for g in sparse_mats]
-    # The stack's copies around each block's tensor-parallel collectives (`Framework.tp_copies`):
-    # a block gathers its input (the residual stream's dtype) and reduce-scatters its output (the
-    # compute dtype) under sequence parallelism, each through two copies, and backward the reverse;
-    # without it only the backward all-reduce of the input's gradient copies (one clone). A sparse
-    # MLP makes its own (`eager_sparse_mlp`).
-    stream = fw.input_cast_bytes - ACT_BYTES if fw.input_cast_bytes else float(ACT_BYTES)
-    enter_f: list[Kernel] = []
-    exit_f: list[Kernel] = []
-    exit_b: list[Kernel] = []
-    enter_b: list[Kernel] = []
-    if fw.tp_copies and tp > 1:
-        if sp:
-            enter_f = [mem(2.0 * stream * mn * h), mem(2.0 * stream * m * h)]
-            exit_f = [mem(2.0 * ACT_BYTES * m * h), mem(2.0 * ACT_BYTES * mn * h)]
-            exit_b = [mem(2.0 * ACT_BYTES * mn * h), mem(2.0 * ACT_BYTES * m * h)]
-            enter_b = [mem(2.0 * stream * m * h), mem(2.0 * stream * mn * h)]
-        else:
-            enter_b = [mem(2.0 * stream * m * h)]
+    # The stack's copies around each block's tensor-parallel collectives: a block's input is the
+    # residual stream, its output the compute dtype. A sparse MLP makes its own (`eager_sparse_mlp`).
+    copies_tp = tp_copies(fw, tp=tp, sp=sp, m=m, mn=mn, h=h, enter_bytes=stream_bytes(fw), exit_bytes=ACT_BYTES)
+    enter_f, exit_f, exit_b, enter_b = copies_tp.enter_f, copies_tp.exit_f, copies_tp.exit_b, copies_tp.enter_b
     dense = moe is None
     mlp_f = (*(enter_f if dense else ()), *cast_up, *ups, *act_fwd) + ((down,) if down is not None else ()) + \
         tuple(exit_f if dense else ())
@@ -764,15 +783,9 @@ def _runtime_lm_head(spec: ModelSpec, fw: Framework, *, m: int, mn: int, tp: int
     vt = -(-v // tp)
     weight = float(vt) * h
     norm_f, norm_b = norm
-    stream = fw.input_cast_bytes - ACT_BYTES  # the residual stream's (and the hidden states') dtype
-    enter_f: list[Kernel] = []
-    enter_b: list[Kernel] = []
-    if fw.tp_copies and tp > 1:  # the hidden states enter the column-parallel head as a layer's block
-        if sp:
-            enter_f = [mem(2.0 * stream * mn * h), mem(2.0 * stream * m * h)]
-            enter_b = [mem(2.0 * stream * m * h), mem(2.0 * stream * mn * h)]
-        else:
-            enter_b = [mem(2.0 * stream * m * h)]
+    stream = stream_bytes(fw)  # the hidden states enter the column-parallel head as a layer's block
+    copies_tp = tp_copies(fw, tp=tp, sp=sp, m=m, mn=mn, h=h, enter_bytes=stream, exit_bytes=ACT_BYTES)
+    enter_f, enter_b = copies_tp.enter_f, copies_tp.enter_b
     rows = max(1, (fw.logits_chunk_elements or m * vt) // vt)
     chunks = [min(rows, m - lo) for lo in range(0, m, rows)]
     kept = loss and len(chunks) == 1
@@ -839,13 +852,11 @@ def embedding_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, c
     mn, s_pos = (m // tp, s_loc // tp) if sp else (m, s_loc)  # the rows the stream holds after the lookup
     if fw.runtime_ends and tp > 1:
         # Ids outside the rank's vocabulary block masked (five kernels on ids), their rows zeroed
-        # after the lookup, then reduced over the group: under sequence parallel a reduce-scatter
-        # with its copies (`Framework.tp_copies`, here in the table's dtype), backward an all-gather.
-        fwd = [mem(0.0, 5), *fwd, mem(2.0 * pb * m * h)]
-        bwd = [mem(2.0 * pb * m * h), *bwd]
-        if sp and fw.tp_copies:
-            fwd += [mem(2.0 * pb * m * h), mem(2.0 * pb * mn * h)]
-            bwd = [mem(2.0 * pb * mn * h), mem(2.0 * pb * m * h), *bwd]
+        # after the lookup, then reduced over the group as a block's output (`tp_copies`, here in
+        # the table's dtype): under sequence parallel a reduce-scatter, backward an all-gather.
+        out = tp_copies(fw, tp=tp, sp=sp, m=m, mn=mn, h=h, enter_bytes=pb, exit_bytes=pb)
+        fwd = [mem(0.0, 5), *fwd, mem(2.0 * pb * m * h), *out.exit_f]
+        bwd = [*out.exit_b, mem(2.0 * pb * m * h), *bwd]
     acc = [ends_accum(fw, table)]
     if spec.model_type == "gpt":
         positions = float(spec.max_position_embeddings) * h
