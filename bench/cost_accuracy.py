@@ -358,6 +358,12 @@
    (+2.01%); vTrain in sample 6.73% -> 6.72% (multi-node), 6.68% -> 6.79% (single-node); not
    refitted.
 
+   The norms of q and k (Qwen3's per head, OLMoE's over the projection), found unpriced in every
+   stack while HF's MoE layers were checked kernel by kernel, after every table above had been
+   seen: each stack's own kernels (`cost_models.ops.qk_norm_work`; Megatron-core's fused
+   ``q_layernorm`` and ``k_layernorm``). Only the MoE rows are Qwen3: MoE 8.31% (+3.39%) -> 7.48%
+   (+1.87%), the 34 pooled rows 7.04% (+2.01%) -> 6.94% (+1.84%); nothing else moved.
+
 3. Out of sample on the vTrain rows (``--cross-validate``): leave one model size out. For each
    size, the coefficients are fitted again, from the same fixed start as `planner calibrate`, on
    every row of the other sizes (both files, equal weight), and the held-out size's rows are

@@ -71,6 +71,22 @@ LayerActivations = Literal["fused", "autocast", "hf"]
 
 
 @dataclass(frozen=True)
+class QkNormKernels:
+    """A stack's norm of q or k written out in eager kernels: bytes per element of q (or k) of
+    each kernel on the elements, and bytes per normalised row of each kernel on the rows'
+    statistics (a value per row; they move no bytes that count where a row is a token, as a
+    hidden norm's do not), forward and backward. `out_fp32`: the norm hands q and k on in fp32
+    (an fp32 weight times the bf16 normalised values), so rotary runs on fp32 and the attention
+    casts them to bf16 (4+2, backward 2+4)."""
+
+    fwd: tuple[float, ...]
+    fwd_rows: tuple[float, ...]
+    bwd: tuple[float, ...]
+    bwd_rows: tuple[float, ...]
+    out_fp32: bool = False
+
+
+@dataclass(frozen=True)
 class Framework:
     """Which kernels a step launches and which bytes it moves and keeps."""
 
@@ -123,6 +139,10 @@ class Framework:
     gelu_bwd: tuple[float, ...] | None = None
     # Kernels per rotary entry: 2 where the queries and the keys are rotated by kernels of their own.
     rope_launches: int = 1
+    # The q and k norms of a model that has them (Qwen3's per head, OLMoE's over the whole
+    # projection; `ModelSpec.qk_norm`), by kind: the norm's kernels as `QkNormKernels` says, where
+    # they differ from the stack's fused norm kernel (`norm_fwd` / `norm_bwd` on q and on k).
+    qk_norm_kernels: tuple[tuple[str, QkNormKernels], ...] = ()
     # A LayerNorm model's norm kernels (forward, backward) where they differ from `norm_fwd` /
     # `norm_bwd`, which then describe an RMSNorm written out in eager ops (LayerNorm being one
     # native kernel each way); None: the same.
@@ -202,7 +222,10 @@ class Framework:
     # fp32 token copies, each expert's GEMMs casting their own input, a cat of the experts'
     # outputs, the weighted copies summed back into a zero-filled fp32 tensor by index_add, and
     # the backward of each.
-    moe_routing: Literal["fused", "eager"] = "fused"
+    # "hf": transformers' own routing and experts (`cost_models.ops.hf_sparse_mlp`): the router's
+    # softmax and top-k in PyTorch ops, a sort of the copies by expert, gathers and index_puts, one
+    # grouped GEMM per projection kind over every expert, the weighted copies summed per token.
+    moe_routing: Literal["fused", "eager", "hf"] = "fused"
     # Copies the stack makes around its tensor-parallel collectives (the planner's runtime,
     # `runtime/tensor_parallel.py`): under sequence parallelism each all-gather and reduce-scatter
     # along the sequence takes its input and gives its output through a transpose-and-contiguous
@@ -324,7 +347,7 @@ FUSED_LAYER_TRAITS = frozenset({"norm_fwd", "norm_bwd", "residual_fwd", "residua
                                 "swiglu_fwd", "swiglu_bwd", "rope_launches", "layernorm", "split_projections",
                                 "input_cast_bytes", "row_bias_apart", "gelu_fwd", "gelu_bwd",
                                 "gpt_split_projections", "bias_grads_apart", "qkv_grad_cat", "tp_copies",
-                                "runtime_ends"})
+                                "runtime_ends", "moe_routing", "qk_norm_kernels"})
 
 # HF transformers' Llama layers on bf16 weights (transformers 5.25.0 `modeling_llama.py`), bytes per
 # element of each kernel as `tests/test_kernel_inventory.py` records them dispatched; kernels of one
@@ -370,6 +393,29 @@ VLLM_ATTENTION = (("ampere", "fa2"), ("hopper", "fa3"))
 # upcast's backward casts the fp32 gradient to bf16 (4+2). Per logit, 38 bytes in six kernels
 # forward and 14 in two backward.
 UNFUSED_CROSS_ENTROPY = ((6.0, 4.0, 8.0, 8.0, 4.0, 8.0), (8.0, 6.0))
+
+# HF's RMSNorm of q or k (transformers 5.25 `Qwen3RMSNorm`, `OlmoeRMSNorm`: `HF_RMS_NORM`'s kernels on
+# bf16 q or k): per element as `HF_RMS_NORM`; per row the epsilon's add and rsqrt (4+4 each),
+# backward three kernels on the rows' statistics (4+4, 4+4, 4+4+4), moving bytes where a row is a
+# head of a token (Qwen3), not where it is the token (OLMoE).
+HF_QK_NORM = QkNormKernels(fwd=tuple(x for x in HF_RMS_NORM[0] if x), fwd_rows=(8.0, 8.0),
+                           bwd=tuple(x for x in HF_RMS_NORM[1] if x), bwd_rows=(8.0, 8.0, 12.0))
+# The planner's runtime (`runtime/model._rms` per head, `_sharded_rms` over the projection) on bf16 q
+# or k under autocast: upcast (2+4), pow (4+4), mean or sum (4), the rows' statistics (per head the
+# epsilon's add and rsqrt; over the projection also the division by the width), x * rsqrt (4+4), to
+# bf16 (4+2), times the fp32 weight (2+4), so q and k leave it in fp32. Backward: the product's two
+# gradients (4+4, 4+2+4), the weight's sum over rows (4), the gradient cast to bf16 (4+2) and back
+# (2+4), grad * x (4+4+4), * rsqrt (4+4), summed per row (4), the statistics' (three kernels per head:
+# 4+4, 4+4, 4+4+4; four over the projection), per head the mean's division (4+4), pow (4+4), * 2
+# (4+4), * grad (4+4+4), the two paths summed (4+4+4) and the upcast's backward (4+2).
+RUNTIME_QK_NORM = {
+    "head": QkNormKernels(fwd=(6.0, 8.0, 4.0, 8.0, 6.0, 6.0), fwd_rows=(8.0, 8.0),
+                          bwd=(8.0, 10.0, 4.0, 6.0, 6.0, 12.0, 8.0, 4.0, 8.0, 8.0, 8.0, 12.0, 12.0, 6.0),
+                          bwd_rows=(8.0, 8.0, 12.0), out_fp32=True),
+    "proj": QkNormKernels(fwd=(6.0, 8.0, 4.0, 8.0, 6.0, 6.0), fwd_rows=(8.0, 8.0, 8.0),
+                          bwd=(8.0, 10.0, 4.0, 6.0, 6.0, 12.0, 8.0, 4.0, 8.0, 8.0, 12.0, 12.0, 6.0),
+                          bwd_rows=(8.0, 8.0, 12.0, 8.0), out_fp32=True),
+}
 
 FRAMEWORKS: dict[str, Framework] = {
     "megatron": Framework(
@@ -419,16 +465,19 @@ FRAMEWORKS: dict[str, Framework] = {
     # GPT-2 (the `gpt` family's HF model): native LayerNorm, one fused c_attn for q, k and v whose
     # gradients backward concatenates, gelu_new written out in eight eager kernels forward and
     # eleven backward, and each bias's gradient summed over tokens by a kernel of its own (also
-    # checked against `transformers`' own block, memory included).
+    # checked against `transformers`' own block, memory included). Its sparse MLPs run transformers'
+    # routing in PyTorch ops and each projection kind of every expert as one grouped GEMM (its
+    # default experts implementation, `grouped_mm`; `cost_models.ops.hf_sparse_mlp`), its rollouts
+    # vLLM's fused MoE.
     "rlhf-engine-hf": Framework(
         name="rlhf-engine-hf", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
-        decode_cuda_graphs=True, decode_drops_finished=True, expert_gemms="per_expert", rollout_expert_gemms="grouped",
+        decode_cuda_graphs=True, decode_drops_finished=True, expert_gemms="grouped", moe_routing="hf",
         attention_kernels=SDPA_ATTENTION, tp_dgrad_overlap=True, layer_activations="hf",
         norm_fwd=HF_RMS_NORM[0], norm_bwd=HF_RMS_NORM[1], rope_fwd=HF_ROPE[0], rope_bwd=HF_ROPE[1], rope_launches=2,
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), layernorm=LAYER_NORM_KERNELS[2], split_projections=True,
         gpt_split_projections=False, bias_grads_apart=True, qkv_grad_cat=True, gelu_fwd=HF_GELU_NEW[0],
-        gelu_bwd=HF_GELU_NEW[1], rollouts_fused=True,
+        gelu_bwd=HF_GELU_NEW[1], rollouts_fused=True, qk_norm_kernels=(("head", HF_QK_NORM), ("proj", HF_QK_NORM)),
     ),
     # vLLM as verl and OpenRLHF run it for rollouts: bf16 weights, fused kernels, decode steps
     # replayed as CUDA graphs (its generate calls; it does not train).
@@ -463,6 +512,7 @@ FRAMEWORKS: dict[str, Framework] = {
         grads_sharded_from_zero=3, zero3_gather_layers=4.0, zero3_scatter_layers=4.0, zero3_keeps_gathered=True,
         zero1_all_reduce=True, zero12_step_copy=True, expert_gemms="loop", moe_routing="eager",
         attention_kernels=SDPA_ATTENTION, tp_copies=True, runtime_ends=True,
+        qk_norm_kernels=tuple(RUNTIME_QK_NORM.items()),
     ),
 }
 

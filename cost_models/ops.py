@@ -40,7 +40,7 @@ from functools import lru_cache
 from typing import Literal
 
 from cost_models.comm import expected_max_normal
-from cost_models.framework import Framework, MoeDispatch
+from cost_models.framework import Framework, MoeDispatch, QkNormKernels
 from plans.layout import Layout
 from plans.model import Head, ModelSpec
 
@@ -335,6 +335,33 @@ def tp_copies(fw: Framework, *, tp: int, sp: bool, m: int, mn: int, h: int, ente
                     [mem(2.0 * enter_bytes * m * h), mem(2.0 * enter_bytes * mn * h)])
 
 
+def qk_norm_work(spec: ModelSpec, fw: Framework, *, m: int, tp: int) -> tuple[list[Kernel], list[Kernel]]:
+    """The norms of q and of k for `m` tokens on a rank (forward, backward): none without
+    `ModelSpec.qk_norm`; the stack's eager kernels where `Framework.qk_norm_kernels` lists them
+    for the kind (each kernel once for q and once for k), its fused norm kernel on each otherwise
+    (Transformer Engine's in Megatron-core's ``q_layernorm`` / ``k_layernorm``, vLLM's RMSNorm).
+    A row is a head of a token (Qwen3) or the token's whole projection (OLMoE); kernels on the
+    rows' statistics move bytes only where rows outnumber tokens."""
+    if spec.qk_norm == "none":
+        return [], []
+    d, a, kv = spec.d_head, spec.num_attention_heads, spec.kv_heads
+    qk = m * (a + kv) * d / tp
+    kinds = dict(fw.qk_norm_kernels)
+    if spec.qk_norm not in kinds:
+        return [mem(x * qk, 2) for x in fw.norm_fwd], [mem(x * qk, 2) for x in fw.norm_bwd]
+    kn = kinds[spec.qk_norm]
+    # Rows of q and of k: a head of a token each (Qwen3), or the token (OLMoE).
+    heads = [a // tp, max(1, kv // tp)] if spec.qk_norm == "head" else [1, 1]
+    rows = sum(float(m * n) for n in heads if n > 1)  # only more rows than tokens move bytes that count
+    fwd = [mem(x * qk, 2) for x in kn.fwd] + [mem(x * rows, 2) for x in kn.fwd_rows]
+    bwd = [mem(x * qk, 2) for x in kn.bwd] + [mem(x * rows, 2) for x in kn.bwd_rows]
+    if spec.qk_norm == "proj" and tp > 1 and fw.tp_copies:
+        # Over a tensor-parallel split projection the sums of squares are all-reduced (a value per
+        # token, not priced), their gradients cloned for the backward's all-reduce.
+        bwd.append(mem(0.0, 2))
+    return fwd, bwd
+
+
 @lru_cache(maxsize=4096)
 def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: int, sp: bool,
                kv_len: int | None = None, moe: ExpertLoad | None = None) -> LayerWork:
@@ -378,6 +405,17 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     qk = m * (a + kv) * d / tp
     rope_f = [] if gpt else [mem(x * qk, fw.rope_launches) for x in fw.rope_fwd]
     rope_b = [] if gpt else [mem(x * qk, fw.rope_launches) for x in fw.rope_bwd]
+    qk_f, qk_b = qk_norm_work(spec, fw, m=m, tp=tp)
+    if qk_f and dict(fw.qk_norm_kernels).get(spec.qk_norm, QkNormKernels((), (), (), ())).out_fp32:
+        # Rotary on fp32 q and k (twice the bytes; backward's copy back to the projection's layout
+        # too where the norm ran on the projection, before the heads were split off), then the
+        # attention's casts of both to bf16 and their backward.
+        clone = len(fw.rope_bwd) - 1  # the last backward entry: that copy
+        rope_f = [dataclasses.replace(k, bytes=2 * k.bytes) for k in rope_f]
+        rope_b = [dataclasses.replace(k, bytes=2 * k.bytes) if i != clone or spec.qk_norm == "proj" else k
+                  for i, k in enumerate(rope_b)]
+        rope_f.append(mem(6.0 * qk, 2))
+        rope_b.insert(0, mem(6.0 * qk, 2))
 
     norm_fwd, norm_bwd = fw.layernorm if gpt and fw.layernorm else (fw.norm_fwd, fw.norm_bwd)
     norm_f, norm_b = [mem(x * mn * h) for x in norm_fwd], [mem(x * mn * h) for x in norm_bwd]
@@ -431,7 +469,7 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     dense = moe is None
     mlp_f = (*(enter_f if dense else ()), *cast_up, *ups, *act_fwd) + ((down,) if down is not None else ()) + \
         tuple(exit_f if dense else ())
-    fwd = (*casts, *norm_f, *enter_f, *cast_qkv, *projs, *rope_f, *att_f, out, *exit_f, *add_f, *norm_f, *mlp_f,
+    fwd = (*casts, *norm_f, *enter_f, *cast_qkv, *projs, *qk_f, *rope_f, *att_f, out, *exit_f, *add_f, *norm_f, *mlp_f,
            *mlp_add_f)
     fused = fused_accum_bytes(fw)
     bwd: list[Kernel] = [*mlp_add_b, *(exit_b if dense else ()), *sum_down,
@@ -439,7 +477,7 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     for g in ups:
         bwd += gemm_bwd(g, fused)
     bwd += [*cast_up, *sum_up, *(enter_b if dense else ()), *norm_b, *add_b, *sum_out, *exit_b, *gemm_bwd(out, fused),
-            *att_b, *rope_b]
+            *att_b, *rope_b, *qk_b]
     for g in projs:
         bwd += gemm_bwd(g, fused)
     bwd += [*cast_qkv, *sum_qkv, *enter_b, *norm_b]
@@ -494,6 +532,8 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     shared = moe is not None and bool(spec.shared_expert_intermediate_size)
     if moe is not None:
         n_tensors += 1 + (4 if shared else 0)
+        if fw.moe_routing == "hf":  # transformers keeps every expert's gate and up in one tensor, downs in another
+            n_tensors -= 1
     if fw.wgrad_accum_fused:
         # The matrices' (experts' too) weight gradients were added by their GEMMs above; the rest
         # (norms, biases, a router, a shared expert's gate) by a kernel each.
@@ -533,6 +573,8 @@ def sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLo
     """
     if fw.moe_routing == "eager":
         return eager_sparse_mlp(spec, fw, m=m, tp=tp, moe=moe, sp=sp)
+    if fw.moe_routing == "hf":
+        return hf_sparse_mlp(spec, fw, m=m, tp=tp, moe=moe)
     h, e, k = spec.hidden_size, spec.experts, spec.num_experts_per_tok
     t = moe.routed
     copies = float(t) * k * h
@@ -697,6 +739,90 @@ def eager_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: Ex
                      mem(0.0), *s_bwd, *gemm_bwd(gate), *g_cast, mem(3.0 * sb * g_m * h)]
         fwd.append(mem((ACT_BYTES + 2.0 * sb) * mt * h))
         bwd = [mem((sb + ACT_BYTES) * mt * h), *s_bwd, *bwd]
+    return SparseMLP(tuple(fwd), tuple(bwd))
+
+
+def hf_sparse_mlp(spec: ModelSpec, fw: Framework, *, m: int, tp: int, moe: ExpertLoad) -> SparseMLP:
+    """The sparse MLP as transformers 5.25 trains it on bf16 weights (`Framework.moe_routing` "hf":
+    the family's ``TopKRouter`` and its default experts implementation, ``grouped_mm_experts_forward``
+    in ``integrations/moe.py``), kernel by kernel, bytes as `tests/test_kernel_inventory.py`
+    records them against transformers' own blocks.
+
+    Forward, on the `t` tokens the rank routes, `c = t k` copies: the router's logits upcast (2+4
+    per logit), softmax (4+4), top-k (4); where the top-k is renormalised its sum (4 per copy, 4
+    per token), a clone (4+4) and the in-place division (4+4+4); the weights cast back to bf16
+    (4+2) except in Mixtral, whose fp32 weights then scale the copies, so that the weighted copies,
+    their gather and their sum are fp32; a sort of the copies' int64 expert ids (8 in, 8 + 8
+    out), their tokens (a floor division, 8+8), a gather of the token copies (2+2 per element),
+    and of their weights, the ids cast to int32 (8+4) and counted per expert (``histc``, 4) and
+    summed (``cumsum``, a value per expert); one grouped GEMM for every expert's gate and up
+    projections, SwiGLU (the stack's kernels on the gate half), one grouped GEMM for the down
+    projections; the copies weighted (2 + the weights' dtype in, the product's out), the inverse
+    permutation (``arange`` 8, ``index_put_`` of the ids 8+8), the weighted copies gathered back
+    into token order and summed over the k per token (reshape + sum, read c, write t), Mixtral's
+    fp32 sum cast to bf16 (4+2). Backward: Mixtral's gradient upcast (2+4); the summed copies'
+    gradient made contiguous from its broadcast (read and write c), the gather's backward into a
+    zero-filled tensor (a fill, then an accumulating ``index_put`` reading the copies and reading
+    and writing their places), the weights' gradient (the product with the expert outputs, summed
+    over h) and the outputs' (the product with the weights; cast to bf16 in Mixtral), SwiGLU's
+    backward, the gate and up gradients concatenated (2+2), the weights' gather and the tokens'
+    gather scattered back the same way, Qwen's weight gradient upcast (2+4), the renormalisation's
+    backward (`RENORM_BWD`), top-k's (a fill and a scatter of the logits' size), the softmax's
+    (4+4+4), the upcast's (4+2), and the router's input gradient added to the experts' (2+2+2).
+
+    The shared expert (Qwen2-MoE) is HF's MLP on all `m` tokens: gate, up and down projections,
+    SwiGLU, the routed output added (2+2+2); with its sigmoid gate (a GEMM of one column, a value
+    per token) the product (2+2), backward the product's two gradients, the gate's sum over h and
+    the input gradients of the gate, gate and up projections each added to the others.
+
+    On a GPU the sort (CUB's radix sort) and each accumulating ``index_put`` (sorted indices
+    first) launch a few kernels each where a CPU records one; those tensors hold a few bytes per
+    copy. Expert parallelism is priced with these kernels and the stack's all-to-alls, though the
+    HF engines (verl's FSDP workers, OpenRLHF on DeepSpeed) shard experts with FSDP instead."""
+    h, e, k = spec.hidden_size, spec.experts, spec.num_experts_per_tok
+    sb, ib = ACT_BYTES, INDEX_BYTES
+    sw_f, sw_b = fw.swiglu_fwd or (6.0,), fw.swiglu_bwd or (10.0,)
+    mixtral = spec.hf_model_type == "mixtral"
+    w = 4.0 if mixtral else sb  # the routing weights as they scale the copies
+    wo = max(w, sb)  # the weighted copies
+    t = float(moe.routed)
+    c, te = t * k, t * e
+    n = moe.active
+    cells = float(moe.rows) * n * moe.width
+    router = gemm(moe.routed, e, h)
+    ups, down = gemm(moe.rows, 2 * moe.width, h, n), gemm(moe.rows, h, moe.width, n)
+    renorm_f = [mem(4.0 * c + 4.0 * t), mem(8.0 * c), mem(8.0 * c + 4.0 * t)] if spec.norm_topk_prob else []
+    renorm_b = [mem(a * c + b * t) for a, b in RENORM_BWD] if spec.norm_topk_prob else []
+    cast_w = [] if mixtral else [mem(6.0 * c)]
+    fwd: list[Kernel] = [router, mem(6.0 * te), mem(8.0 * te), mem(4.0 * te), *renorm_f, *cast_w, mem(3.0 * ib * c),
+                         mem(2.0 * ib * c), mem(2.0 * sb * c * h), mem(2.0 * w * c), mem(12.0 * c), mem(4.0 * c),
+                         mem(0.0), ups, mem(sw_f[0] * cells), *[mem(x * cells) for x in sw_f[1:]], down,
+                         mem((sb + wo) * c * h), mem(ib * c), mem(2.0 * ib * c), mem(2.0 * wo * c * h),
+                         mem(wo * (c + t) * h), *([mem((wo + sb) * t * h)] if mixtral else [])]
+    bwd: list[Kernel] = [*([mem((sb + wo) * t * h)] if mixtral else []), mem(2.0 * wo * c * h), mem(wo * c * h),
+                         mem(3.0 * wo * c * h), mem((2.0 * wo + sb) * c * h), mem(2.0 * wo * c * h),
+                         *([mem((wo + sb) * c * h)] if mixtral else []), mem(wo * c * h), *gemm_bwd(down),
+                         *[mem(x * cells) for x in sw_b], mem(4.0 * sb * cells), *gemm_bwd(ups),
+                         mem(w * c), mem(3.0 * w * c), mem(sb * t * h), mem(3.0 * sb * c * h), *cast_w, *renorm_b,
+                         mem(4.0 * te), mem(8.0 * te), mem(12.0 * te), mem(6.0 * te), *gemm_bwd(router),
+                         mem(3.0 * sb * t * h)]
+    fs = spec.shared_expert_intermediate_size
+    if fs:
+        mt = float(m)
+        s_cells = mt * fs / tp
+        s_ups, s_down = [gemm(m, fs // tp, h)] * 2, gemm(m, h, fs // tp)
+        fwd = [*s_ups, *[mem(x * s_cells) for x in sw_f], s_down, *fwd]
+        s_bwd = [*gemm_bwd(s_down), *[mem(x * s_cells) for x in sw_b], *gemm_bwd(s_ups[1]), *gemm_bwd(s_ups[0]),
+                 *[mem(3.0 * sb * mt * h)] * 2]  # the up and gate projections' input gradients joining the rest
+        gate_f: list[Kernel] = []
+        gate_b: list[Kernel] = []
+        if spec.shared_expert_gate:
+            gate = gemm(m, 1, h)
+            gate_f = [gate, mem(0.0), mem(2.0 * sb * mt * h)]  # sigmoid of a value per token, the product
+            gate_b = [mem(2.0 * sb * mt * h), mem(3.0 * sb * mt * h), mem(sb * mt * h), mem(0.0), *gemm_bwd(gate),
+                      mem(3.0 * sb * mt * h)]
+        fwd += [*gate_f, mem(3.0 * sb * mt * h)]
+        bwd = [*gate_b, *bwd, *s_bwd]
     return SparseMLP(tuple(fwd), tuple(bwd))
 
 

@@ -264,6 +264,22 @@ class ModelSpec(Strict):
         return sum(_sparse_layers(self)) if self.num_experts is not None else 0
 
     @property
+    def hf_model_type(self) -> str:
+        """The transformers family that computes this model, as planner writes it (`planner
+        save-hf`) and HF engines run it: gpt2; for mixtures of experts qwen3_moe (per-head q/k
+        norm), olmoe (whole-projection q/k norm), qwen2_moe (a shared expert), else mixtral; else
+        mistral (a sliding window) or llama."""
+        if self.model_type == "gpt":
+            return "gpt2"
+        if self.is_moe:
+            if self.qk_norm == "head":
+                return "qwen3_moe"
+            if self.qk_norm == "proj":
+                return "olmoe"
+            return "qwen2_moe" if self.shared_expert_intermediate_size else "mixtral"
+        return "mistral" if self.sliding_window is not None else "llama"
+
+    @property
     def experts(self) -> int:
         """Routed experts per sparse layer (0 for a dense model)."""
         return self.num_experts or 0

@@ -213,15 +213,7 @@ def hf_type_of(spec: ModelSpec, base: dict[str, Any] | None) -> str:
     sliding window) or gpt2."""
     if base is not None and isinstance(base.get("model_type"), str):
         return str(base["model_type"])
-    if spec.model_type == "gpt":
-        return "gpt2"
-    if spec.is_moe:
-        if spec.qk_norm == "head":
-            return "qwen3_moe"
-        if spec.qk_norm == "proj":
-            return "olmoe"
-        return "qwen2_moe" if spec.shared_expert_intermediate_size else "mixtral"
-    return "mistral" if spec.sliding_window is not None else "llama"
+    return spec.hf_model_type
 
 
 def hf_config(spec: ModelSpec, *, head: Head, base: dict[str, Any] | None = None) -> dict[str, Any]:

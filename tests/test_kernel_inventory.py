@@ -38,17 +38,22 @@ VIEWS = {"t", "view", "_unsafe_view", "transpose", "expand", "slice", "select", 
          "empty", "empty_like", "new_empty"}  # allocations launch nothing either
 FILLS = {"zeros_like", "new_zeros", "full_like", "ones_like", "zeros", "full"}  # write only
 GATHERS = {"cat", "stack"}  # read every piece of a list, however small each is
-GEMMS = {"mm", "addmm", "bmm", "baddbmm"}
+GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
 KERNELS_PER_OP = {"slice_backward": 2, "native_layer_norm_backward": 2, "embedding_dense_backward": 2}
 # Indexing ops, by the elements they pick (a lookup's rows, a gather's or scatter's values): a
 # lookup reads and writes its rows; a gather reads and writes what it picks; a scatter-add reads
 # its values and reads and writes their places; an embedding's backward zero-fills the dense
 # gradient of the whole table, then index-adds the incoming rows (read them, read and write theirs:
 # two kernels, ATen's `embedding_dense_backward` on CUDA sorting the ids as well); a copy into a
-# slice reads its source and writes the slice (nothing of the destination is read, `copy_`).
+# slice reads its source and writes the slice (nothing of the destination is read, `copy_`); an
+# `index` by a tensor gathers (transformers' `x[perm]`), an `index_put` scatters its values (reads
+# them, writes their places) or, accumulating (an index's backward), scatter-adds them.
 PICKS = {
     "embedding": lambda picked, out: 2 * picked.numel() * picked.element_size(),
     "gather": lambda picked, out: 2 * picked.numel() * picked.element_size(),
+    "index": lambda picked, out: 2 * picked.numel() * picked.element_size(),
+    "index_put": lambda picked, out: 2 * picked.numel() * out.element_size(),  # + its places read if accumulating
+    "index_put_": lambda picked, out: 2 * picked.numel() * out.element_size(),
     "scatter_add_": lambda picked, out: 3 * picked.numel() * out.element_size(),
     "embedding_dense_backward": lambda picked, out: out.numel() * out.element_size() + 3 * picked.numel() * out.element_size(),
 }
@@ -79,8 +84,11 @@ def _recorder(tokens: int, weights: set[tuple[int, ...]] | frozenset = frozenset
                 big = max(t.numel() for t in ins)
             moved = 0
             if name in PICKS:  # an indexing op moves the rows it picks, not the table it picks them from
-                picked = {"embedding": outs[0], "gather": outs[0], "scatter_add_": ins[-1],
-                          "embedding_dense_backward": ins[0]}[name]
+                picked = args[2] if name.startswith("index_put") else {
+                    "embedding": outs[0], "gather": outs[0], "index": outs[0], "scatter_add_": ins[-1],
+                    "embedding_dense_backward": ins[0]}[name]
+                accumulate = name.startswith("index_put") and bool(args[3] if len(args) > 3 else (kwargs or {}).get(
+                    "accumulate", False))
                 big = picked.numel()
             if big > tokens:
                 if name in FILLS:
@@ -88,7 +96,7 @@ def _recorder(tokens: int, weights: set[tuple[int, ...]] | frozenset = frozenset
                 nbytes = [t.numel() * t.element_size() for t in ins + outs if 2 * t.numel() >= big or name in GATHERS]
                 moved = sum(nbytes)
                 if name in PICKS:
-                    moved = PICKS[name](picked, outs[0])
+                    moved = PICKS[name](picked, outs[0]) + (picked.numel() * outs[0].element_size() if accumulate else 0)
                 if name == "slice_backward":  # the fill writes the whole, the copy reads and writes the slice
                     moved += nbytes[0]
                 if name == "native_layer_norm_backward":  # the weight and bias kernel reads both again
@@ -119,6 +127,8 @@ HF_SPECS = {
     "llama-gqa": dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, intermediate_size=160),
     "qwen2-bias": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, intermediate_size=352,
                        attention_bias=True),  # q, k and v biases (Qwen2's; HF's Llama would add one to o_proj)
+    "qwen3-qk-norm": dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, intermediate_size=160,
+                          head_dim=8, qk_norm="head"),  # Qwen3's RMSNorm of each head of q and k
 }
 GPT2_SPEC = dict(hidden_size=64, num_attention_heads=8, intermediate_size=256)
 
@@ -156,17 +166,17 @@ def test_hf_gpt2_layers_launch_the_kernels_rlhf_engine_hf_prices():
 
 @pytest.mark.parametrize("name", sorted(HF_SPECS))
 def test_hf_llama_layers_launch_the_kernels_rlhf_engine_hf_prices(name):
-    """`rlhf-engine-hf` (OpenRLHF, verl's FSDP workers) against `transformers`' own Llama decoder
-    layer on bf16 weights: every memory-bound kernel of its forward and backward, by number and
-    bytes (its eager RMSNorm and rotary, SwiGLU's silu and product, the residual adds, the sums of
-    the separate projections' input gradients, the
+    """`rlhf-engine-hf` (OpenRLHF, verl's FSDP workers) against `transformers`' own Llama, Qwen2 and
+    Qwen3 decoder layers on bf16 weights: every memory-bound kernel of its forward and backward, by
+    number and bytes (its eager RMSNorm and rotary, Qwen3's RMSNorm of each head of q and k, SwiGLU's
+    silu and product, the residual adds, the sums of the separate projections' input gradients, the
     biases' gradients and the copy of q's and k's gradients back to the
     projections' layout). CPU's SDPA stands in for FlashAttention-2 and is left out with the GEMMs."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     fields = dict(HF_SPECS[name])
     config, model_class = (Qwen2Config, Qwen2ForCausalLM) if fields.pop("attention_bias", False) else \
-        (LlamaConfig, LlamaForCausalLM)
+        (Qwen3Config, Qwen3ForCausalLM) if fields.pop("qk_norm", None) else (LlamaConfig, LlamaForCausalLM)
     cfg = config(**fields, num_hidden_layers=1, vocab_size=256, max_position_embeddings=128,
                  attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(0)
@@ -187,9 +197,10 @@ def test_hf_llama_layers_launch_the_kernels_rlhf_engine_hf_prices(name):
     want_fwd, want_bwd = _model_kernels(spec, "rlhf-engine-hf", b=b, s=s)
     assert (fwd.kernels, fwd.bytes) == want_fwd, fwd.ops
     assert (bwd.kernels, bwd.bytes) == want_bwd, str(bwd.ops)
-    # Where the fused stacks launch a few: one norm, rotary, SwiGLU and residual kernel each way.
+    # Where the fused stacks launch a few: one norm, rotary, SwiGLU and residual kernel each way (and
+    # one norm each of q and k).
     fused_fwd, fused_bwd = _model_kernels(spec, "rlhf-engine", b=b, s=s)
-    assert (fused_fwd[0], fused_bwd[0]) == (6, 6)
+    assert (fused_fwd[0], fused_bwd[0]) == ((8, 8) if spec.qk_norm != "none" else (6, 6))
     assert fwd.bytes > 2.5 * fused_fwd[1] and bwd.bytes > 4 * fused_bwd[1]
 
 
@@ -206,8 +217,95 @@ def test_rollouts_of_an_eager_stack_run_the_rollout_engines_fused_kernels():
         layer_work(spec, rollout, b=4, s=1, tp=1, cp=1, sp=False, kv_len=512)
 
 
+# Mixture-of-experts layers: 6 experts of width 40, top 2, hidden 48; 2 sequences of 15 tokens.
+MOE_E, MOE_K, MOE_H, MOE_F = 6, 2, 48, 40
+MOE_B, MOE_S = 2, 15
+
+# transformers' mixture-of-experts families, as `planner` reads their configs: (config class, model
+# class, config fields); every one with 6 experts of width 40, top 2, 4 heads and 4 key heads.
+HF_MOE = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(model_type="mixtral", num_local_experts=MOE_E,
+                                                            intermediate_size=MOE_F)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(model_type="qwen2_moe", num_experts=MOE_E,
+                  moe_intermediate_size=MOE_F, shared_expert_intermediate_size=56, norm_topk_prob=True,
+                  intermediate_size=112)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(model_type="qwen3_moe", num_experts=MOE_E,
+                  moe_intermediate_size=MOE_F, norm_topk_prob=True, head_dim=12, intermediate_size=112)),
+    "qwen3_moe-unnormalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        model_type="qwen3_moe", num_experts=MOE_E, moe_intermediate_size=MOE_F, norm_topk_prob=False, head_dim=12,
+        intermediate_size=112)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(model_type="olmoe", num_experts=MOE_E, intermediate_size=MOE_F,
+                                                      norm_topk_prob=False)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_MOE))
+def test_hf_moe_layers_launch_the_kernels_rlhf_engine_hf_prices(name):
+    """`rlhf-engine-hf` against `transformers`' own sparse decoder layers (Mixtral, Qwen2-MoE with
+    its gated shared expert, Qwen3-MoE with and without renormalised top-k, OLMoE with its norms of
+    the whole q and k projections) on bf16 weights, with transformers' default experts
+    implementation (``grouped_mm``: every expert's gate and up projections one grouped GEMM, the
+    downs another): every memory-bound kernel forward and backward by number and bytes (the
+    router's softmax and top-k, the sort of the copies by expert, the gathers, index_puts and
+    per-expert counts, SwiGLU, the weighted copies summed per token, Mixtral's in fp32). The
+    spec comes from the config as `planner` reads it (`spec_from_hf_config`). Every expert gets
+    the same number of copies (the load the model is given): the router picks experts i and i + 1
+    for token i."""
+    import transformers
+
+    from cost_models.ops import ExpertLoad
+    from plans.model import spec_from_hf_config
+
+    config_class, model_class, fields = HF_MOE[name]
+    common = dict(hidden_size=MOE_H, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=1,
+                  vocab_size=256, max_position_embeddings=128, num_experts_per_tok=MOE_K)
+    hf_fields = {k: v for k, v in fields.items() if k != "model_type"}
+    cfg = getattr(transformers, config_class)(**common, **hf_fields, attn_implementation="sdpa", use_cache=False,
+                                              bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(cfg).to(torch.bfloat16).train()
+    assert model.config._experts_implementation == "grouped_mm"  # transformers' default
+    layer = model.model.layers[0]
+    b, s, h = MOE_B, MOE_S, MOE_H
+    t = b * s
+    with torch.no_grad():
+        layer.mlp.gate.weight.copy_(torch.eye(MOE_E, h))
+    x = 0.01 * torch.randn(t, h)
+    for i in range(t):
+        x[i, i % MOE_E], x[i, (i + 1) % MOE_E] = 10.0, 5.0
+    x = x.to(torch.bfloat16).view(b, s, h)
+    with torch.no_grad():  # the router sees the norm of x: set its weights so that the picks hold
+        layer.post_attention_layernorm.weight.fill_(1.0)
+        layer.self_attn.o_proj.weight.zero_()
+    x.requires_grad_(True)
+    positions = torch.arange(s)[None].expand(b, s)
+    rope = model.model.rotary_emb(x, positions)
+    record = _recorder(t)
+    with record() as fwd:
+        y = layer(x, position_embeddings=rope, attention_mask=None, position_ids=positions)
+    y = y[0] if isinstance(y, tuple) else y
+    picks = layer.mlp.gate(layer.post_attention_layernorm(x.detach()).view(t, h))[2]
+    assert torch.bincount(picks.flatten(), minlength=MOE_E).tolist() == [t * MOE_K // MOE_E] * MOE_E
+    grad = torch.randn_like(y)
+    with record() as bwd:
+        y.backward(grad)
+    spec = spec_from_hf_config({**common, **fields}, source=name)
+    assert spec.hf_model_type == fields["model_type"]
+    moe = ExpertLoad(routed=t, active=MOE_E, rows=t * MOE_K // MOE_E, width=MOE_F, skew=1.0, a2a_bytes=0.0)
+    work = layer_work(spec, FRAMEWORKS["rlhf-engine-hf"], b=b, s=s, tp=1, cp=1, sp=False, moe=moe)
+    pick = lambda ks: [q for q in ks if q.kind == "mem"]  # noqa: E731
+    want_fwd, want_bwd = ((sum(q.launches for q in pick(ks)), sum(q.bytes for q in pick(ks))) for ks in (work.fwd, work.bwd))
+    assert (fwd.kernels, fwd.bytes) == want_fwd, fwd.ops
+    assert (bwd.kernels, bwd.bytes) == want_bwd, bwd.ops
+    # Two grouped GEMMs each way for the experts, where Megatron-core's per-expert GEMMs launch one per expert.
+    gemms = [q for q in work.fwd if q.kind == "gemm" and q.batch == MOE_E]
+    assert [q.launches for q in gemms] == [1, 1]
+
+
 RUNTIME_SPECS = {
     "llama-gqa": {"model_type": "llama", **HF_SPECS["llama-gqa"]},
+    "qwen3-qk-norm": {"model_type": "llama", **HF_SPECS["qwen3-qk-norm"]},
+    "olmoe-qk-norm": {"model_type": "llama", **HF_SPECS["llama-gqa"], "qk_norm": "proj"},
     "gpt": dict(model_type="gpt", hidden_size=64, num_attention_heads=8, intermediate_size=256),
 }
 
@@ -235,8 +333,9 @@ def test_the_runtime_layers_launch_the_kernels_the_torch_preset_prices(name):
     record = _recorder(b * s, weights)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         rope = Rope(spec, positions) if spec.model_type == "llama" else None
-        if rope is not None:
-            rope(torch.bfloat16)  # the tables are built once per forward for every layer
+        if rope is not None:  # the tables are built once per forward for every layer
+            rope(torch.bfloat16)
+            rope(torch.float32)  # q and k leave the runtime's q and k norms in fp32
         with record() as fwd:
             y = _layer(runner.shard, 0, x, positions, None, False, None, rope)
     grad = torch.randn_like(y)
@@ -247,9 +346,10 @@ def test_the_runtime_layers_launch_the_kernels_the_torch_preset_prices(name):
     assert (bwd.kernels, bwd.bytes) == want_bwd, str(bwd.ops)
     work = layer_work(spec, FRAMEWORKS["torch"], b=b, s=s, tp=1, cp=1, sp=False)
     assert bwd.weight_kernels == work.grad_tensors, str(bwd.ops)
-    # Weights used in fp32 (the norms', a GPT's output and down biases) are added without a cast,
-    # which the model charges them too (6 bytes each, of 18).
-    fp32_only = 2 * spec.hidden_size * (3 if spec.model_type == "gpt" else 1)
+    # Weights used in fp32 (the norms', q's and k's norms', a GPT's output and down biases) are added
+    # without a cast, which the model charges them too (6 bytes each, of 18).
+    qk_norms = {"none": 0, "head": 2, "proj": spec.num_attention_heads + spec.kv_heads}[spec.qk_norm] * spec.d_head
+    fp32_only = 2 * spec.hidden_size * (3 if spec.model_type == "gpt" else 1) + qk_norms
     assert work.grad_accum.bytes - bwd.weight_bytes == 6 * fp32_only
 
 
@@ -282,6 +382,7 @@ def _layer_inventory(runner, x, positions, sp: bool, record) -> dict[str, tuple[
         rope = Rope(spec, positions) if spec.model_type == "llama" else None
         if rope is not None:
             rope(torch.bfloat16)
+            rope(torch.float32)  # for q and k in fp32 after their norms
         with record() as fwd:
             y = _layer(runner.shard, 0, x, positions, None, sp, None, rope)
     grad = torch.randn_like(y)
@@ -318,7 +419,9 @@ def _dense_tp_worker(rank: int, port: int, out_dir: str) -> None:
                 s_loc = TP_S // 2 if sp else TP_S
                 x = torch.randn(TP_B, s_loc, spec.hidden_size, requires_grad=True)
                 positions = torch.arange(TP_S)
-                record = _recorder(TP_B * s_loc, {tuple(p.shape) for p in runner.shard.params.values()})
+                # A value per token of the whole sequence moves nothing that counts (OLMoE's q and k
+                # norm statistics, made after the gather along the sequence).
+                record = _recorder(TP_B * TP_S, {tuple(p.shape) for p in runner.shard.params.values()})
                 out[f"{name} sp={sp}"] = _layer_inventory(runner, x, positions, sp, record)
         with open(f"{out_dir}/rank{rank}.json", "w") as fh:
             json.dump(out, fh)
@@ -360,6 +463,8 @@ def test_the_runtime_layers_at_tp2_launch_the_kernels_the_torch_preset_prices(tm
         untouched = dataclasses.replace(FRAMEWORKS["torch"], tp_copies=False)
         bare = layer_work(spec, untouched, b=TP_B, s=TP_S, tp=2, cp=1, sp=sp == "True")
         copies = (8, 8) if sp == "True" else (0, 2)  # per layer: two blocks, each way
+        if spec.qk_norm == "proj":  # and the gradients of q's and k's sums of squares for their all-reduce
+            copies = (copies[0], copies[1] + 1)
         assert (len(pick(work.fwd)) - len(pick(bare.fwd)), len(pick(work.bwd)) - len(pick(bare.bwd))) == copies, case
 
 
@@ -367,8 +472,6 @@ MOE_SPECS = {
     "routed": {},
     "shared-gated": dict(shared_expert_intermediate_size=56, shared_expert_gate=True),  # Qwen2-MoE's
 }
-MOE_E, MOE_K, MOE_H, MOE_F = 6, 2, 48, 40
-MOE_B, MOE_S = 2, 15
 # Under sequence parallel over tp 2: 3 sequences of 36 positions, 18 on each rank (54 tokens a rank, 108
 # in all, 36 copies per expert). The spec has four key heads, so each rank keeps two: with one, the
 # eager layers skip the copy of k's gradient back to its projection's layout (a transposed size-1 dim
