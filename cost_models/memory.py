@@ -76,6 +76,41 @@ def sparse_mlp_saved_bytes(spec: ModelSpec, *, tokens: int, tp: int, moe: Expert
     return 4.0 * moe.routed * e + 2 * copies + 3 * cells + shared
 
 
+def hf_sparse_mlp_saved_bytes(spec: ModelSpec, *, tokens: int, tp: int, moe: ExpertLoad) -> float:
+    """What transformers' sparse MLP keeps for backward on bf16 weights (`cost_models.ops.hf_sparse_mlp`,
+    its ``grouped_mm`` experts), byte for byte (`tests/test_cost_memory.py`), for the `t` tokens a
+    rank routes, `c = t k` copies: the router's fp32 probabilities; top-k's int64 indices; where the
+    top-k is renormalised the clone of its values and their sum (fp32); the sort's permutation and
+    the copies' token ids (int64, for the gathers' backward); the gathered bf16 token copies (the
+    first grouped GEMM's input); the per-expert offsets (int32); the gate-and-up output (SwiGLU's
+    input), the activation and the product (the second grouped GEMM's input); the experts' outputs
+    and their routing weights (fp32 in Mixtral) for the weighting; the inverse permutation. A shared
+    expert keeps its gate and up outputs, the activation and the product, and with its sigmoid gate
+    the gate's value and the expert's output."""
+    h, e, k = spec.hidden_size, spec.experts, spec.num_experts_per_tok
+    t = float(moe.routed)
+    c = t * k
+    w = 4.0 if spec.hf_model_type == "mixtral" else 2.0
+    router = 4.0 * t * e + 8.0 * c + (4.0 * c + 4.0 * t if spec.norm_topk_prob else 0.0)
+    order = 3 * 8.0 * c + 4.0 * e  # the permutation, the copies' tokens, the inverse; the offsets
+    experts = 2.0 * c * h + 8.0 * c * moe.width + 2.0 * c * h + w * c
+    fs = spec.shared_expert_intermediate_size
+    shared = 8.0 * tokens * fs / tp + ((2.0 * tokens + 2.0 * tokens * h) if spec.shared_expert_gate else 0.0)
+    return router + order + experts + shared
+
+
+def qk_norm_saved_bytes(spec: ModelSpec, *, tokens: float, tp: int, element_bytes: float) -> float:
+    """What the norms of q and k keep for `tokens` tokens on a tensor-parallel rank: per element
+    `element_bytes` (a fused kernel its bf16 input, 2; eager ops the fp32 input and the normalised
+    value, 4 + the compute dtype's bytes) and the fp32 rsqrt of each row (a head of a token, or the
+    token's whole projection)."""
+    if spec.qk_norm == "none":
+        return 0.0
+    heads = (spec.num_attention_heads + spec.kv_heads) / tp
+    rows = tokens * heads if spec.qk_norm == "head" else 2.0 * tokens
+    return element_bytes * tokens * heads * spec.d_head + 4.0 * rows
+
+
 def layer_activation_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, sp: bool,
                            recompute: str, moe: ExpertLoad | None = None, compute_bytes: int = 2) -> float:
     """Bytes one layer keeps for backward, for one micro-batch of `b` sequences of `s` tokens (a
@@ -110,7 +145,8 @@ def _fused_layer_saved_bytes(spec: ModelSpec, fw: Framework, *, b: int, s: int, 
     else:
         core = (5.0 if fw.dropout else 2.0) * a * s * s * b  # softmax out (2), mask (1), dropout out (2)
     experts = sparse_mlp_saved_bytes(spec, tokens=s * b, tp=tp, moe=moe) if moe is not None else 0.0
-    return replicated / norm_div + (split + core) / tp + experts
+    qk_norms = qk_norm_saved_bytes(spec, tokens=float(s) * b, tp=tp, element_bytes=2.0)
+    return replicated / norm_div + (split + core) / tp + experts + qk_norms
 
 
 def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: bool, recompute: str,
@@ -131,11 +167,14 @@ def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: boo
       as a view) and the fp32 log-sum-exp of each query row; selective recompute drops the last.
     - The MLP: SwiGLU's gate, up, activation and product; GELU's input and output (HF GPT-2's
       gelu_new, written out in eager ops, also its half input, its tanh and one plus the tanh).
+    - The norms of q and k, where the model has them: their fp32 input, the normalised value in the
+      compute dtype and each row's rsqrt (`qk_norm_saved_bytes`).
     - Full recompute keeps the layer's input only (fp32 in the runtime; HF's gradient
       checkpointing, bf16).
 
     The weights' casts are not here (`weight_casts` in `CostModel`). A sparse layer's experts keep
-    `sparse_mlp_saved_bytes` (not measured on the runtime) and its router one cast of the input.
+    `hf_sparse_mlp_saved_bytes` in HF's layers, `sparse_mlp_saved_bytes` in the runtime's (not
+    measured there) and its router one cast of the input.
     """
     h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
     a, kv = spec.num_attention_heads, spec.kv_heads
@@ -151,10 +190,16 @@ def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: boo
     else:
         gemm_inputs = 3 + (1 if moe is not None or gpt else 2)  # q, k, v; the MLP's up (and gate), or the router
         norms = 2 * _runtime_norm_bytes(spec, mn) + (gemm_inputs * c if c < 4 else 2 * 4) * m * h
-    attn = c * m * (a * d + 2 * kv * d) / tp + c * m * a * d / tp
+    # The runtime's q and k leave their norms in fp32 (`runtime.model._rms`): selective recompute's
+    # checkpoint keeps them so, where attention keeps its own casts of them.
+    qk_bytes = 4 if not hf and spec.qk_norm != "none" and recompute == "selective" else c
+    attn = qk_bytes * m * (a + kv) * d / tp + c * m * kv * d / tp + c * m * a * d / tp
+    attn += qk_norm_saved_bytes(spec, tokens=m, tp=tp, element_bytes=4 + c)
     if recompute != "selective":
         attn += 4 * m * a / tp
-    if moe is not None:
+    if moe is not None and hf:
+        mlp = hf_sparse_mlp_saved_bytes(spec, tokens=int(m), tp=tp, moe=moe)
+    elif moe is not None:
         mlp = c / 2 * sparse_mlp_saved_bytes(spec, tokens=int(m), tp=tp, moe=moe)
     else:
         mlp = ((5 if hf else 2) if gpt else 4) * c * m * f / tp

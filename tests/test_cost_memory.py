@@ -281,6 +281,12 @@ EAGER_SPECS = {
                        intermediate_size=352, vocab_size=256, max_position_embeddings=128, attention_bias=True),
     "gpt": dict(model_type="gpt", hidden_size=128, num_attention_heads=4, intermediate_size=512, vocab_size=256,
                 max_position_embeddings=128),
+    # Norms of q and k: Qwen3's per head, OLMoE's over the whole projection.
+    "qwen3-qk-norm": dict(model_type="llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+                          intermediate_size=128, vocab_size=256, max_position_embeddings=128, head_dim=8,
+                          qk_norm="head"),
+    "olmoe-qk-norm": dict(model_type="llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+                          intermediate_size=128, vocab_size=256, max_position_embeddings=128, qk_norm="proj"),
 }
 
 
@@ -330,9 +336,13 @@ def _hf_saved_bytes(fields: dict, *, layers: int, b: int, s: int, checkpoint: bo
     as FSDP and DeepSpeed engines train it; `checkpoint`: HF's non-reentrant gradient checkpointing),
     the parameters left out: what every saved tensor's storage holds."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    if fields["model_type"] == "gpt":  # GPT-2 as its configs set it (gelu_new); no dropout, as RLHF trains
+    if fields.get("qk_norm") == "head":  # Qwen3
+        cfg = Qwen3Config(**{k: v for k, v in fields.items() if k not in ("model_type", "qk_norm")},
+                          num_hidden_layers=layers, attn_implementation="sdpa", use_cache=False)
+        model_class = Qwen3ForCausalLM
+    elif fields["model_type"] == "gpt":  # GPT-2 as its configs set it (gelu_new); no dropout, as RLHF trains
         cfg = GPT2Config(n_embd=fields["hidden_size"], n_inner=fields["intermediate_size"],
                          n_head=fields["num_attention_heads"], n_layer=layers, vocab_size=fields["vocab_size"],
                          n_positions=fields["max_position_embeddings"], resid_pdrop=0.0, embd_pdrop=0.0,
@@ -354,7 +364,7 @@ def _hf_saved_bytes(fields: dict, *, layers: int, b: int, s: int, checkpoint: bo
     return _saved_storage_bytes(model.parameters(), lambda: (model if lm_head else model.base_model)(input_ids=ids))
 
 
-HF_SPECS = dict(EAGER_SPECS)
+HF_SPECS = {name: fields for name, fields in EAGER_SPECS.items() if name != "olmoe-qk-norm"}  # no dense HF OLMoE
 
 
 @pytest.mark.parametrize("name", sorted(HF_SPECS))
@@ -384,3 +394,62 @@ def test_hf_layers_keep_exactly_what_the_memory_model_counts(name, recompute):
     head = eager_head_saved_bytes(spec, head="lm", b=b, s=s, tp=1, sp=False, style="hf")
     layers = 2 * (want - cpu_stats)
     assert 0 <= two - layers - head <= (8 + 4 * spec.d_head) * b * s, (two - layers, head)
+
+
+# transformers' mixture-of-experts families (config class, model class, fields): 4 experts of width
+# 48, top 2, hidden 64.
+HF_MOE = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(model_type="mixtral", num_local_experts=4,
+                                                            intermediate_size=48)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        model_type="qwen2_moe", num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=56,
+        intermediate_size=128)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        model_type="qwen3_moe", num_experts=4, moe_intermediate_size=48, head_dim=8, norm_topk_prob=True,
+        intermediate_size=128)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(model_type="olmoe", num_experts=4, intermediate_size=48)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_MOE))
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_hf_moe_layers_keep_exactly_what_the_memory_model_counts(name, recompute):
+    """`eager_layer_saved_bytes(style="hf")` with `hf_sparse_mlp_saved_bytes` against what autograd
+    keeps in transformers' own Mixtral, Qwen2-MoE (gated shared expert), Qwen3-MoE (per-head q and k
+    norms, renormalised top-k) and OLMoE (norms over the q and k projections) layers on bf16
+    weights with their default ``grouped_mm`` experts, byte for byte, without and with gradient
+    checkpointing (one layer: the difference between 4 and 2 layers). The bytes do not depend on
+    how the router spreads the copies over the experts."""
+    import torch
+    import transformers
+
+    from cost_models.framework import FRAMEWORKS
+    from cost_models.memory import eager_layer_saved_bytes, layer_activation_bytes
+    from cost_models.ops import ExpertLoad
+    from plans.model import spec_from_hf_config
+
+    config_class, model_class, fields = HF_MOE[name]
+    common = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, vocab_size=256,
+                  max_position_embeddings=128, num_experts_per_tok=2)
+    b, s = 4, 24
+
+    def saved(layers: int) -> int:
+        cfg = getattr(transformers, config_class)(**common, **{k: v for k, v in fields.items() if k != "model_type"},
+                                                  num_hidden_layers=layers, attn_implementation="sdpa",
+                                                  use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        torch.manual_seed(0)
+        model = getattr(transformers, model_class)(cfg).to(torch.bfloat16).train()
+        if recompute == "full":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+        return _saved_storage_bytes(model.parameters(), lambda: model(input_ids=ids))
+
+    got = (saved(4) - saved(2)) / 2
+    spec = spec_from_hf_config({**common, **fields, "num_hidden_layers": 2}, source=name)
+    t, k = b * s, spec.num_experts_per_tok
+    moe = ExpertLoad(routed=t, active=spec.experts, rows=t * k // spec.experts, width=spec.expert_ffn, skew=1.0,
+                     a2a_bytes=0.0)
+    want = eager_layer_saved_bytes(spec, b=b, s=s, tp=1, sp=False, recompute=recompute, moe=moe, style="hf")
+    assert got == want
+    assert layer_activation_bytes(spec, FRAMEWORKS["rlhf-engine-hf"], b=b, s=s, tp=1, sp=False, recompute=recompute,
+                                  moe=moe) == want
