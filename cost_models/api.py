@@ -44,7 +44,7 @@ from cost_models.ops import (
     ExpertLoad,
     expert_load,
     expert_params_per_rank,
-    layer_matrix_params,
+    layer_cast_params,
     layer_params_per_rank,
     mean_layer_params,
 )
@@ -446,8 +446,9 @@ class CostModel:
                 mem["gathered"] = int(2 * sum(counts[st]) * in_flight)
             elif casts and layout.recompute != "full":  # ... of its layers' matrices, cast by autocast
                 nd, ns = layer_counts[st]
-                mem["weight_casts"] = int(2 * (nd * layer_matrix_params(spec) + ns * layer_matrix_params(spec, sparse=True))
-                                          / layout.tp * in_flight)
+                sparse = layer_cast_params(spec, sparse=True, tp=layout.tp, ep=layout.ep, etp=layout.etp) if ns else 0.0
+                mem["weight_casts"] = int(2 * (nd * layer_cast_params(spec, sparse=False, tp=layout.tp) + ns * sparse)
+                                          * in_flight)
             mem = self._compute_dtype(mem, exact=("activations",))  # counted at the compute dtype already
             step = self._step_copy_bytes(decl, layout, counts[st])
             if step:  # the step runs once the micro-batches' tensors are gone

@@ -99,6 +99,36 @@ def hf_sparse_mlp_saved_bytes(spec: ModelSpec, *, tokens: int, tp: int, moe: Exp
     return router + order + experts + shared
 
 
+def runtime_sparse_mlp_saved_bytes(spec: ModelSpec, *, tokens: int, tp: int, moe: ExpertLoad,
+                                   compute_bytes: int) -> float:
+    """What the planner's runtime's sparse MLP keeps for backward (`runtime.model._sparse_mlp`,
+    `_experts`), byte for byte on one rank (`tests/test_cost_memory.py`), computing in
+    `compute_bytes` (2: bf16 autocast on fp32 weights; 4: fp32), for the `t` tokens it routes, `c =
+    t k` copies and the `moe.rows * moe.active` copies its experts compute: the router's fp32
+    probabilities, top-k's int64 indices, where renormalised the top-k values and their sum (fp32),
+    the copies' tokens and their order (int64); the token copies the experts read (fp32, or two bf16
+    casts of them for the gate and up projections), each expert's gate and up outputs, activation
+    and product, the experts' outputs and the copies' weights (fp32, as the stream) for the
+    weighting, and the fp32 weighted copies, which ``index_add`` keeps. A shared expert keeps its
+    gate and up outputs, activation and product and, under autocast, the casts of its input for its
+    projections; with its sigmoid gate also the gate's value and the expert's output."""
+    h, e, k = spec.hidden_size, spec.experts, spec.num_experts_per_tok
+    cb = float(compute_bytes)
+    t = float(moe.routed)
+    c = t * k
+    recv = float(moe.rows) * moe.active
+    router = 4.0 * t * e + 8.0 * c + (4.0 * c + 4.0 * t if spec.norm_topk_prob else 0.0)
+    order = 2 * 8.0 * c + 4.0 * c  # the copies' tokens and order, their weights
+    experts = 4.0 * recv * h + 4.0 * cb * recv * moe.width + cb * c * h + 4.0 * c * h
+    fs, gated = spec.shared_expert_intermediate_size, spec.shared_expert_gate
+    shared = 0.0
+    if fs:
+        m = float(tokens)
+        casts = (2 + (1 if gated else 0)) * 2.0 * m * h if cb < 4 else 0.0
+        shared = 4.0 * cb * m * fs / tp + casts + ((cb * m + cb * m * h) if gated else 0.0)
+    return router + order + experts + shared
+
+
 def qk_norm_saved_bytes(spec: ModelSpec, *, tokens: float, tp: int, element_bytes: float) -> float:
     """What the norms of q and k keep for `tokens` tokens on a tensor-parallel rank: per element
     `element_bytes` (a fused kernel its bf16 input, 2; eager ops the fp32 input and the normalised
@@ -173,8 +203,8 @@ def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: boo
       checkpointing, bf16).
 
     The weights' casts are not here (`weight_casts` in `CostModel`). A sparse layer's experts keep
-    `hf_sparse_mlp_saved_bytes` in HF's layers, `sparse_mlp_saved_bytes` in the runtime's (not
-    measured there) and its router one cast of the input.
+    `hf_sparse_mlp_saved_bytes` in HF's layers, `runtime_sparse_mlp_saved_bytes` in the runtime's,
+    and its router one cast of the input.
     """
     h, d, f = spec.hidden_size, spec.d_head, spec.ffn_size
     a, kv = spec.num_attention_heads, spec.kv_heads
@@ -200,7 +230,7 @@ def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: boo
     if moe is not None and hf:
         mlp = hf_sparse_mlp_saved_bytes(spec, tokens=int(m), tp=tp, moe=moe)
     elif moe is not None:
-        mlp = c / 2 * sparse_mlp_saved_bytes(spec, tokens=int(m), tp=tp, moe=moe)
+        mlp = runtime_sparse_mlp_saved_bytes(spec, tokens=int(m), tp=tp, moe=moe, compute_bytes=c)
     else:
         mlp = ((5 if hf else 2) if gpt else 4) * c * m * f / tp
     return norms + attn + mlp

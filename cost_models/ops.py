@@ -171,6 +171,18 @@ def layer_matrix_params(spec: ModelSpec, *, sparse: bool = False) -> float:
     return h * (q + 2 * kv) + q * h + mlp
 
 
+def layer_cast_params(spec: ModelSpec, *, sparse: bool, tp: int, ep: int = 1, etp: int = 1) -> float:
+    """Weights of one decoder layer on a rank that autocast casts for its matmuls and the matmuls
+    keep until backward (the planner's runtime on fp32 weights): the layer's matrices and, in a
+    sparse layer, its routed experts (every one computes in training), its router and a shared
+    expert's gate (both replicated over tensor parallelism)."""
+    cast = layer_matrix_params(spec, sparse=sparse) / tp
+    if sparse:
+        cast += expert_params_per_rank(spec, ep, etp) + spec.experts * spec.hidden_size + \
+            (spec.hidden_size if spec.shared_expert_gate else 0)
+    return cast
+
+
 def expert_params_per_rank(spec: ModelSpec, ep: int, etp: int) -> float:
     """Routed-expert weights of one sparse layer on one rank: its experts' share of the f dim."""
     return spec.experts / ep * 3 * spec.hidden_size * spec.expert_ffn / etp

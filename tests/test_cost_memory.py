@@ -288,27 +288,44 @@ EAGER_SPECS = {
     "olmoe-qk-norm": dict(model_type="llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
                           intermediate_size=128, vocab_size=256, max_position_embeddings=128, qk_norm="proj"),
 }
+# The runtime's sparse layers (every layer sparse): Mixtral's routed experts, and Qwen-MoE's with a
+# gated shared expert and un-normalised top-k.
+RUNTIME_MOE_SPECS = {
+    "moe-routed": dict(model_type="llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+                       intermediate_size=128, vocab_size=256, max_position_embeddings=128, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=48),
+    "moe-shared-gated": dict(model_type="llama", hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+                             intermediate_size=128, vocab_size=256, max_position_embeddings=128, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=56,
+                             shared_expert_gate=True, norm_topk_prob=False),
+}
 
 
-@pytest.mark.parametrize("name", sorted(EAGER_SPECS))
+@pytest.mark.parametrize("name", sorted(EAGER_SPECS) + sorted(RUNTIME_MOE_SPECS))
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_the_runtime_layers_keep_exactly_what_the_memory_model_counts(name, recompute):
     """`eager_layer_saved_bytes` against what autograd really keeps in the runtime's layers, byte for
     byte, in fp32 (a CPU run) and under bf16 autocast with fp32 weights (a GPU run; CPU autocast
     applies the same casting rules): one layer is the difference between 4 and 2 layers, and the
-    weights' bf16 casts are the layer's matrices at 2 bytes each (`weight_casts`)."""
+    weights' bf16 casts are the layer's matrices at 2 bytes each (`weight_casts`), a sparse layer's
+    routed experts, router and shared expert's gate among them (`layer_cast_params`). The sparse
+    layers' bytes do not depend on how the router spreads the copies over the experts."""
     import torch
 
     from cost_models.memory import eager_layer_saved_bytes
-    from cost_models.ops import layer_matrix_params
+    from cost_models.ops import ExpertLoad, layer_cast_params
 
+    fields = {**EAGER_SPECS, **RUNTIME_MOE_SPECS}[name]
     b, s = 4, 24
     for dtype, compute in ((torch.float32, 4), (torch.bfloat16, 2)):
-        got = [_runtime_saved_bytes(resolve_model({**EAGER_SPECS[name], "num_hidden_layers": n}), b=b, s=s, dtype=dtype,
+        got = [_runtime_saved_bytes(resolve_model({**fields, "num_hidden_layers": n}), b=b, s=s, dtype=dtype,
                                     recompute=recompute) for n in (2, 4)]
-        spec = resolve_model({**EAGER_SPECS[name], "num_hidden_layers": 2})
-        casts = 2 * layer_matrix_params(spec) if compute == 2 and recompute != "full" else 0
-        want = eager_layer_saved_bytes(spec, b=b, s=s, tp=1, sp=False, recompute=recompute, compute_bytes=compute)
+        spec = resolve_model({**fields, "num_hidden_layers": 2})
+        moe = ExpertLoad(routed=b * s, active=spec.experts, rows=b * s * spec.num_experts_per_tok // spec.experts,
+                         width=spec.expert_ffn, skew=1.0, a2a_bytes=0.0) if spec.is_moe else None
+        casts = 2 * layer_cast_params(spec, sparse=spec.is_moe, tp=1) if compute == 2 and recompute != "full" else 0
+        want = eager_layer_saved_bytes(spec, b=b, s=s, tp=1, sp=False, recompute=recompute, compute_bytes=compute,
+                                       moe=moe)
         assert (got[1] - got[0]) / 2 == want + casts, (dtype, recompute)
 
 
