@@ -40,7 +40,7 @@ from functools import lru_cache
 from typing import Literal
 
 from cost_models.comm import expected_max_normal
-from cost_models.framework import Framework, MoeDispatch, QkNormKernels
+from cost_models.framework import UNFUSED_CROSS_ENTROPY, Framework, MoeDispatch, QkNormKernels
 from plans.layout import Layout
 from plans.model import Head, ModelSpec
 
@@ -221,6 +221,7 @@ class ExpertLoad:
     skew: float
     a2a_bytes: float  # what the busiest rank sends (and receives) in one all-to-all
     a2a_leaving: float | None = None  # of it, what leaves the node (None: the share of the other nodes' ranks)
+    ep: int = 1  # ranks of the expert-parallel group
 
 
 def groups_hit(experts: int, k: int, groups: int) -> float:
@@ -268,7 +269,7 @@ def expert_load_at(spec: ModelSpec, *, tp: int, ep: int, etp: int, tokens: int, 
             leaving = token * groups_hit(e, k, ep_nodes) * (ep_nodes - 1) / ep_nodes
     else:
         a2a = token * k
-    return ExpertLoad(routed, active, rows, spec.expert_ffn // etp, skew, a2a, leaving)
+    return ExpertLoad(routed, active, rows, spec.expert_ffn // etp, skew, a2a, leaving, ep)
 
 
 def _attention(spec: ModelSpec, fw: Framework, *, b: int, s_q: int, s_k: int, tp: int, causal: bool) -> tuple[
@@ -501,16 +502,22 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     # column-parallel GEMM's input gradient reduce-scattered or all-reduced, under its weight gradient.
     # Sequence parallel's backward all-gather of the saved input for the weight gradient overlaps
     # the input-gradient GEMM (Megatron-LM does it asynchronously), so it is not on the path.
-    def block(wgrad: Kernel | None) -> tuple[tuple[Comm, ...], tuple[Comm, ...]]:
+    # A block's input is the norm's output in the stream's dtype (fp32 in the runtime, whose norms
+    # keep it), its output the GEMM's (the compute dtype; the runtime's sparse MLP sums in fp32).
+    enter = stream_bytes(fw) * m * h
+
+    def block(wgrad: Kernel | None, out: float = act) -> tuple[tuple[Comm, ...], tuple[Comm, ...]]:
         if tp == 1:
             return (), ()
         if sp:
-            return ((Comm("all_gather", act, "tp"), Comm("reduce_scatter", act, "tp")),
-                    (Comm("all_gather", act, "tp"), Comm("reduce_scatter", act, "tp", under=wgrad)))
-        return (Comm("all_reduce", act, "tp"),), (Comm("all_reduce", act, "tp", under=wgrad),)
+            return ((Comm("all_gather", enter, "tp"), Comm("reduce_scatter", out, "tp")),
+                    (Comm("all_gather", out, "tp"), Comm("reduce_scatter", enter, "tp", under=wgrad)))
+        return (Comm("all_reduce", out, "tp"),), (Comm("all_reduce", enter, "tp", under=wgrad),)
 
     block_f, block_b = block(gemm_bwd(qkv, fused)[1])
-    mlp_cf, mlp_cb = block(gemm_bwd(ups[0], fused)[1] if ups else None)  # a sparse MLP's experts are not here
+    eager = moe is not None and fw.moe_routing == "eager"
+    mlp_cf, mlp_cb = block(gemm_bwd(ups[0], fused)[1] if ups else None,  # a sparse MLP's experts are not here
+                           out=enter if eager else act)  # the runtime's routed sum is in the stream's dtype
     if moe is not None and moe.width == spec.expert_ffn and tp > 1:
         # Whole experts (etp = 1): each tensor-parallel rank routes its own 1/tp of the tokens, so the
         # MLP's tensor-parallel pair goes (sequence parallel: the tokens stay sharded) or becomes an
@@ -523,9 +530,25 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
             mlp_cb += (Comm("all_gather", act, "tp"),)
     fwd_comm = block_f + mlp_cf
     bwd_comm = mlp_cb + block_b  # the backward meets the MLP first
+    if spec.qk_norm == "proj" and tp > 1:  # q's and k's sums of squares over the split projection
+        fwd_comm += (Comm("all_reduce", 4.0 * m, "tp"),) * 2
+        bwd_comm += (Comm("all_reduce", 4.0 * m, "tp"),) * 2
+    if eager and sp and tp > 1 and moe.width != spec.expert_ffn:
+        # The runtime gathers the top-k weights (the stream's dtype) and their int64 ids along the
+        # sequence for its experts split over tp; backward reduce-scatters the weights' gradient.
+        weights = stream_bytes(fw) * moe.routed * spec.num_experts_per_tok
+        fwd_comm += (Comm("all_gather", weights, "tp"), Comm("all_gather", INDEX_BYTES * weights / stream_bytes(fw), "tp"))
+        bwd_comm += (Comm("reduce_scatter", weights, "tp"),)
     if moe is not None and moe.a2a_bytes:
-        fwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving),) * 2  # dispatch, combine
-        bwd_comm += (Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving),) * 2
+        dispatch = combine = Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving)  # the compute dtype
+        if eager:  # the runtime: the counts per rank and the copies' int64 ids first; the copies in the stream's dtype
+            grow = stream_bytes(fw) / ACT_BYTES
+            dispatch = Comm("all_to_all", moe.a2a_bytes * grow, "ep",
+                            None if moe.a2a_leaving is None else moe.a2a_leaving * grow)
+            copies = moe.a2a_bytes / (ACT_BYTES * spec.hidden_size)
+            fwd_comm += (Comm("all_to_all", INDEX_BYTES * moe.ep, "ep"), Comm("all_to_all", INDEX_BYTES * copies, "ep"))
+        fwd_comm += (dispatch, combine)
+        bwd_comm += (combine, dispatch)
     if kv_parallel:  # each share's max and (sum, weighted values) in fp32, all-reduced to combine them
         fwd_comm += (Comm("all_reduce", 4.0 * b * s * a / tp, "cp"), Comm("all_reduce", 4.0 * b * s * a * (d + 1) / tp, "cp"))
     elif cp > 1:
@@ -924,8 +947,7 @@ def _runtime_lm_head(spec: ModelSpec, fw: Framework, *, m: int, mn: int, tp: int
     stream = stream_bytes(fw)  # the hidden states enter the column-parallel head as a layer's block
     copies_tp = tp_copies(fw, tp=tp, sp=sp, m=m, mn=mn, h=h, enter_bytes=stream, exit_bytes=ACT_BYTES)
     enter_f, enter_b = copies_tp.enter_f, copies_tp.enter_b
-    rows = max(1, (fw.logits_chunk_elements or m * vt) // vt)
-    chunks = [min(rows, m - lo) for lo in range(0, m, rows)]
+    chunks = head_chunks(fw, m=m, vt=vt)
     kept = loss and len(chunks) == 1
     cast_in = stream + ACT_BYTES
 
@@ -971,6 +993,48 @@ def _runtime_lm_head(spec: ModelSpec, fw: Framework, *, m: int, mn: int, tp: int
     fwd += [mem(0.0, 2 if len(chunks) > 1 else 1)]  # the chunks' log-sum-exps (and log-probs) concatenated
     bwd += [ends_accum(fw, weight), *enter_b, *norm_b, *norm_acc]
     return tuple(fwd), tuple(bwd)
+
+
+def head_chunks(fw: Framework, *, m: int, vt: int) -> list[int]:
+    """Tokens in each chunk of the runtime's LM head: at most `Framework.logits_chunk_elements`
+    logits of the rank's `vt` vocabulary rows at a time, at least one token."""
+    rows = max(1, (fw.logits_chunk_elements or m * vt) // vt)
+    return [min(rows, m - lo) for lo in range(0, m, rows)]
+
+
+def ends_comm(spec: ModelSpec, fw: Framework, *, head: Head, b: int, s: int, tp: int, cp: int, sp: bool) -> tuple[
+        tuple[Comm, ...], tuple[Comm, ...], tuple[Comm, ...], tuple[Comm, ...]]:
+    """The ends' tensor-parallel collectives for one micro-batch: (embedding forward, its backward,
+    head forward, its backward).
+
+    The vocabulary-parallel lookup's rows are summed over the group in the table's dtype, under
+    sequence parallelism reduce-scattered along the sequence (backward all-gathered), else
+    all-reduced (backward nothing). The column-parallel LM head takes the hidden states as a
+    block's input, in the stream's dtype: under sequence parallelism all-gathered (backward the
+    input gradient reduce-scattered), else backward all-reduced. Its log-probabilities assemble
+    the group's maximum (an fp32 value per token, all-reduced) and sums of exponentials with the
+    targets' logits (two, all-reduced together; Megatron's unfused cross entropy reduces them one
+    at a time), per chunk of the runtime's logits. The runtime's value head is replicated: each
+    rank scores its own tokens, and under sequence parallelism the fp32 values are all-gathered
+    (backward each rank takes its own)."""
+    if tp == 1:
+        return (), (), (), ()
+    m = b * (s // cp)
+    h = spec.hidden_size
+    table = fw.param_bytes * m * h
+    emb_f, emb_b = ((Comm("reduce_scatter", table, "tp"),), (Comm("all_gather", table, "tp"),)) if sp else \
+        ((Comm("all_reduce", table, "tp"),), ())
+    if head == "value" and fw.runtime_ends:
+        return emb_f, emb_b, ((Comm("all_gather", 4.0 * m, "tp"),) if sp else ()), ()
+    enter = stream_bytes(fw) * m * h
+    head_f, head_b = ((Comm("all_gather", enter, "tp"),), (Comm("reduce_scatter", enter, "tp"),)) if sp else \
+        ((), (Comm("all_reduce", enter, "tp"),))
+    if head == "lm":
+        unfused = fw.loss_fwd == UNFUSED_CROSS_ENTROPY[0]
+        for r in head_chunks(fw, m=m, vt=-(-spec.vocab_size // tp)) if fw.runtime_ends else [m]:
+            head_f += (Comm("all_reduce", 4.0 * r, "tp"),) * 3 if unfused else \
+                (Comm("all_reduce", 4.0 * r, "tp"), Comm("all_reduce", 8.0 * r, "tp"))
+    return emb_f, emb_b, head_f, head_b
 
 
 @lru_cache(maxsize=4096)

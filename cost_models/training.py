@@ -32,6 +32,7 @@ from cost_models.ops import (
     Comm,
     Kernel,
     embedding_work,
+    ends_comm,
     expert_load_at,
     expert_params_per_rank,
     head_work,
@@ -281,11 +282,11 @@ def _ends_of(spec: ModelSpec, fw: Framework, hw: Hardware, tp: int, cp: int, sp:
     ef, eb = embedding_work(spec, fw, b=b, s=s, tp=tp, cp=cp, sp=sp and head_tokens is None)
     hs = s if head_tokens is None else head_tokens * cp
     hf, hb = head_work(spec, fw, head=head, b=b, s=hs, tp=tp, cp=cp, sp=sp and head_tokens is None, loss=loss)
+    ecf, ecb, _, _ = ends_comm(spec, fw, head=head, b=b, s=s, tp=tp, cp=cp, sp=sp and head_tokens is None)
+    _, _, hcf, hcb = ends_comm(spec, fw, head=head, b=b, s=hs, tp=tp, cp=cp, sp=sp and head_tokens is None)
     g = {"tp": tp_group}
-    act = 2.0 * b * (s // cp) * spec.hidden_size
-    emb_comm = (Comm("all_reduce", act, "tp"),) if tp > 1 else ()  # vocab-parallel lookup
-    return (stretch_of(ef, emb_comm, g, hw), stretch_of(eb, (), g, hw), stretch_of(hf, (), g, hw),
-            stretch_of(hb, emb_comm, g, hw))
+    return (stretch_of(ef, ecf, g, hw), stretch_of(eb, ecb, g, hw), stretch_of(hf, hcf, g, hw),
+            stretch_of(hb, hcb, g, hw))
 
 
 def pipeline_s(stage_s: list[float], *, m: int, interleave: int, host_s: float) -> tuple[float, float]:

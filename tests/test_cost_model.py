@@ -45,18 +45,29 @@ def test_optimizer_streams_its_bytes_through_hbm():
 
 
 def test_tensor_parallel_all_reduces_per_layer():
-    """tp=2 without recompute: 2 all-reduces of one [s, b, h] activation per layer forward and 2
-    backward, plus the vocabulary-parallel embedding (forward) and LM head input (backward)."""
+    """tp=2 without recompute, the runtime (`torch`): per layer 2 all-reduces of one [s, b, h]
+    block output in bf16 forward and 2 of the blocks' input gradients in the fp32 stream backward,
+    the vocabulary-parallel lookup's rows in the fp32 table (forward) and the LM head's input
+    gradient (backward), and per chunk of the head's logits the log-softmax's all-reduces of an
+    fp32 value per token (the maximum) and two (the sum of exponentials, the target's logit).
+    Full recompute runs the forward's again."""
+    from cost_models.ops import head_chunks
+
     cm = CostModel(parse_cluster("a100-80gb:1x2"), CAL)
     call = Call(name="t", model="m", kind="train", seqs=8, seq_len=1024, loss="sft")
     lay = Layout(tp=2, micro_batches=4)
     cost = cm.call_cost(call, ModelDecl(spec=LLAMA, trainable=True), Mesh.block(0, 2), lay)
-    act = 2 * 2 * 1024 * LLAMA.hidden_size  # b = 2 sequences per micro-batch
-    ar = all_reduce_s(act, Group(2, 2, 1), cm.hw)
-    assert ar == pytest.approx(2 * 1 / 2 * act / 150e9 + 2 * 6e-6)
-    assert cost.breakdown_s["tp_comm"] == pytest.approx(4 * (4 * LLAMA.num_hidden_layers + 2) * ar, rel=1e-9)
+    m = 2 * 1024  # b = 2 sequences per micro-batch
+    ar = lambda n: all_reduce_s(n, Group(2, 2, 1), cm.hw)  # noqa: E731
+    assert ar(2 * m * LLAMA.hidden_size) == pytest.approx(2 * 1 / 2 * 2 * m * LLAMA.hidden_size / 150e9 + 2 * 6e-6)
+    layers = 2 * ar(2 * m * LLAMA.hidden_size) + 2 * ar(4 * m * LLAMA.hidden_size)
+    ends = 2 * ar(4 * m * LLAMA.hidden_size)
+    ce = sum(ar(4 * r) + ar(8 * r) for r in head_chunks(cm.framework, m=m, vt=LLAMA.vocab_size // 2))
+    want = 4 * (LLAMA.num_hidden_layers * layers + ends + ce)  # four micro-batches
+    assert cost.breakdown_s["tp_comm"] == pytest.approx(want, rel=1e-9)
     full = cm.call_cost(call, ModelDecl(spec=LLAMA, trainable=True), Mesh.block(0, 2), lay.model_copy(update={"recompute": "full"}))
-    assert full.breakdown_s["tp_comm"] == pytest.approx(4 * (6 * LLAMA.num_hidden_layers + 2) * ar, rel=1e-9)
+    again = 4 * LLAMA.num_hidden_layers * 2 * ar(2 * m * LLAMA.hidden_size)
+    assert full.breakdown_s["tp_comm"] == pytest.approx(want + again, rel=1e-9)
 
 
 def test_one_f_one_b_bubble():

@@ -92,9 +92,10 @@ def test_no_dense_estimate_above_60_percent_mfu():
     # the ends' gradients were accumulated).
     assert over == []
     assert round(worst[0], 3) == 0.573
-    # The runtime's own best (README): 50.9% since its head and embedding are counted as it runs
-    # them (52.3% before; Qwen2.5-7B at 8k tokens, dp16 tp2 z1 on 32 A100s).
-    assert round(best["torch"], 3) == 0.509
+    # The runtime's own best (README): 50.2% since its collectives carry the fp32 stream where it
+    # sends it (50.9% before, 52.3% before its head and embedding were counted as it runs them;
+    # Qwen2.5-7B at 8k tokens, dp16 tp2 z1 on 32 A100s).
+    assert round(best["torch"], 3) == 0.502
 
 
 def test_the_megatron_core_estimates_above_the_cap_are_these():

@@ -353,22 +353,36 @@ def test_the_runtime_layers_launch_the_kernels_the_torch_preset_prices(name):
     assert work.grad_accum.bytes - bwd.weight_bytes == 6 * fp32_only
 
 
+COLLECTIVES: list[list] = []  # [kind, bytes] of each collective a rank ran, in order
+
+
+def _model_comm(comms) -> list[list]:  # noqa: ANN001
+    """The cost model's collectives as `COLLECTIVES` logs them, sorted (lists, as JSON reads them)."""
+    return sorted([c.op, int(c.bytes)] for c in comms)
+
+
 def _backend_collectives_unrecorded() -> None:
     """A collective's own work is the backend's, not a kernel the runtime launches: gloo copies the
     reduced block into the output tensor on the host (NCCL writes it there), so the runtime's
-    all-gather and reduce-scatter calls run unrecorded in these ranks."""
+    all-gather and reduce-scatter calls run unrecorded in these ranks. Each collective is logged
+    instead in `COLLECTIVES`, with its bytes as the cost model counts them: an all-gather's
+    gathered output, a reduce-scatter's input, an all-reduce's tensor."""
+    import torch.distributed as dist
     from torch.utils._python_dispatch import _disable_current_modes
 
     import runtime.tensor_parallel as tpx
 
-    def unrecorded(fn):  # noqa: ANN001, ANN202
+    def unrecorded(fn, kind: str, which: int):  # noqa: ANN001, ANN202
         def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            COLLECTIVES.append([kind, args[which].numel() * args[which].element_size()])
             with _disable_current_modes():
                 return fn(*args, **kwargs)
         return call
 
-    tpx.all_gather_into = unrecorded(tpx.all_gather_into)
-    tpx.reduce_scatter_into = unrecorded(tpx.reduce_scatter_into)
+    tpx.all_gather_into = unrecorded(tpx.all_gather_into, "all_gather", 0)
+    tpx.reduce_scatter_into = unrecorded(tpx.reduce_scatter_into, "reduce_scatter", 1)
+    dist.all_reduce = unrecorded(dist.all_reduce, "all_reduce", 0)
+    dist.all_to_all_single = unrecorded(dist.all_to_all_single, "all_to_all", 1)
 
 
 def _layer_inventory(runner, x, positions, sp: bool, record) -> dict[str, tuple[int, int, int, int]]:  # noqa: ANN001
@@ -383,13 +397,17 @@ def _layer_inventory(runner, x, positions, sp: bool, record) -> dict[str, tuple[
         if rope is not None:
             rope(torch.bfloat16)
             rope(torch.float32)  # for q and k in fp32 after their norms
+        COLLECTIVES.clear()
         with record() as fwd:
             y = _layer(runner.shard, 0, x, positions, None, sp, None, rope)
+    fwd_comm = sorted(COLLECTIVES)
     grad = torch.randn_like(y)
+    COLLECTIVES.clear()
     with record() as bwd:
         y.backward(grad)
     return {"fwd": (fwd.kernels, fwd.bytes, fwd.weight_kernels, fwd.weight_bytes),
-            "bwd": (bwd.kernels, bwd.bytes, bwd.weight_kernels, bwd.weight_bytes)}
+            "bwd": (bwd.kernels, bwd.bytes, bwd.weight_kernels, bwd.weight_bytes),
+            "fwd_comm": fwd_comm, "bwd_comm": sorted(COLLECTIVES)}
 
 
 def _dense_tp_worker(rank: int, port: int, out_dir: str) -> None:
@@ -460,6 +478,10 @@ def test_the_runtime_layers_at_tp2_launch_the_kernels_the_torch_preset_prices(tm
         assert (fk + fwk, fb + fwb) == want_fwd, case
         assert (bk, bb) == want_bwd, case
         assert bwk == work.grad_tensors, case
+        # Every collective by kind and bytes: the blocks' inputs go in the stream's fp32, their outputs
+        # in bf16 (and OLMoE's sums of squares, a value per token).
+        assert got["fwd_comm"] == _model_comm(work.fwd_comm), case
+        assert got["bwd_comm"] == _model_comm(work.bwd_comm), case
         untouched = dataclasses.replace(FRAMEWORKS["torch"], tp_copies=False)
         bare = layer_work(spec, untouched, b=TP_B, s=TP_S, tp=2, cp=1, sp=sp == "True")
         copies = (8, 8) if sp == "True" else (0, 2)  # per layer: two blocks, each way
@@ -542,7 +564,8 @@ def test_the_runtime_moe_layer_launches_the_kernels_the_torch_preset_prices(name
     over the two ranks, the router on each rank's chunk of the sequence and its weights, ids and
     tokens gathered) under bf16 autocast on fp32 weights: every memory-bound kernel forward and
     backward by number and bytes, and the weights' casts, their gradients' casts back, the stacking
-    of the experts' gradients and their accumulation. The router is set so that every expert
+    of the experts' gradients and their accumulation; on two ranks also every collective by kind
+    and bytes. The router is set so that every expert
     receives the same number of copies, the load the model is given; the attention's output
     projection is zeroed so the MLP sees those tokens (its kernels run all the same). Dimensions
     are distinct so no activation has a weight's shape."""
@@ -569,7 +592,7 @@ def test_the_runtime_moe_layer_launches_the_kernels_the_torch_preset_prices(name
     spec = _moe_spec(name)
     # Each rank routes t tokens (its replica's), t k / E copies to every expert from every rank.
     moe = ExpertLoad(routed=t, active=e // ep, rows=ep * t * k // e, width=MOE_F // tp, skew=1.0,
-                     a2a_bytes=0.0 if ep == 1 else 2.0 * t * MOE_H * k)
+                     a2a_bytes=0.0 if ep == 1 else 2.0 * t * MOE_H * k, ep=ep)
     work = layer_work(spec, FRAMEWORKS["torch"], b=b, s=s, tp=tp, cp=1, sp=tp > 1, moe=moe)
     pick = lambda ks: [q for q in ks if q.kind == "mem"]  # noqa: E731
     want_fwd, want_bwd = ((sum(q.launches for q in pick(ks)), sum(q.bytes for q in pick(ks))) for ks in (work.fwd, work.bwd))
@@ -579,6 +602,9 @@ def test_the_runtime_moe_layer_launches_the_kernels_the_torch_preset_prices(name
     assert (bk, bb) == want_bwd
     assert bwk == work.grad_tensors
     assert work.grad_accum.bytes - bwb == 6 * 2 * MOE_H  # the norms' fp32 weights, never cast
+    if layout is not None:  # every collective by kind and bytes (the token copies leave in fp32, return in bf16)
+        assert list(got["fwd_comm"]) == _model_comm(work.fwd_comm)
+        assert list(got["bwd_comm"]) == _model_comm(work.bwd_comm)
     # The fused routing (Megatron-core's) launches a small fraction of that.
     fused = layer_work(spec, FRAMEWORKS["megatron-core"], b=b, s=s, tp=tp, cp=1, sp=tp > 1, moe=moe)
     assert sum(q.launches for q in pick(fused.fwd)) < want_fwd[0] / 4
@@ -617,15 +643,22 @@ def _ends_inventory(spec, head: str, groups, b: int, s: int) -> dict[str, tuple[
     tokens, positions = torch.randint(0, spec.vocab_size, (b, s), generator=g), torch.arange(s)
     # Per-token values are the whole sequence's here (the head's), also under sequence parallel.
     record = _recorder(b * s, {tuple(p.shape) for n, p in shard.params.items() if ".layers." not in n})
+    comm = {}
     with torch.autocast("cpu", dtype=torch.bfloat16):
+        COLLECTIVES.clear()
         with record() as fwd:
             x = stage_forward(shard, tokens, positions=positions)
+            comm["emb_fwd"] = sorted(COLLECTIVES)
+            COLLECTIVES.clear()
             out = token_logprobs(shard, x, tokens) if head == "lm" else token_values(shard, x)
+            comm["head_fwd"] = sorted(COLLECTIVES)
     grad = torch.randn(out.shape, generator=g)
+    COLLECTIVES.clear()
     with record() as bwd:
         out.backward(grad)
+    comm["bwd"] = sorted(COLLECTIVES)
     return {"fwd": (fwd.kernels + fwd.weight_kernels, fwd.bytes + fwd.weight_bytes),
-            "bwd": (bwd.kernels + bwd.weight_kernels, bwd.bytes + bwd.weight_bytes)}
+            "bwd": (bwd.kernels + bwd.weight_kernels, bwd.bytes + bwd.weight_bytes), "comm": comm}
 
 
 def _ends_model(spec, fw, head: str, *, b: int, s: int, tp: int, sp: bool) -> dict[str, tuple[int, float]]:  # noqa: ANN001
@@ -660,6 +693,7 @@ def test_the_runtime_ends_launch_the_kernels_the_torch_preset_prices(name, head,
         monkeypatch.setattr(rm, "LOGITS_CHUNK_ELEMENTS", chunk)
         fw = dc.replace(fw, logits_chunk_elements=chunk)
     got = _ends_inventory(spec, head, solo_groups(Layout()), ENDS_B, ENDS_S)
+    assert got.pop("comm") == {"emb_fwd": [], "head_fwd": [], "bwd": []}
     assert got == _ends_model(spec, fw, head, b=ENDS_B, s=ENDS_S, tp=1, sp=False)
     if head == "lm":
         hf, hb = head_work(spec, fw, head=head, b=ENDS_B, s=ENDS_S, tp=1, cp=1, sp=False, loss=True)
@@ -738,6 +772,7 @@ def test_the_runtime_ends_at_tp2_launch_the_kernels_the_torch_preset_prices(tmp_
 
     import torch.multiprocessing as mp
 
+    from cost_models.ops import ends_comm
     from tests.test_runtime_parallel import _free_port
 
     mp.spawn(_ends_tp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
@@ -749,4 +784,9 @@ def test_the_runtime_ends_at_tp2_launch_the_kernels_the_torch_preset_prices(tmp_
         name, head, sp, *chunk = case.replace(" sp=", " ").replace(" chunk=", " ").split()
         fw = FRAMEWORKS["torch"] if not chunk else dataclasses.replace(FRAMEWORKS["torch"], logits_chunk_elements=TP_CHUNK)
         want = _ends_model(_ends_spec(name), fw, head, b=ENDS_B, s=ENDS_S, tp=2, sp=sp == "True")
+        # Every collective by kind and bytes: the lookup's rows in the fp32 table's dtype, the hidden
+        # states entering the head in the stream's fp32, a value or two per token for the log-softmax.
+        ef, eb, hf, hb = ends_comm(_ends_spec(name), fw, head=head, b=ENDS_B, s=ENDS_S, tp=2, cp=1, sp=sp == "True")
+        assert got.pop("comm") == {"emb_fwd": _model_comm(ef), "head_fwd": _model_comm(hf),
+                                   "bwd": _model_comm(eb + hb)}, case
         assert {k: tuple(v) for k, v in got.items()} == want, case
