@@ -533,7 +533,7 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     if spec.qk_norm == "proj" and tp > 1:  # q's and k's sums of squares over the split projection
         fwd_comm += (Comm("all_reduce", 4.0 * m, "tp"),) * 2
         bwd_comm += (Comm("all_reduce", 4.0 * m, "tp"),) * 2
-    if eager and sp and tp > 1 and moe.width != spec.expert_ffn:
+    if moe is not None and eager and sp and tp > 1 and moe.width != spec.expert_ffn:
         # The runtime gathers the top-k weights (the stream's dtype) and their int64 ids along the
         # sequence for its experts split over tp; backward reduce-scatters the weights' gradient.
         weights = stream_bytes(fw) * moe.routed * spec.num_experts_per_tok
@@ -1022,6 +1022,10 @@ def ends_comm(spec: ModelSpec, fw: Framework, *, head: Head, b: int, s: int, tp:
     m = b * (s // cp)
     h = spec.hidden_size
     table = fw.param_bytes * m * h
+    emb_f: tuple[Comm, ...]
+    emb_b: tuple[Comm, ...]
+    head_f: tuple[Comm, ...]
+    head_b: tuple[Comm, ...]
     emb_f, emb_b = ((Comm("reduce_scatter", table, "tp"),), (Comm("all_gather", table, "tp"),)) if sp else \
         ((Comm("all_reduce", table, "tp"),), ())
     if head == "value" and fw.runtime_ends:
