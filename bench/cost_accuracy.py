@@ -364,6 +364,16 @@
    ``q_layernorm`` and ``k_layernorm``). Only the MoE rows are Qwen3: MoE 8.31% (+3.39%) -> 7.48%
    (+1.87%), the 34 pooled rows 7.04% (+2.01%) -> 6.94% (+1.84%); nothing else moved.
 
+   The ends' tensor-parallel collectives as each stack runs them (`cost_models.ops.ends_comm`:
+   under sequence parallelism the lookup's rows reduce-scattered and the head's input
+   all-gathered, where one all-reduce each way had stood; the vocabulary-parallel log-softmax's
+   per-token all-reduces) and the runtime's in the dtype it sends (fp32 stream and table), checked
+   collective by collective against the runtime on two gloo ranks, after every table above had
+   been seen. Korthikanti 9.99% -> 10.06%, H100 14.42% -> 14.43%, NeMo 6.56% -> 6.52%, Table 1
+   4.74% -> 4.73%, MoE 7.48% -> 7.47%, the 34 pooled rows +1.84% -> +1.81% (6.94%); vTrain in
+   sample 6.72% (multi-node), 6.79% -> 6.82% (single-node), out of sample 7.89% -> 7.88% and
+   7.65% -> 7.69%; not refitted.
+
 3. Out of sample on the vTrain rows (``--cross-validate``): leave one model size out. For each
    size, the coefficients are fitted again, from the same fixed start as `planner calibrate`, on
    every row of the other sizes (both files, equal weight), and the held-out size's rows are
