@@ -29,12 +29,20 @@ import dataclasses
 from dataclasses import dataclass
 
 from cost_models import comm
-from cost_models.compute import kernels_time_s
 from cost_models.framework import Framework
 from cost_models.hardware import Hardware
 from cost_models.lengths import LengthDist, decode_segments
 from cost_models.memory import kv_cache_bytes
-from cost_models.ops import embedding_work, expert_load, gemm, host_launches, layer_work, mean_layer_params, mem
+from cost_models.ops import (
+    embedding_work,
+    ends_comm,
+    expert_load,
+    gemm,
+    layer_work,
+    mean_layer_params,
+    mem,
+    sample_comm,
+)
 from cost_models.training import StepTimes, Stretch, Topology, forward_pass, stage_layer_counts, stretch_of
 from plans.layout import Layout
 from plans.model import ModelSpec
@@ -88,7 +96,9 @@ def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, 
     dense_layer, sparse_layer = one(False), (one(True) if spec.moe_layers else Stretch())
     ef, _ = embedding_work(spec, fw, b=b, s=1, tp=tp, cp=1)
     head = (gemm(b, -(-spec.vocab_size // tp), spec.hidden_size), mem(SAMPLE_BYTES * b * spec.vocab_size / tp))
-    ends = Stretch(kernels_time_s(ef + head, hw), 0.0, host_launches(ef + head) * hw.host_kernel_s)
+    # The lookup's rows reduced over the group, the next token chosen over it (the runtime's).
+    lookup = ends_comm(spec, fw, head="lm", b=b, s=1, tp=tp, cp=1, sp=False)[0]
+    ends = stretch_of(ef + head, lookup + sample_comm(fw, rows=b, tp=tp), g, hw)
     if fw.decode_cuda_graphs and hw.sm_count is not None:  # one launch for the whole step
         ends = dataclasses.replace(ends, host_s=hw.host_kernel_s)
     counts = stage_layer_counts(spec, pp, layout.interleave)
@@ -99,7 +109,7 @@ def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, 
         comm.skew_wait_s(stage, 2, hw)
     turns = max(groups, pp)
     crit_s = per_stage[crit]
-    return (turns * stage + (pp - 1) * hop, turns * (crit_s.comm_s - crit_s.ep_comm_s - crit_s.cp_comm_s),
+    return (turns * stage + (pp - 1) * hop, turns * (crit_s.comm_s - crit_s.ep_comm_s - crit_s.cp_comm_s + ends.comm_s / pp),
             turns * crit_s.ep_comm_s, turns * crit_s.cp_comm_s)
 
 

@@ -1041,6 +1041,18 @@ def ends_comm(spec: ModelSpec, fw: Framework, *, head: Head, b: int, s: int, tp:
     return emb_f, emb_b, head_f, head_b
 
 
+def sample_comm(fw: Framework, *, rows: int, tp: int) -> tuple[Comm, ...]:
+    """The runtime's choice of each row's next token over a vocabulary-parallel group
+    (`runtime.generate`): every rank's best score and its id, two fp64 values per row,
+    all-gathered (`tensor_parallel.vocab_choose`), then the token's log-probability from the
+    group's maximum and sums (one fp32 value per row all-reduced, then two). Other engines' sampling
+    (vLLM gathers the logits to one rank) is not priced."""
+    if tp == 1 or not fw.runtime_ends:
+        return ()
+    return (Comm("all_gather", 16.0 * rows * tp, "tp"), Comm("all_reduce", 4.0 * rows, "tp"),
+            Comm("all_reduce", 8.0 * rows, "tp"))
+
+
 @lru_cache(maxsize=4096)
 def embedding_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: int, sp: bool = False) -> tuple[
         tuple[Kernel, ...], tuple[Kernel, ...]]:

@@ -790,3 +790,69 @@ def test_the_runtime_ends_at_tp2_launch_the_kernels_the_torch_preset_prices(tmp_
         assert got.pop("comm") == {"emb_fwd": _model_comm(ef), "head_fwd": _model_comm(hf),
                                    "bwd": _model_comm(eb + hb)}, case
         assert {k: tuple(v) for k, v in got.items()} == want, case
+
+
+GEN_B, GEN_P, GEN_LEN = 3, 10, 4  # rows, prompt, tokens generated (a prefill and three decode steps)
+
+
+def _generate_tp_worker(rank: int, port: int, out_dir: str) -> None:
+    """Every collective of the runtime's generation at tp 2 (no sequence parallelism) under bf16
+    autocast, for each model of `RUNTIME_SPECS` with two layers."""
+    import json
+
+    import torch.distributed as dist
+
+    from plans import Layout, Mesh
+    from runtime.engine import ModelRunner
+    from runtime.groups import Groups
+    from runtime.model import init_tensor
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    _backend_collectives_unrecorded()
+    out = {}
+    try:
+        groups = Groups(distributed=True).build(Mesh.block(0, 2), Layout(tp=2), rank=rank, tied=False)
+        for name in sorted(RUNTIME_SPECS):
+            spec = resolve_model({**RUNTIME_SPECS[name], "num_hidden_layers": 2, "vocab_size": 256,
+                                  "max_position_embeddings": 128})
+            runner = ModelRunner(spec, head="lm", trainable=False, groups=groups,
+                                 state=lambda p: init_tensor(p, seed=0), device=torch.device("cpu"),
+                                 dtype=torch.bfloat16)
+            prompts = torch.randint(0, spec.vocab_size, (GEN_B, GEN_P), generator=torch.Generator().manual_seed(0))
+            COLLECTIVES.clear()
+            runner.generate(prompts, gen_len=GEN_LEN, temperature=1.0, seed=7)
+            out[name] = sorted(COLLECTIVES)
+        with open(f"{out_dir}/rank{rank}.json", "w") as fh:
+            json.dump(out, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_runtime_generation_at_tp2_runs_the_collectives_the_torch_preset_prices(tmp_path):
+    """The runtime's generation on two gloo ranks at tp 2: every collective of the prefill and of
+    each decode step, by kind and bytes, against what `cost_models.generation` prices (a layer's
+    `fwd_comm`; the lookup's rows reduced in the fp32 table, `ends_comm`; each row's next token
+    chosen over the vocabulary blocks and its log-probability, `sample_comm`)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from cost_models.ops import ends_comm, sample_comm
+    from tests.test_runtime_parallel import _free_port
+
+    mp.spawn(_generate_tp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    fw = FRAMEWORKS["torch"].for_rollouts()
+    for name, got in ranks[0].items():
+        spec = resolve_model({**RUNTIME_SPECS[name], "num_hidden_layers": 2, "vocab_size": 256,
+                              "max_position_embeddings": 128})
+
+        def step(s: int, ctx: int) -> tuple:  # noqa: ANN202 - one step over s new positions
+            layer = layer_work(spec, fw, b=GEN_B, s=s, tp=2, cp=1, sp=False, kv_len=ctx).fwd_comm
+            lookup = ends_comm(spec, fw, head="lm", b=GEN_B, s=s, tp=2, cp=1, sp=False)[0]
+            return layer * spec.num_hidden_layers + lookup + sample_comm(fw, rows=GEN_B, tp=2)
+
+        want = step(GEN_P, GEN_P) + sum((step(1, GEN_P + k) for k in range(1, GEN_LEN)), ())
+        assert got == _model_comm(want), name
+        assert len(sample_comm(fw, rows=GEN_B, tp=2)) == 3
