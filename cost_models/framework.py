@@ -203,6 +203,12 @@ class Framework:
     # Generation keeps one compute-dtype copy of the weights for the whole call (no per-step cast),
     # and on a GPU each decode step of a group replays one captured CUDA graph: no host launches.
     decode_cuda_graphs: bool = False
+    # Generation all-gathers every rank's block of the logits (in the compute dtype) over the
+    # tensor-parallel group and samples from the whole vocabulary on each rank: vLLM V1's
+    # `LogitsProcessor._gather_logits`, whose `Platform.use_all_gather` is true under V1 and under
+    # the external launcher verl runs. False: each rank samples its own block (the runtime's
+    # `vocab_choose`, `ops.sample_comm`).
+    logits_all_gather: bool = False
     # The ZeRO stage from which each rank keeps only its shard of the gradients (ZeRO-2 in
     # DeepSpeed and Megatron; the runtime reduces ZeRO-2 buckets to their owner but keeps one
     # gradient buffer of the whole stage, so only ZeRO-3 shards it).
@@ -451,7 +457,7 @@ FRAMEWORKS: dict[str, Framework] = {
     "rlhf-engine": Framework(
         name="rlhf-engine", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
-        decode_cuda_graphs=True, decode_drops_finished=True, expert_gemms="per_expert", rollout_expert_gemms="grouped",
+        decode_cuda_graphs=True, logits_all_gather=True, decode_drops_finished=True, expert_gemms="per_expert", rollout_expert_gemms="grouped",
         attention_kernels=TE_ATTENTION, tp_dgrad_overlap=True,
     ),
     # The same engines training HF transformers models (verl's FSDP workers, OpenRLHF on
@@ -472,7 +478,7 @@ FRAMEWORKS: dict[str, Framework] = {
     "rlhf-engine-hf": Framework(
         name="rlhf-engine-hf", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
-        decode_cuda_graphs=True, decode_drops_finished=True, expert_gemms="grouped", moe_routing="hf",
+        decode_cuda_graphs=True, logits_all_gather=True, decode_drops_finished=True, expert_gemms="grouped", moe_routing="hf",
         attention_kernels=SDPA_ATTENTION, tp_dgrad_overlap=True, layer_activations="hf",
         norm_fwd=HF_RMS_NORM[0], norm_bwd=HF_RMS_NORM[1], rope_fwd=HF_ROPE[0], rope_bwd=HF_ROPE[1], rope_launches=2,
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), layernorm=LAYER_NORM_KERNELS[2], split_projections=True,
@@ -484,7 +490,7 @@ FRAMEWORKS: dict[str, Framework] = {
     "vllm": Framework(
         name="vllm", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
-        decode_cuda_graphs=True, decode_drops_finished=True, attention_kernels=VLLM_ATTENTION,
+        decode_cuda_graphs=True, logits_all_gather=True, decode_drops_finished=True, attention_kernels=VLLM_ATTENTION,
     ),
     # Fused AdamW over fp32 p, g, m, v: read 16, write 12, zero the gradient 4. A micro-batch's
     # weight gradient: bf16 to fp32 (2+4, the weight cast's backward), accumulated (4+4+4). Its

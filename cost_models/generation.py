@@ -95,10 +95,12 @@ def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, 
 
     dense_layer, sparse_layer = one(False), (one(True) if spec.moe_layers else Stretch())
     ef, _ = embedding_work(spec, fw, b=b, s=1, tp=tp, cp=1)
-    head = (gemm(b, -(-spec.vocab_size // tp), spec.hidden_size), mem(SAMPLE_BYTES * b * spec.vocab_size / tp))
-    # The lookup's rows reduced over the group, the next token chosen over it (the runtime's).
+    # Each rank samples from its block of the vocabulary, or from the whole of it once gathered.
+    sampled = spec.vocab_size if fw.logits_all_gather else spec.vocab_size / tp
+    head = (gemm(b, -(-spec.vocab_size // tp), spec.hidden_size), mem(SAMPLE_BYTES * b * sampled))
+    # The lookup's rows reduced over the group, the next token chosen over it.
     lookup = ends_comm(spec, fw, head="lm", b=b, s=1, tp=tp, cp=1, sp=False)[0]
-    ends = stretch_of(ef + head, lookup + sample_comm(fw, rows=b, tp=tp), g, hw)
+    ends = stretch_of(ef + head, lookup + sample_comm(spec, fw, rows=b, tp=tp), g, hw)
     if fw.decode_cuda_graphs and hw.sm_count is not None:  # one launch for the whole step
         ends = dataclasses.replace(ends, host_s=hw.host_kernel_s)
     counts = stage_layer_counts(spec, pp, layout.interleave)

@@ -1041,16 +1041,21 @@ def ends_comm(spec: ModelSpec, fw: Framework, *, head: Head, b: int, s: int, tp:
     return emb_f, emb_b, head_f, head_b
 
 
-def sample_comm(fw: Framework, *, rows: int, tp: int) -> tuple[Comm, ...]:
-    """The runtime's choice of each row's next token over a vocabulary-parallel group
+def sample_comm(spec: ModelSpec, fw: Framework, *, rows: int, tp: int) -> tuple[Comm, ...]:
+    """Choosing each row's next token over a vocabulary-parallel group. The runtime
     (`runtime.generate`): every rank's best score and its id, two fp64 values per row,
     all-gathered (`tensor_parallel.vocab_choose`), then the token's log-probability from the
-    group's maximum and sums (one fp32 value per row all-reduced, then two). Other engines' sampling
-    (vLLM gathers the logits to one rank) is not priced."""
-    if tp == 1 or not fw.runtime_ends:
+    group's maximum and sums (one fp32 value per row all-reduced, then two). vLLM
+    (`Framework.logits_all_gather`): the rows' logits all-gathered in the compute dtype. Other
+    stacks do not generate here."""
+    if tp == 1:
         return ()
-    return (Comm("all_gather", 16.0 * rows * tp, "tp"), Comm("all_reduce", 4.0 * rows, "tp"),
-            Comm("all_reduce", 8.0 * rows, "tp"))
+    if fw.runtime_ends:
+        return (Comm("all_gather", 16.0 * rows * tp, "tp"), Comm("all_reduce", 4.0 * rows, "tp"),
+                Comm("all_reduce", 8.0 * rows, "tp"))
+    if fw.logits_all_gather:
+        return (Comm("all_gather", float(ACT_BYTES) * rows * -(-spec.vocab_size // tp) * tp, "tp"),)
+    return ()
 
 
 @lru_cache(maxsize=4096)

@@ -286,7 +286,7 @@ def _ends_of(spec: ModelSpec, fw: Framework, hw: Hardware, tp: int, cp: int, sp:
     ecf, ecb, _, _ = ends_comm(spec, fw, head=head, b=b, s=s, tp=tp, cp=cp, sp=sp and head_tokens is None)
     _, _, hcf, hcb = ends_comm(spec, fw, head=head, b=b, s=hs, tp=tp, cp=cp, sp=sp and head_tokens is None)
     if head_tokens is not None:  # a prefill: the runtime chooses each row's first token
-        hcf = sample_comm(fw, rows=b * head_tokens, tp=tp)
+        hcf = sample_comm(spec, fw, rows=b * head_tokens, tp=tp)
     g = {"tp": tp_group}
     return (stretch_of(ef, ecf, g, hw), stretch_of(eb, ecb, g, hw), stretch_of(hf, hcf, g, hw),
             stretch_of(hb, hcb, g, hw))

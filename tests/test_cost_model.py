@@ -470,6 +470,32 @@ def test_kv_parallel_decode_reads_a_share_of_each_cache_and_combines_it():
     assert kvp.time_s < whole.time_s  # half of each cache per rank, against a pipeline's idle stages
 
 
+def test_vllm_decode_gathers_the_logits_and_samples_the_whole_vocabulary():
+    """vLLM V1 all-gathers each rank's block of the logits in bf16 and samples from the whole
+    vocabulary on every rank (`Framework.logits_all_gather`); the runtime chooses over its block
+    and gathers a best score and id per row (`ops.sample_comm`). At tp 4 the gather adds the
+    logits' bytes to each decode step's collectives, and sampling reads four times the logits."""
+    from cost_models.generation import SAMPLE_BYTES, decode_step_s
+    from cost_models.ops import Comm, sample_comm
+
+    spec = resolve_model("llama-3-8b")
+    vllm = resolve_framework("vllm")
+    assert sample_comm(spec, vllm, rows=64, tp=4) == (Comm("all_gather", 2.0 * 64 * spec.vocab_size, "tp"),)
+    assert sample_comm(spec, vllm, rows=64, tp=1) == ()
+    assert [c.op for c in sample_comm(spec, resolve_framework("torch"), rows=64, tp=4)] == \
+        ["all_gather", "all_reduce", "all_reduce"]
+    cm = CostModel(parse_cluster("h100-sxm:1x8"), framework=vllm)
+    layout = Layout(tp=4)
+    topo = Topology(first=0, size=4, gpus_per_node=8)
+    own = dataclasses.replace(vllm, logits_all_gather=False)
+    step, tp_comm, _, _ = decode_step_s(spec, vllm, cm.hw, layout, topo, b=64, groups=1, ctx=2048)
+    step0, tp_comm0, _, _ = decode_step_s(spec, own, cm.hw, layout, topo, b=64, groups=1, ctx=2048)
+    gather = all_gather_s(2.0 * 64 * spec.vocab_size, topo.group(layout, "tp"), cm.hw)
+    assert tp_comm - tp_comm0 >= gather * (1 - 1e-9) and gather > 0
+    sampling = SAMPLE_BYTES * 64 * spec.vocab_size * 3 / 4 / cm.hw.mem_bytes_s  # the other ranks' blocks
+    assert step - step0 >= gather + 0.5 * sampling
+
+
 def test_the_floors_that_skip_costing_never_exceed_the_cost() -> None:
     """`call_candidates` skips layouts whose states alone exceed the memory, and `_split_decode`
     split layouts whose prefill and decode alone lose: both floors must bound the full cost."""

@@ -851,8 +851,8 @@ def test_the_runtime_generation_at_tp2_runs_the_collectives_the_torch_preset_pri
         def step(spec, s: int, ctx: int) -> tuple:  # noqa: ANN001, ANN202 - one step over s new positions
             layer = layer_work(spec, fw, b=GEN_B, s=s, tp=2, cp=1, sp=False, kv_len=ctx).fwd_comm
             lookup = ends_comm(spec, fw, head="lm", b=GEN_B, s=s, tp=2, cp=1, sp=False)[0]
-            return layer * spec.num_hidden_layers + lookup + sample_comm(fw, rows=GEN_B, tp=2)
+            return layer * spec.num_hidden_layers + lookup + sample_comm(spec, fw, rows=GEN_B, tp=2)
 
         want = step(spec, GEN_P, GEN_P) + sum((step(spec, 1, GEN_P + k) for k in range(1, GEN_LEN)), ())
         assert got == _model_comm(want), name
-        assert len(sample_comm(fw, rows=GEN_B, tp=2)) == 3
+        assert len(sample_comm(spec, fw, rows=GEN_B, tp=2)) == 3
