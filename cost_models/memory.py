@@ -100,7 +100,7 @@ def hf_sparse_mlp_saved_bytes(spec: ModelSpec, *, tokens: int, tp: int, moe: Exp
 
 
 def runtime_sparse_mlp_saved_bytes(spec: ModelSpec, *, tokens: int, tp: int, moe: ExpertLoad,
-                                   compute_bytes: int) -> float:
+                                   compute_bytes: int, router_tokens: float | None = None) -> float:
     """What the planner's runtime's sparse MLP keeps for backward (`runtime.model._sparse_mlp`,
     `_experts`), byte for byte on one rank (`tests/test_cost_memory.py`), computing in
     `compute_bytes` (2: bf16 autocast on fp32 weights; 4: fp32), for the `t` tokens it routes, `c =
@@ -109,23 +109,36 @@ def runtime_sparse_mlp_saved_bytes(spec: ModelSpec, *, tokens: int, tp: int, moe
     the copies' tokens and their order (int64); the token copies the experts read (fp32, or two bf16
     casts of them for the gate and up projections), each expert's gate and up outputs, activation
     and product, the experts' outputs and the copies' weights (fp32, as the stream) for the
-    weighting, and the fp32 weighted copies, which ``index_add`` keeps. A shared expert keeps its
+    weighting, and the fp32 weighted copies, which ``index_add`` keeps; under expert parallelism the
+    orders that sort the received copies by expert and back (int64). A shared expert keeps its
     gate and up outputs, activation and product and, under autocast, the casts of its input for its
-    projections; with its sigmoid gate also the gate's value and the expert's output."""
+    projections; with its sigmoid gate also the gate's value and the expert's output.
+
+    The router (and a shared expert's gate) runs on the rank's own `router_tokens` (its chunk of
+    the sequence under sequence parallelism; default `moe.routed`), whose weights and ids are then
+    gathered: the gathered gate is kept beside the chunk's, and in fp32 a shared expert keeps the
+    gathered input apart from the router's chunk."""
     h, e, k = spec.hidden_size, spec.experts, spec.num_experts_per_tok
     cb = float(compute_bytes)
     t = float(moe.routed)
+    tr = t if router_tokens is None else float(router_tokens)
+    apart = tr != t  # the router's tokens are a chunk of those the experts see
     c = t * k
     recv = float(moe.rows) * moe.active
-    router = 4.0 * t * e + 8.0 * c + (4.0 * c + 4.0 * t if spec.norm_topk_prob else 0.0)
+    router = 4.0 * tr * e + 8.0 * tr * k + (4.0 * tr * k + 4.0 * tr if spec.norm_topk_prob else 0.0)
     order = 2 * 8.0 * c + 4.0 * c  # the copies' tokens and order, their weights
     experts = 4.0 * recv * h + 4.0 * cb * recv * moe.width + cb * c * h + 4.0 * c * h
+    if moe.ep > 1:  # the exchange sorts the received copies by expert and back: two int64 orders
+        experts += 2 * 8.0 * recv
     fs, gated = spec.shared_expert_intermediate_size, spec.shared_expert_gate
     shared = 0.0
     if fs:
         m = float(tokens)
-        casts = (2 + (1 if gated else 0)) * 2.0 * m * h if cb < 4 else 0.0
-        shared = 4.0 * cb * m * fs / tp + casts + ((cb * m + cb * m * h) if gated else 0.0)
+        if cb < 4:  # the gate and up projections' casts of the gathered input, the sigmoid gate's of the chunk
+            casts = 2 * 2.0 * m * h + (2.0 * tr * h if gated else 0.0)
+        else:
+            casts = 4.0 * m * h if apart else 0.0
+        shared = 4.0 * cb * m * fs / tp + casts + ((cb * m + cb * m * h + (cb * tr if apart else 0.0)) if gated else 0.0)
     return router + order + experts + shared
 
 
@@ -218,8 +231,13 @@ def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: boo
     if hf:  # two norms, each with the bf16 output every GEMM of its block reads
         norms = 2 * (_hf_norm_bytes(spec, mn) + 2 * m * h)
     else:
-        gemm_inputs = 3 + (1 if moe is not None or gpt else 2)  # q, k, v; the MLP's up (and gate), or the router
-        norms = 2 * _runtime_norm_bytes(spec, mn) + (gemm_inputs * c if c < 4 else 2 * 4) * m * h
+        # The inputs the GEMMs keep (casts under autocast, the norms' fp32 outputs in fp32): q, k and v's
+        # and the MLP's up (and gate), or the router's, which reads the rank's own chunk of tokens.
+        mlp_in = mn if moe is not None else m
+        if c < 4:
+            norms = 2 * _runtime_norm_bytes(spec, mn) + (3 * m + (1 if moe is not None or gpt else 2) * mlp_in) * c * h
+        else:
+            norms = 2 * _runtime_norm_bytes(spec, mn) + 4 * (m + mlp_in) * h
     # The runtime's q and k leave their norms in fp32 (`runtime.model._rms`): selective recompute's
     # checkpoint keeps them so, where attention keeps its own casts of them.
     qk_bytes = 4 if not hf and spec.qk_norm != "none" and recompute == "selective" else c
@@ -230,7 +248,8 @@ def eager_layer_saved_bytes(spec: ModelSpec, *, b: int, s: int, tp: int, sp: boo
     if moe is not None and hf:
         mlp = hf_sparse_mlp_saved_bytes(spec, tokens=int(m), tp=tp, moe=moe)
     elif moe is not None:
-        mlp = runtime_sparse_mlp_saved_bytes(spec, tokens=int(m), tp=tp, moe=moe, compute_bytes=c)
+        mlp = runtime_sparse_mlp_saved_bytes(spec, tokens=int(m), tp=tp, moe=moe, compute_bytes=c,
+                                             router_tokens=mn if sp and tp > 1 else None)
     else:
         mlp = ((5 if hf else 2) if gpt else 4) * c * m * f / tp
     return norms + attn + mlp

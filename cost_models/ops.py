@@ -539,6 +539,9 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
         weights = stream_bytes(fw) * moe.routed * spec.num_experts_per_tok
         fwd_comm += (Comm("all_gather", weights, "tp"), Comm("all_gather", INDEX_BYTES * weights / stream_bytes(fw), "tp"))
         bwd_comm += (Comm("reduce_scatter", weights, "tp"),)
+        if spec.shared_expert_gate:  # the shared expert's sigmoid gate, a compute-dtype value per token, likewise
+            fwd_comm += (Comm("all_gather", ACT_BYTES * m, "tp"),)
+            bwd_comm += (Comm("reduce_scatter", ACT_BYTES * m, "tp"),)
     if moe is not None and moe.a2a_bytes:
         dispatch = combine = Comm("all_to_all", moe.a2a_bytes, "ep", moe.a2a_leaving)  # the compute dtype
         if eager:  # the runtime: the counts per rank and the copies' int64 ids first; the copies in the stream's dtype

@@ -388,8 +388,11 @@ def _backend_collectives_unrecorded() -> None:
 def _layer_inventory(runner, x, positions, sp: bool, record) -> dict[str, tuple[int, int, int, int]]:  # noqa: ANN001
     """(kernels, bytes, weight kernels, weight bytes) of the runner's first layer, forward and
     backward, under bf16 autocast as the runtime trains (the rotary tables built beforehand, once
-    per forward for every layer)."""
+    per forward for every layer), and the bytes autograd keeps for its backward (``saved``: every
+    saved tensor's storage, the input and the weights' casts included, the weights and the rotary
+    tables, which every layer shares, left out)."""
     from runtime.model import Rope, _layer
+    from tests.test_cost_memory import _saved_storage_bytes
 
     spec = runner.shard.spec
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -398,8 +401,12 @@ def _layer_inventory(runner, x, positions, sp: bool, record) -> dict[str, tuple[
             rope(torch.bfloat16)
             rope(torch.float32)  # for q and k in fp32 after their norms
         COLLECTIVES.clear()
+        out = []
         with record() as fwd:
-            y = _layer(runner.shard, 0, x, positions, None, sp, None, rope)
+            tables = [t for pair in (rope._by_dtype.values() if rope is not None else ()) for t in pair]
+            saved = _saved_storage_bytes([*runner.shard.params.values(), *tables],  # every layer's rotary tables
+                                         lambda: out.append(_layer(runner.shard, 0, x, positions, None, sp, None, rope)))
+        y = out[0]
     fwd_comm = sorted(COLLECTIVES)
     grad = torch.randn_like(y)
     COLLECTIVES.clear()
@@ -407,7 +414,7 @@ def _layer_inventory(runner, x, positions, sp: bool, record) -> dict[str, tuple[
         y.backward(grad)
     return {"fwd": (fwd.kernels, fwd.bytes, fwd.weight_kernels, fwd.weight_bytes),
             "bwd": (bwd.kernels, bwd.bytes, bwd.weight_kernels, bwd.weight_bytes),
-            "fwd_comm": fwd_comm, "bwd_comm": sorted(COLLECTIVES)}
+            "fwd_comm": fwd_comm, "bwd_comm": sorted(COLLECTIVES), "saved": saved}
 
 
 def _dense_tp_worker(rank: int, port: int, out_dir: str) -> None:
@@ -455,11 +462,14 @@ def test_the_runtime_layers_at_tp2_launch_the_kernels_the_torch_preset_prices(tm
     besides each rank's share of the layer's kernels, under sequence parallel every all-gather and
     reduce-scatter along the sequence copies its input and its output (a transpose made
     contiguous), and without it the backward all-reduce of each block's input gradient clones it
-    first (`Framework.tp_copies`); by number and bytes, forward and backward, weights apart."""
+    first (`Framework.tp_copies`); by number and bytes, forward and backward, weights apart; and
+    what autograd keeps for backward (`memory.eager_layer_saved_bytes` at tp 2)."""
     import json
 
     import torch.multiprocessing as mp
 
+    from cost_models.memory import eager_layer_saved_bytes
+    from cost_models.ops import layer_cast_params
     from tests.test_runtime_parallel import _free_port
 
     mp.spawn(_dense_tp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
@@ -478,6 +488,11 @@ def test_the_runtime_layers_at_tp2_launch_the_kernels_the_torch_preset_prices(tm
         assert (fk + fwk, fb + fwb) == want_fwd, case
         assert (bk, bb) == want_bwd, case
         assert bwk == work.grad_tensors, case
+        # What autograd keeps on a rank, byte for byte: the layer's activations as the memory model
+        # counts them at tp 2 (the norms' regions a chunk of the sequence under sequence parallel) and
+        # the rank's weights' casts.
+        kept = eager_layer_saved_bytes(spec, b=TP_B, s=TP_S, tp=2, sp=sp == "True", recompute="none", compute_bytes=2)
+        assert got["saved"] == kept + 2 * layer_cast_params(spec, sparse=False, tp=2), case
         # Every collective by kind and bytes: the blocks' inputs go in the stream's fp32, their outputs
         # in bf16 (and OLMoE's sums of squares, a value per token).
         assert got["fwd_comm"] == _model_comm(work.fwd_comm), case
@@ -536,7 +551,7 @@ def _moe_inventory(name: str, groups, b: int = MOE_B, s: int = MOE_S) -> dict[st
 MOE_LAYOUTS = {"ep": dict(dp=2, ep=2), "tp-sp": dict(tp=2, etp=2, sequence_parallel=True)}
 
 
-def _moe_worker(rank: int, port: int, out_dir: str, layout: str) -> None:
+def _moe_worker(rank: int, port: int, out_dir: str, layout: str, name: str) -> None:
     import json
 
     import torch.distributed as dist
@@ -549,14 +564,14 @@ def _moe_worker(rank: int, port: int, out_dir: str, layout: str) -> None:
     try:
         groups = Groups(distributed=True).build(Mesh.block(0, 2), Layout(**MOE_LAYOUTS[layout]), rank=rank, tied=False)
         with open(f"{out_dir}/rank{rank}.json", "w") as fh:
-            json.dump(_moe_inventory("routed", groups, *((MOE_B_SP, MOE_S_SP) if layout == "tp-sp" else (MOE_B, MOE_S))),
+            json.dump(_moe_inventory(name, groups, *((MOE_B_SP, MOE_S_SP) if layout == "tp-sp" else (MOE_B, MOE_S))),
                       fh)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("name,layout", [("routed", None), ("shared-gated", None), ("routed", "ep"),
-                                         ("routed", "tp-sp")])
+                                         ("routed", "tp-sp"), ("shared-gated", "tp-sp")])
 def test_the_runtime_moe_layer_launches_the_kernels_the_torch_preset_prices(name, layout, tmp_path):
     """`torch` against the runtime's mixture-of-experts layer (`runtime/model._sparse_mlp` and
     `_experts`: routing in PyTorch ops, a Python loop over the experts; with ep 2 on two gloo
@@ -571,7 +586,8 @@ def test_the_runtime_moe_layer_launches_the_kernels_the_torch_preset_prices(name
     are distinct so no activation has a weight's shape."""
     import json
 
-    from cost_models.ops import ExpertLoad
+    from cost_models.memory import eager_layer_saved_bytes
+    from cost_models.ops import ExpertLoad, layer_cast_params
     from plans import Layout
     from runtime.groups import solo_groups
 
@@ -582,10 +598,10 @@ def test_the_runtime_moe_layer_launches_the_kernels_the_torch_preset_prices(name
 
         from tests.test_runtime_parallel import _free_port
 
-        mp.spawn(_moe_worker, args=(_free_port(), str(tmp_path), layout), nprocs=2, join=True)
+        mp.spawn(_moe_worker, args=(_free_port(), str(tmp_path), layout, name), nprocs=2, join=True)
         ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
         assert ranks[0] == ranks[1]  # the same load on both
-        got = {k: tuple(v) for k, v in ranks[0].items()}
+        got = {k: tuple(v) if isinstance(v, list) else v for k, v in ranks[0].items()}
     ep, tp = (2, 1) if layout == "ep" else (1, 2) if layout == "tp-sp" else (1, 1)
     b, s = (MOE_B_SP, MOE_S_SP * tp) if layout == "tp-sp" else (MOE_B, MOE_S)
     t, k, e = b * s, MOE_K, MOE_E
@@ -602,6 +618,11 @@ def test_the_runtime_moe_layer_launches_the_kernels_the_torch_preset_prices(name
     assert (bk, bb) == want_bwd
     assert bwk == work.grad_tensors
     assert work.grad_accum.bytes - bwb == 6 * 2 * MOE_H  # the norms' fp32 weights, never cast
+    # What autograd keeps: the layer's activations as the memory model counts them (under expert
+    # parallelism with the exchange's orders, under sequence parallelism the router on the rank's
+    # chunk), and the weights' casts.
+    kept = eager_layer_saved_bytes(spec, b=b, s=s, tp=tp, sp=tp > 1, recompute="none", compute_bytes=2, moe=moe)
+    assert got["saved"] == kept + 2 * layer_cast_params(spec, sparse=True, tp=tp, ep=ep, etp=tp)
     if layout is not None:  # every collective by kind and bytes (the token copies leave in fp32, return in bf16)
         assert list(got["fwd_comm"]) == _model_comm(work.fwd_comm)
         assert list(got["bwd_comm"]) == _model_comm(work.bwd_comm)
