@@ -374,6 +374,13 @@
    sample 6.72% (multi-node), 6.79% -> 6.82% (single-node), out of sample 7.89% -> 7.88% and
    7.65% -> 7.69%; not refitted.
 
+   The head's input-gradient collective under its weight-gradient GEMM where the stack overlaps
+   them (`Framework.tp_dgrad_overlap`; Megatron's output layer is a column-parallel linear), read
+   in Megatron-LM's source after every table above had been seen: Korthikanti 10.06% -> 9.96%,
+   NeMo 6.52% -> 6.60%, H100 14.43% -> 14.42%, MoE 7.47% -> 7.48%, the 34 pooled rows +1.81% ->
+   +1.83% (6.94%); vTrain in sample 6.72% -> 6.69% (multi-node), 6.82% (single-node), out of
+   sample 7.88% -> 7.76% and 7.69% -> 7.70%; not refitted.
+
 3. Out of sample on the vTrain rows (``--cross-validate``): leave one model size out. For each
    size, the coefficients are fitted again, from the same fixed start as `planner calibrate`, on
    every row of the other sizes (both files, equal weight), and the held-out size's rows are

@@ -1034,8 +1034,11 @@ def ends_comm(spec: ModelSpec, fw: Framework, *, head: Head, b: int, s: int, tp:
     if head == "value" and fw.runtime_ends:
         return emb_f, emb_b, ((Comm("all_gather", 4.0 * m, "tp"),) if sp else ()), ()
     enter = stream_bytes(fw) * m * h
-    head_f, head_b = ((Comm("all_gather", enter, "tp"),), (Comm("reduce_scatter", enter, "tp"),)) if sp else \
-        ((), (Comm("all_reduce", enter, "tp"),))
+    # The input gradient's collective runs under the head's weight gradient where the stack overlaps
+    # them (`Framework.tp_dgrad_overlap`: Megatron's output layer is a column-parallel linear too).
+    wgrad = gemm_bwd(gemm(m, -(-spec.vocab_size // tp), h), fused_accum_bytes(fw))[1]
+    head_f, head_b = ((Comm("all_gather", enter, "tp"),), (Comm("reduce_scatter", enter, "tp", under=wgrad),)) \
+        if sp else ((), (Comm("all_reduce", enter, "tp", under=wgrad),))
     if head == "lm":
         unfused = fw.loss_fwd == UNFUSED_CROSS_ENTROPY[0]
         for r in head_chunks(fw, m=m, vt=-(-spec.vocab_size // tp)) if fw.runtime_ends else [m]:

@@ -289,7 +289,7 @@ def _ends_of(spec: ModelSpec, fw: Framework, hw: Hardware, tp: int, cp: int, sp:
         hcf = sample_comm(spec, fw, rows=b * head_tokens, tp=tp)
     g = {"tp": tp_group}
     return (stretch_of(ef, ecf, g, hw), stretch_of(eb, ecb, g, hw), stretch_of(hf, hcf, g, hw),
-            stretch_of(hb, hcb, g, hw))
+            stretch_of(hb, hcb, g, hw, dgrad_overlap=fw.tp_dgrad_overlap))
 
 
 def pipeline_s(stage_s: list[float], *, m: int, interleave: int, host_s: float) -> tuple[float, float]:
