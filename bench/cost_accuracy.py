@@ -364,7 +364,7 @@
    ``q_layernorm`` and ``k_layernorm``). Only the MoE rows are Qwen3: MoE 8.31% (+3.39%) -> 7.48%
    (+1.87%), the 34 pooled rows 7.04% (+2.01%) -> 6.94% (+1.84%); nothing else moved.
 
-   The ends' tensor-parallel collectives as each stack runs them (`cost_models.ops.ends_comm`:
+   The ends' tensor-parallel collectives as each stack runs them (`cost_models.ops.lookup_comm`, `head_comm`:
    under sequence parallelism the lookup's rows reduce-scattered and the head's input
    all-gathered, where one all-reduce each way had stood; the vocabulary-parallel log-softmax's
    per-token all-reduces) and the runtime's in the dtype it sends (fp32 stream and table), checked

@@ -35,10 +35,10 @@ from cost_models.lengths import LengthDist, decode_segments
 from cost_models.memory import kv_cache_bytes
 from cost_models.ops import (
     embedding_work,
-    ends_comm,
     expert_load,
     gemm,
     layer_work,
+    lookup_comm,
     mean_layer_params,
     mem,
     sample_comm,
@@ -99,7 +99,7 @@ def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, 
     sampled = spec.vocab_size if fw.logits_all_gather else spec.vocab_size / tp
     head = (gemm(b, -(-spec.vocab_size // tp), spec.hidden_size), mem(SAMPLE_BYTES * b * sampled))
     # The lookup's rows reduced over the group, the next token chosen over it.
-    lookup = ends_comm(spec, fw, head="lm", b=b, s=1, tp=tp, cp=1, sp=False)[0]
+    lookup, _ = lookup_comm(spec, fw, b=b, s=1, tp=tp, cp=1, sp=False)
     ends = stretch_of(ef + head, lookup + sample_comm(spec, fw, rows=b, tp=tp), g, hw)
     if fw.decode_cuda_graphs and hw.sm_count is not None:  # one launch for the whole step
         ends = dataclasses.replace(ends, host_s=hw.host_kernel_s)

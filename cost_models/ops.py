@@ -1005,46 +1005,48 @@ def head_chunks(fw: Framework, *, m: int, vt: int) -> list[int]:
     return [min(rows, m - lo) for lo in range(0, m, rows)]
 
 
-def ends_comm(spec: ModelSpec, fw: Framework, *, head: Head, b: int, s: int, tp: int, cp: int, sp: bool) -> tuple[
-        tuple[Comm, ...], tuple[Comm, ...], tuple[Comm, ...], tuple[Comm, ...]]:
-    """The ends' tensor-parallel collectives for one micro-batch: (embedding forward, its backward,
-    head forward, its backward).
+def lookup_comm(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: int, sp: bool) -> tuple[
+        tuple[Comm, ...], tuple[Comm, ...]]:
+    """The vocabulary-parallel lookup's collectives for one micro-batch (forward, backward): its
+    rows summed over the group in the table's dtype, under sequence parallelism reduce-scattered
+    along the sequence (backward all-gathered), else all-reduced (backward nothing)."""
+    if tp == 1:
+        return (), ()
+    table = fw.param_bytes * b * (s // cp) * spec.hidden_size
+    if sp:
+        return (Comm("reduce_scatter", table, "tp"),), (Comm("all_gather", table, "tp"),)
+    return (Comm("all_reduce", table, "tp"),), ()
 
-    The vocabulary-parallel lookup's rows are summed over the group in the table's dtype, under
-    sequence parallelism reduce-scattered along the sequence (backward all-gathered), else
-    all-reduced (backward nothing). The column-parallel LM head takes the hidden states as a
-    block's input, in the stream's dtype: under sequence parallelism all-gathered (backward the
-    input gradient reduce-scattered), else backward all-reduced. Its log-probabilities assemble
-    the group's maximum (an fp32 value per token, all-reduced) and sums of exponentials with the
-    targets' logits (two, all-reduced together; Megatron's unfused cross entropy reduces them one
-    at a time), per chunk of the runtime's logits. The runtime's value head is replicated: each
-    rank scores its own tokens, and under sequence parallelism the fp32 values are all-gathered
+
+def head_comm(spec: ModelSpec, fw: Framework, *, head: Head, b: int, s: int, tp: int, cp: int, sp: bool) -> tuple[
+        tuple[Comm, ...], tuple[Comm, ...]]:
+    """The head's collectives for one micro-batch (forward, backward). The column-parallel LM head
+    takes the hidden states as a block's input, in the stream's dtype: under sequence parallelism
+    all-gathered (backward the input gradient reduce-scattered), else backward all-reduced, under
+    its weight gradient where the stack overlaps them (`Framework.tp_dgrad_overlap`: Megatron's
+    output layer is a column-parallel linear too). Its log-probabilities assemble the group's
+    maximum (an fp32 value per token, all-reduced) and sums of exponentials with the targets'
+    logits (two, all-reduced together; Megatron's unfused cross entropy reduces them one at a
+    time), per chunk of the runtime's logits. The runtime's value head is replicated: each rank
+    scores its own tokens, and under sequence parallelism the fp32 values are all-gathered
     (backward each rank takes its own)."""
     if tp == 1:
-        return (), (), (), ()
+        return (), ()
     m = b * (s // cp)
-    h = spec.hidden_size
-    table = fw.param_bytes * m * h
-    emb_f: tuple[Comm, ...]
-    emb_b: tuple[Comm, ...]
-    head_f: tuple[Comm, ...]
-    head_b: tuple[Comm, ...]
-    emb_f, emb_b = ((Comm("reduce_scatter", table, "tp"),), (Comm("all_gather", table, "tp"),)) if sp else \
-        ((Comm("all_reduce", table, "tp"),), ())
     if head == "value" and fw.runtime_ends:
-        return emb_f, emb_b, ((Comm("all_gather", 4.0 * m, "tp"),) if sp else ()), ()
-    enter = stream_bytes(fw) * m * h
-    # The input gradient's collective runs under the head's weight gradient where the stack overlaps
-    # them (`Framework.tp_dgrad_overlap`: Megatron's output layer is a column-parallel linear too).
-    wgrad = gemm_bwd(gemm(m, -(-spec.vocab_size // tp), h), fused_accum_bytes(fw))[1]
-    head_f, head_b = ((Comm("all_gather", enter, "tp"),), (Comm("reduce_scatter", enter, "tp", under=wgrad),)) \
-        if sp else ((), (Comm("all_reduce", enter, "tp", under=wgrad),))
+        return ((Comm("all_gather", 4.0 * m, "tp"),) if sp else ()), ()
+    enter = stream_bytes(fw) * m * spec.hidden_size
+    vt = -(-spec.vocab_size // tp)
+    wgrad = gemm_bwd(gemm(m, vt, spec.hidden_size), fused_accum_bytes(fw))[1]
+    fwd: tuple[Comm, ...]
+    fwd, bwd = ((Comm("all_gather", enter, "tp"),), (Comm("reduce_scatter", enter, "tp", under=wgrad),)) if sp \
+        else ((), (Comm("all_reduce", enter, "tp", under=wgrad),))
     if head == "lm":
         unfused = fw.loss_fwd == UNFUSED_CROSS_ENTROPY[0]
-        for r in head_chunks(fw, m=m, vt=-(-spec.vocab_size // tp)) if fw.runtime_ends else [m]:
-            head_f += (Comm("all_reduce", 4.0 * r, "tp"),) * 3 if unfused else \
+        for r in head_chunks(fw, m=m, vt=vt) if fw.runtime_ends else [m]:
+            fwd += (Comm("all_reduce", 4.0 * r, "tp"),) * 3 if unfused else \
                 (Comm("all_reduce", 4.0 * r, "tp"), Comm("all_reduce", 8.0 * r, "tp"))
-    return emb_f, emb_b, head_f, head_b
+    return fwd, bwd
 
 
 def sample_comm(spec: ModelSpec, fw: Framework, *, rows: int, tp: int) -> tuple[Comm, ...]:

@@ -32,13 +32,14 @@ from cost_models.ops import (
     Comm,
     Kernel,
     embedding_work,
-    ends_comm,
     expert_load_at,
     expert_params_per_rank,
+    head_comm,
     head_work,
     host_launches,
     layer_params_per_rank,
     layer_work,
+    lookup_comm,
     sample_comm,
 )
 from plans.layout import Layout
@@ -283,8 +284,8 @@ def _ends_of(spec: ModelSpec, fw: Framework, hw: Hardware, tp: int, cp: int, sp:
     ef, eb = embedding_work(spec, fw, b=b, s=s, tp=tp, cp=cp, sp=sp and head_tokens is None)
     hs = s if head_tokens is None else head_tokens * cp
     hf, hb = head_work(spec, fw, head=head, b=b, s=hs, tp=tp, cp=cp, sp=sp and head_tokens is None, loss=loss)
-    ecf, ecb, _, _ = ends_comm(spec, fw, head=head, b=b, s=s, tp=tp, cp=cp, sp=sp and head_tokens is None)
-    _, _, hcf, hcb = ends_comm(spec, fw, head=head, b=b, s=hs, tp=tp, cp=cp, sp=sp and head_tokens is None)
+    ecf, ecb = lookup_comm(spec, fw, b=b, s=s, tp=tp, cp=cp, sp=sp and head_tokens is None)
+    hcf, hcb = head_comm(spec, fw, head=head, b=b, s=hs, tp=tp, cp=cp, sp=sp and head_tokens is None)
     if head_tokens is not None:  # a prefill: the runtime chooses each row's first token
         hcf = sample_comm(spec, fw, rows=b * head_tokens, tp=tp)
     g = {"tp": tp_group}

@@ -793,7 +793,7 @@ def test_the_runtime_ends_at_tp2_launch_the_kernels_the_torch_preset_prices(tmp_
 
     import torch.multiprocessing as mp
 
-    from cost_models.ops import ends_comm
+    from cost_models.ops import head_comm, lookup_comm
     from tests.test_runtime_parallel import _free_port
 
     mp.spawn(_ends_tp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
@@ -807,7 +807,8 @@ def test_the_runtime_ends_at_tp2_launch_the_kernels_the_torch_preset_prices(tmp_
         want = _ends_model(_ends_spec(name), fw, head, b=ENDS_B, s=ENDS_S, tp=2, sp=sp == "True")
         # Every collective by kind and bytes: the lookup's rows in the fp32 table's dtype, the hidden
         # states entering the head in the stream's fp32, a value or two per token for the log-softmax.
-        ef, eb, hf, hb = ends_comm(_ends_spec(name), fw, head=head, b=ENDS_B, s=ENDS_S, tp=2, cp=1, sp=sp == "True")
+        ef, eb = lookup_comm(_ends_spec(name), fw, b=ENDS_B, s=ENDS_S, tp=2, cp=1, sp=sp == "True")
+        hf, hb = head_comm(_ends_spec(name), fw, head=head, b=ENDS_B, s=ENDS_S, tp=2, cp=1, sp=sp == "True")
         assert got.pop("comm") == {"emb_fwd": _model_comm(ef), "head_fwd": _model_comm(hf),
                                    "bwd": _model_comm(eb + hb)}, case
         assert {k: tuple(v) for k, v in got.items()} == want, case
@@ -852,13 +853,13 @@ def _generate_tp_worker(rank: int, port: int, out_dir: str) -> None:
 def test_the_runtime_generation_at_tp2_runs_the_collectives_the_torch_preset_prices(tmp_path):
     """The runtime's generation on two gloo ranks at tp 2: every collective of the prefill and of
     each decode step, by kind and bytes, against what `cost_models.generation` prices (a layer's
-    `fwd_comm`; the lookup's rows reduced in the fp32 table, `ends_comm`; each row's next token
+    `fwd_comm`; the lookup's rows reduced in the fp32 table, `lookup_comm`; each row's next token
     chosen over the vocabulary blocks and its log-probability, `sample_comm`)."""
     import json
 
     import torch.multiprocessing as mp
 
-    from cost_models.ops import ends_comm, sample_comm
+    from cost_models.ops import lookup_comm, sample_comm
     from tests.test_runtime_parallel import _free_port
 
     mp.spawn(_generate_tp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
@@ -871,7 +872,7 @@ def test_the_runtime_generation_at_tp2_runs_the_collectives_the_torch_preset_pri
 
         def step(spec, s: int, ctx: int) -> tuple:  # noqa: ANN001, ANN202 - one step over s new positions
             layer = layer_work(spec, fw, b=GEN_B, s=s, tp=2, cp=1, sp=False, kv_len=ctx).fwd_comm
-            lookup = ends_comm(spec, fw, head="lm", b=GEN_B, s=s, tp=2, cp=1, sp=False)[0]
+            lookup, _ = lookup_comm(spec, fw, b=GEN_B, s=s, tp=2, cp=1, sp=False)
             return layer * spec.num_hidden_layers + lookup + sample_comm(spec, fw, rows=GEN_B, tp=2)
 
         want = step(spec, GEN_P, GEN_P) + sum((step(spec, 1, GEN_P + k) for k in range(1, GEN_LEN)), ())
