@@ -5,7 +5,9 @@ Each workload is compiled twice by the same search, once with every generate cal
 call may prefill with one layout (for prompts of 16k tokens or more, context parallel among
 them) and decode with another on the same GPUs, paying for moving the weights and the prefilled
 KV cache between them (`CostModel.realloc_cost`, `kv_reshard_cost`).
-It prints both plans' generate layouts, iteration times, the win and the compile times. The
+It prints both plans' generate layouts, iteration times, the win and the compile times. Only
+the planner's runtime (framework torch) runs such plans: the RLHF engines' stacks (vllm,
+rlhf-engine, rlhf-engine-hf) decode where they prefill, so their plans never split. The
 runtime runs such plans (`tests/test_runtime_seesaw.py`: 4 gloo ranks equal to the reference,
 exactly the elements charged moved). Last, a workload of few long sequences: its generate call as
 compiled (a context-parallel prefill, then KV-parallel decode, Mnemosyne's KVP: each rank attends
@@ -35,9 +37,6 @@ WORKLOADS = [
     # long prompts: the prefill is compute-bound, the decode bound by reading weights and cache
     ("GRPO qwen2.5-7b, 8k prompts, 512 new tokens, 8 H100s, torch",
      dict(actor="qwen2.5-7b", batch=32, samples_per_prompt=4, prompt_len=8192, gen_len=512), "h100-sxm:1x8", "torch"),
-    ("GRPO qwen2.5-7b, 8k prompts, 512 new tokens, 8 H100s, rlhf-engine",
-     dict(actor="qwen2.5-7b", batch=32, samples_per_prompt=4, prompt_len=8192, gen_len=512), "h100-sxm:1x8",
-     "rlhf-engine"),
     # prompts of 32k tokens: the prefill also splits each prompt over context-parallel ranks
     ("GRPO qwen2.5-7b, 32k prompts, 256 new tokens, 8 H100s, torch",
      dict(actor="qwen2.5-7b", batch=8, samples_per_prompt=4, prompt_len=32768, gen_len=256), "h100-sxm:1x8", "torch"),

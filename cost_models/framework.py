@@ -39,6 +39,10 @@ kernels a training step launches and which bytes it keeps. Five presets:
   the low end of its published share of the peak (`UNCALIBRATED_ATTENTION_SHARE`: 50% on an A100,
   35% on an H100), and the kernels are its own.
 
+A stack that stands for other engines (verl, OpenRLHF, vLLM) also says which layouts they run
+(`Framework.layouts`, `EngineLayouts`), and the search keeps its plans to them
+(`engine_layout_problems`, `planner.candidates.runnable_layouts`).
+
 Every stack with fused attention times it at its kernel's published speed by head dim and length
 (`Framework.attention_kernels`, `cost_models.attention`): short sequences run well below long ones.
 
@@ -84,6 +88,27 @@ class QkNormKernels:
     bwd: tuple[float, ...]
     bwd_rows: tuple[float, ...]
     out_fp32: bool = False
+
+
+@dataclass(frozen=True)
+class EngineLayouts:
+    """The layouts the engines a stack stands for can run, which the search keeps to: a plan
+    costed for a stack holds only layouts its engines take (the defaults: any layout)."""
+
+    engines: str = ""  # who runs the stack, for messages
+    # Train and inference calls: tensor, pipeline and expert parallel (False: data and context
+    # parallel only, the model's layers whole on each rank, as FSDP and DeepSpeed ZeRO hold them).
+    model_parallel: bool = True
+    # Train and inference calls whose states more than one rank shares: the ZeRO stages the
+    # engines have (None: any; an inference call at 0 replicates the weights).
+    zero: tuple[int, ...] | None = None
+    # Generate calls: pipeline-parallel stages, context-parallel prefill / KV-parallel decode, a
+    # decode layout other than the prefill's, and experts split over tp as well as ep.
+    rollout_pipeline: bool = True
+    rollout_context: bool = True
+    split_decode: bool = True
+    rollout_expert_parallel: bool = True
+    rollout_expert_tp: bool = True
 
 
 @dataclass(frozen=True)
@@ -310,6 +335,8 @@ class Framework:
     # by head dim and keys per query (`cost_models.attention`); an architecture not listed keeps
     # the calibration's `attention_efficiency` at every length.
     attention_kernels: tuple[tuple[str, str], ...] = ()
+    # What layouts the stack's engines run (`engine_layout_problems`).
+    layouts: EngineLayouts = EngineLayouts()
 
     def for_rollouts(self) -> Framework:
         """The traits its generate calls are costed with: the rollout engine's way of running
@@ -423,6 +450,30 @@ RUNTIME_QK_NORM = {
                           bwd_rows=(8.0, 8.0, 12.0, 8.0), out_fp32=True),
 }
 
+
+# What the engines each RLHF stack exports to run (`planner export`), which its plans keep to.
+# vLLM as verl and OpenRLHF start it: one engine per tensor-parallel group, every sequence on one
+# engine (no context-parallel prefill or KV-parallel decode) and one layout for prefill and decode;
+# vLLM serves pipeline-parallel engines itself, which neither RLHF engine asks for.
+VLLM_LAYOUTS = EngineLayouts(engines="vLLM", rollout_context=False, split_decode=False)
+# verl's Megatron workers train and score with any Megatron-Core layout; the distributed optimizer
+# is ZeRO-1 (reduce-scattered gradients into a whole buffer) and Megatron's FSDP ZeRO-3: no ZeRO-2.
+# Its vLLM rollouts take a tensor-parallel size and, for experts, an expert-parallel size over the
+# whole engine (each expert whole: verl checks expert_parallel_size == tp x dp).
+VERL_MEGATRON_LAYOUTS = EngineLayouts(engines="verl's Megatron workers with vLLM rollouts", zero=(0, 1, 3),
+                                      rollout_pipeline=False, rollout_context=False, split_decode=False,
+                                      rollout_expert_tp=False)
+# OpenRLHF (DeepSpeed) and verl's FSDP workers hold each HF model's layers whole on every rank,
+# sharded by ZeRO-3 (verl's FSDP workers shard every model, frozen ones too: FULL_SHARD; OpenRLHF's
+# forward-only models follow --ds.zero_stage 3); sequences split by ring attention or Ulysses
+# (context parallel). OpenRLHF's DeepSpeed AutoTP is not what this stack prices (its tensor-parallel
+# layers overlap no collective with the weight gradient) and verl's FSDP workers have none, so a
+# plan for both holds no tensor parallel in training or scoring. Their vLLM rollouts: tensor
+# parallel only (OpenRLHF has no expert-parallel flag for its engines).
+HF_ENGINE_LAYOUTS = EngineLayouts(engines="OpenRLHF and verl's FSDP workers with vLLM rollouts", model_parallel=False,
+                                  zero=(3,), rollout_pipeline=False, rollout_context=False, split_decode=False,
+                                  rollout_expert_parallel=False, rollout_expert_tp=False)
+
 FRAMEWORKS: dict[str, Framework] = {
     "megatron": Framework(
         name="megatron", attention="materialized", dropout=True, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
@@ -458,7 +509,7 @@ FRAMEWORKS: dict[str, Framework] = {
         name="rlhf-engine", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
         decode_cuda_graphs=True, logits_all_gather=True, decode_drops_finished=True, expert_gemms="per_expert", rollout_expert_gemms="grouped",
-        attention_kernels=TE_ATTENTION, tp_dgrad_overlap=True,
+        attention_kernels=TE_ATTENTION, tp_dgrad_overlap=True, layouts=VERL_MEGATRON_LAYOUTS,
     ),
     # The same engines training HF transformers models (verl's FSDP workers, OpenRLHF on
     # DeepSpeed) with `attn_implementation="flash_attention_2"`: activations as HF's eager layers
@@ -484,6 +535,7 @@ FRAMEWORKS: dict[str, Framework] = {
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), layernorm=LAYER_NORM_KERNELS[2], split_projections=True,
         gpt_split_projections=False, bias_grads_apart=True, qkv_grad_cat=True, gelu_fwd=HF_GELU_NEW[0],
         gelu_bwd=HF_GELU_NEW[1], rollouts_fused=True, qk_norm_kernels=(("head", HF_QK_NORM), ("proj", HF_QK_NORM)),
+        layouts=HF_ENGINE_LAYOUTS,
     ),
     # vLLM as verl and OpenRLHF run it for rollouts: bf16 weights, fused kernels, decode steps
     # replayed as CUDA graphs (its generate calls; it does not train).
@@ -491,6 +543,7 @@ FRAMEWORKS: dict[str, Framework] = {
         name="vllm", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
         decode_cuda_graphs=True, logits_all_gather=True, decode_drops_finished=True, attention_kernels=VLLM_ATTENTION,
+        layouts=VLLM_LAYOUTS,
     ),
     # Fused AdamW over fp32 p, g, m, v: read 16, write 12, zero the gradient 4. A micro-batch's
     # weight gradient: bf16 to fp32 (2+4, the weight cast's backward), accumulated (4+4+4). Its
@@ -545,3 +598,37 @@ def resolve_framework(fw: str | Framework) -> Framework:
     if fw not in FRAMEWORKS:
         raise PlannerError(f"unknown framework {fw!r}", hint=f"known: {', '.join(FRAMEWORKS)}")
     return FRAMEWORKS[fw]
+
+
+def engine_layout_problems(fw: Framework, kind: str, layout: Layout, decode_layout: Layout | None = None) -> list[str]:
+    """Why the engines `fw` stands for cannot run a `kind` call ("train", "inference" or
+    "generate") with `layout` (and `decode_layout`); empty when they can."""
+    rules = fw.layouts
+    who = rules.engines or f"framework {fw.name}"
+    out = []
+    if kind == "generate":
+        dec = decode_layout or layout
+        if not rules.rollout_pipeline and max(layout.pp, dec.pp) > 1:
+            out.append(f"pipeline-parallel generation (pp={max(layout.pp, dec.pp)}) is not run by {who}: they give "
+                       "vLLM a tensor-parallel size only")
+        if not rules.rollout_context and max(layout.cp, dec.cp) > 1:
+            out.append(f"context-parallel prefill / KV-parallel decode (cp={max(layout.cp, dec.cp)}) is not run by "
+                       f"{who}: each sequence stays on one engine")
+        if not rules.split_decode and decode_layout is not None and decode_layout != layout:
+            out.append(f"a decode layout ({decode_layout.short()}) other than the prefill's ({layout.short()}) is not "
+                       f"run by {who}: an engine decodes where it prefills")
+        if not rules.rollout_expert_parallel and max(dec.ep, layout.ep) > 1:
+            out.append(f"expert-parallel generation (ep={max(dec.ep, layout.ep)}) is not run by {who}: each engine "
+                       "rank holds every expert")
+        elif not rules.rollout_expert_tp and any(x.ep > 1 and x.etp > 1 for x in (layout, dec)):
+            out.append(f"experts split over both tp and ep in generation are not run by {who}: an engine splits "
+                       "whole experts over its ranks")
+        return out
+    if not rules.model_parallel and max(layout.tp, layout.pp, layout.ep, layout.etp) > 1:
+        out.append(f"tensor, pipeline or expert parallel ({layout.short()}) is not run by {who}: they hold every "
+                   "layer whole on each rank, sharded by ZeRO-3 over the data- and context-parallel ranks")
+    if rules.zero is not None and layout.dp * layout.cp > 1 and layout.zero not in rules.zero:
+        stages = " or ".join(str(z) for z in rules.zero)
+        held = "weights replicated (ZeRO-0)" if layout.zero == 0 else f"ZeRO-{layout.zero}"
+        out.append(f"{held} over {layout.dp * layout.cp} ranks is not run by {who}: they shard states by ZeRO-{stages}")
+    return out

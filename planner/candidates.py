@@ -17,6 +17,7 @@ from functools import cached_property, lru_cache
 from itertools import product
 
 from cost_models import CallCost, CostModel
+from cost_models.framework import engine_layout_problems
 from plans.cluster import ClusterSpec
 from plans.graph import Call, Graph, ModelDecl
 from plans.layout import GaLore, Layout, Mesh
@@ -167,6 +168,27 @@ def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) ->
     return list(_layouts_for(call.kind == "train", call.step_seqs, call.seq_len, decl.spec, size, cluster.gpus_per_node))
 
 
+def runnable_layouts(call: Call, decl: ModelDecl, size: int, cm: CostModel) -> list[Layout]:
+    """`layouts_for`, kept to those the stack the plan is costed for runs (`cm.framework`): the
+    runtime's way of splitting experts under framework torch, the engines' layouts under an
+    export stack (`engine_layout_problems`). Where those engines shard forward-only models
+    (verl's FSDP workers: no ZeRO-0 over several ranks), an inference call's layouts take the
+    ZeRO stage they shard with."""
+    fw = cm.framework
+    stages = fw.layouts.zero
+    shard = max(stages) if call.kind == "inference" and stages is not None and 0 not in stages else 0
+    out = []
+    for lay in layouts_for(call, decl, size, cm.cluster):
+        if shard and lay.dp * lay.cp > 1:
+            lay = lay.model_copy(update={"zero": shard})
+        if fw.name == "torch" and expert_layout_problems(decl.spec, lay):
+            continue
+        if engine_layout_problems(fw, call.kind, lay):
+            continue
+        out.append(lay)
+    return out
+
+
 @lru_cache(maxsize=1024)
 def _layouts_for(train: bool, seqs: int, seq_len: int, spec: ModelSpec, size: int, gpus_per_node: int) -> tuple[Layout, ...]:
     out: list[Layout] = []
@@ -252,12 +274,9 @@ def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpa
     for size in mesh_sizes(cluster, space):
         mesh = Mesh.block(0, size)
         costed = []
-        # A plan for the planner's runtime (framework torch) splits experts only as it runs them.
-        runtime = cm.framework.name == "torch"
         # Layouts whose model states alone exceed the memory are not costed (they cannot fit).
-        allowed = [lay for lay in layouts_for(call, decl, size, cluster)
-                   if (space.layout_ok is None or space.layout_ok(call, decl, lay))
-                   and not (runtime and expert_layout_problems(decl.spec, lay))]
+        allowed = [lay for lay in runnable_layouts(call, decl, size, cm)
+                   if space.layout_ok is None or space.layout_ok(call, decl, lay)]
         valid = [lay for lay in allowed if cm.state_floor_bytes(view, lay) <= cap]
         if call.kind == "train":
             # Layouts that do not fit need no time; without GaLore, only those that can be kept.
@@ -275,7 +294,7 @@ def call_candidates(call: Call, decl: ModelDecl, cm: CostModel, space: SearchSpa
         galore = space.galore is not None and call.kind == "train" and decl.trainable and len(costed) < len(allowed)
         if galore:
             costed += _galore_variants(call, view, cm, mesh, space, allowed, {c.layout for c in costed})
-        if call.kind == "generate" and space.split_decode and costed:
+        if call.kind == "generate" and space.split_decode and cm.framework.layouts.split_decode and costed:
             costed += _split_decode(call, view, cm, mesh, pareto(costed)[:SPLIT_DECODE_PREFILLS], valid)
             if call.prompt_len >= LONG_SEQ_TOKENS:  # long prompts: a context-parallel prefill, then decode
                 costed += _split_decode(call, view, cm, mesh, _cp_prefills(call, view, cm, mesh, valid), valid,
@@ -439,10 +458,8 @@ def min_memory_needed(call: Call, decl: ModelDecl, cm: CostModel, space: SearchS
     size = max(mesh_sizes(cluster, space))
     view = costed_view(call, decl)
     best = None
-    for lay in layouts_for(call, decl, size, cluster):
+    for lay in runnable_layouts(call, decl, size, cm):
         if space.layout_ok is not None and not space.layout_ok(call, decl, lay):
-            continue
-        if cm.framework.name == "torch" and expert_layout_problems(decl.spec, lay):
             continue
         peak = cm.call_cost(call, view, Mesh.block(0, size), lay).peak_mem_bytes
         best = peak if best is None else min(best, peak)
@@ -458,7 +475,7 @@ def layout_evaluations(graph: Graph, cm: CostModel, space: SearchSpace) -> dict[
         decl = graph.models[c.model]
         key = (c.kind, c.seqs, c.seq_len, c.gen_len, c.response_len, c.minibatches, c.returns, decl.spec, decl.head,
                decl.trainable and c.kind == "train")
-        out[c.name] = 0 if key in seen else sum(len(layouts_for(c, decl, size, cm.cluster))
+        out[c.name] = 0 if key in seen else sum(len(runnable_layouts(c, decl, size, cm))
                                                  for size in mesh_sizes(cm.cluster, space))
         seen.add(key)
     return out

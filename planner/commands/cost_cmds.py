@@ -73,6 +73,7 @@ def estimate(
     """
     from cost_models.calibration import load_calibration
     from cost_models.estimate import estimate_training, training_layout
+    from cost_models.framework import engine_layout_problems, resolve_framework
     from plans.cluster import parse_cluster, with_headroom
     from plans.model import resolve_model
 
@@ -109,6 +110,8 @@ def estimate(
                  f"({est.mem_capacity_bytes / GIB:.0f} GiB less {cl.headroom_bytes / GIB:.1f} GiB headroom): {verdict}")
     if tp > cl.gpus_per_node:
         head.add_row("note", f"tp={tp} spans nodes of {cl.gpus_per_node} GPUs: its all-reduces cross the network")
+    for why in engine_layout_problems(resolve_framework(framework.value), "train", layout):
+        head.add_row("note", f"{why}; `planner compile --framework {framework.value}` keeps to what they run")
     console.print(head)
     times = Table("time", "seconds", "share", title_justify="left")
     for k, v in sorted(est.time_breakdown_s.items(), key=lambda kv: -kv[1]):

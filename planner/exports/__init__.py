@@ -58,7 +58,31 @@ def export_plan(plan: Plan, target: str, *, call: str | None = None, version: st
                            "plan did not count",
                            hint="run the plan with the planner's runtime (python -m runtime PLAN), or compile it again "
                                 "without --galore-rank to export it")
-    return EXPORTERS[target](plan, call=call)
+    exp = EXPORTERS[target](plan, call=call)
+    note = stack_note(plan, target)
+    if note:
+        exp.notes.insert(0, note)
+    return exp
 
 
-__all__ = ["EXPORTERS", "TARGETS", "VERSIONS", "Export", "check_version", "export_plan"]
+# The framework presets (`cost_models.framework`) that cost each target's engines, the first the
+# one to compile with (verl: its Megatron workers; its FSDP workers are rlhf-engine-hf).
+STACKS: dict[str, tuple[str, ...]] = {"megatron": ("megatron-core", "megatron"),
+                                      "deepspeed": ("megatron-core", "rlhf-engine-hf"),
+                                      "verl": ("rlhf-engine", "rlhf-engine-hf"), "openrlhf": ("rlhf-engine-hf",)}
+
+
+def stack_note(plan: Plan, target: str) -> str | None:
+    """What to say when `plan` was costed for a stack other than `target`'s engines: its times,
+    memory and layouts are those of another software stack."""
+    fw = plan.estimate.framework or "torch"
+    ok = STACKS[target]
+    if fw in ok:
+        return None
+    alt = " or ".join(f"--framework {x}" for x in ok)
+    return (f"the plan was costed for framework {fw}, not for {TARGETS[target]}'s stack: its times, memory and "
+            f"layouts are those of {fw}'s kernels and engines; compile it with {alt} to cost it as the target runs "
+            "and keep it to layouts the target runs")
+
+
+__all__ = ["EXPORTERS", "STACKS", "TARGETS", "VERSIONS", "Export", "check_version", "export_plan"]

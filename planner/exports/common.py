@@ -168,7 +168,8 @@ EXPERT_PARALLEL_TARGETS = ("Megatron-LM", "verl")  # the targets with an expert-
 
 def common_limits(plan: Plan, target: str) -> list[str]:
     """What no engine here expresses: overlapped iterations; and, for the targets without expert
-    parallelism (DeepSpeed, OpenRLHF's DeepSpeed workers), experts split over ranks."""
+    parallelism (DeepSpeed, OpenRLHF's DeepSpeed workers), experts split over ranks (other than a
+    vLLM engine's tensor parallel, which splits every expert over its ranks as the plan's etp = tp)."""
     out = []
     if overlapping_iterations(plan):
         end = max(c.est_start_s + c.est_time_s for c in plan.calls)
@@ -177,6 +178,8 @@ def common_limits(plan: Plan, target: str) -> list[str]:
                    f"state {plan.estimate.iteration_s:.3g} s): {target} runs iterations one after another")
     if target not in EXPERT_PARALLEL_TARGETS:
         for c in plan.calls:
+            if c.kind == "generate" and c.layout.ep == 1:
+                continue  # experts split over tp alone (etp = tp): vLLM's tensor-parallel fused MoE
             if c.layout.ep > 1 or c.layout.etp > 1:
                 out.append(f"{c.name}: experts split over {c.layout.ep} expert-parallel x {c.layout.etp} tensor-parallel "
                            f"ranks; {target} holds every expert whole on each rank (ZeRO shards them like any weight)")

@@ -1,0 +1,96 @@
+"""A plan costed for an export stack keeps to the layouts that stack's engines run.
+
+`--framework rlhf-engine-hf` stands for OpenRLHF (DeepSpeed) and verl's FSDP workers, which hold
+each HF model's layers whole on every rank (ZeRO-3 shards them) and start vLLM engines with a
+tensor-parallel size only; `rlhf-engine` for verl's Megatron workers, which train with any
+Megatron-Core layout but have no ZeRO-2. Before the search knew this, the PPO below compiled
+for rlhf-engine-hf trained the actor at tp 2 with sequence parallelism and decoded generation on
+a pipeline-parallel layout of its own, which neither engine runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cost_models.framework import FRAMEWORKS, engine_layout_problems
+from planner.algorithms import ppo
+from planner.compile import compile_graph
+from planner.exports import STACKS, export_plan
+from plans.cluster import parse_cluster
+from plans.layout import Layout
+
+
+@pytest.fixture(scope="module")
+def hf_plan():
+    graph = ppo("llama-3-8b", batch=512, prompt_len=1024, gen_len=1024, name="ppo_hf")
+    return compile_graph(graph, parse_cluster("h100-sxm:2x8"), time_limit_s=5, framework="rlhf-engine-hf")
+
+
+def test_the_hf_engines_train_and_score_with_whole_layers_sharded_by_zero3() -> None:
+    fw = FRAMEWORKS["rlhf-engine-hf"]
+    ok = Layout(dp=8, zero=3, micro_batches=4)
+    assert engine_layout_problems(fw, "train", ok) == []
+    assert engine_layout_problems(fw, "train", Layout(dp=2, cp=4, zero=3)) == []  # ring attention / Ulysses
+    assert engine_layout_problems(fw, "train", Layout(tp=1)) == []  # one rank: nothing to shard
+    tp2 = engine_layout_problems(fw, "train", Layout(dp=4, tp=2, zero=3, sequence_parallel=True))
+    assert len(tp2) == 1 and "tensor, pipeline or expert parallel (dp4 tp2" in tp2[0] and "OpenRLHF" in tp2[0]
+    assert engine_layout_problems(fw, "train", Layout(dp=4, pp=2, zero=3))
+    z1 = engine_layout_problems(fw, "train", Layout(dp=8, zero=1))
+    assert len(z1) == 1 and z1[0].startswith("ZeRO-1 over 8 ranks") and "ZeRO-3" in z1[0]
+    replicated = engine_layout_problems(fw, "inference", Layout(dp=8))
+    assert len(replicated) == 1 and replicated[0].startswith("weights replicated (ZeRO-0) over 8 ranks")
+
+
+def test_rollout_engines_take_a_tensor_parallel_size_and_decode_where_they_prefill() -> None:
+    for name in ("rlhf-engine", "rlhf-engine-hf"):
+        fw = FRAMEWORKS[name]
+        assert engine_layout_problems(fw, "generate", Layout(dp=2, tp=4, micro_batches=2)) == []
+        assert "pipeline-parallel generation (pp=2)" in engine_layout_problems(fw, "generate", Layout(dp=4, pp=2))[0]
+        assert "cp=2" in engine_layout_problems(fw, "generate", Layout(dp=4, cp=2))[0]
+        split = engine_layout_problems(fw, "generate", Layout(dp=8), Layout(dp=2, tp=4))
+        assert len(split) == 1 and "decode layout (dp2 tp4" in split[0]
+    # vLLM's expert parallel splits whole experts over an engine: verl asks for it, OpenRLHF cannot.
+    ep = Layout(dp=8, ep=8)
+    assert engine_layout_problems(FRAMEWORKS["rlhf-engine"], "generate", ep) == []
+    assert engine_layout_problems(FRAMEWORKS["rlhf-engine"], "generate", Layout(dp=4, tp=2, ep=4, etp=2))
+    assert engine_layout_problems(FRAMEWORKS["rlhf-engine-hf"], "generate", ep)
+    # verl's Megatron workers: any Megatron layout, but no ZeRO-2.
+    verl = FRAMEWORKS["rlhf-engine"]
+    assert engine_layout_problems(verl, "train", Layout(dp=2, tp=2, pp=2, zero=1, sequence_parallel=True)) == []
+    assert "ZeRO-2 over 8 ranks" in engine_layout_problems(verl, "train", Layout(dp=8, zero=2))[0]
+    # The stacks whose plans the planner's runtime or Megatron-LM runs are not restricted here.
+    for name in ("torch", "megatron-core", "megatron"):
+        fw = FRAMEWORKS[name]
+        assert engine_layout_problems(fw, "train", Layout(dp=2, tp=2, pp=2, zero=2)) == []
+        assert engine_layout_problems(fw, "generate", Layout(dp=4, pp=2), Layout(dp=2, tp=4)) == []
+
+
+def test_a_plan_for_the_hf_engines_holds_only_layouts_they_run(hf_plan) -> None:
+    fw = FRAMEWORKS["rlhf-engine-hf"]
+    for c in hf_plan.calls:
+        assert engine_layout_problems(fw, c.kind, c.layout, c.decode_layout) == [], (c.name, c.layout.short())
+        if c.kind != "generate":
+            assert c.layout.tp == c.layout.pp == 1 and c.layout.zero == 3, (c.name, c.layout.short())
+    assert any(c.kind == "inference" and c.layout.dp > 1 for c in hf_plan.calls)  # sharded scoring, not replicas
+
+
+def test_its_exports_run_as_planned(hf_plan) -> None:
+    """OpenRLHF takes the plan as it is; verl takes it on its FSDP workers, where only the reward
+    model's serving differs (verl serves it on its own, not in the plan's ZeRO-3 layout)."""
+    openrlhf = export_plan(hf_plan, "openrlhf")
+    assert openrlhf.cannot_express == []
+    assert not any("costed for framework" in n for n in openrlhf.notes)
+    verl = export_plan(hf_plan, "verl")
+    assert verl.data["actor_rollout_ref"]["actor"]["strategy"] == "fsdp"
+    assert all(x.startswith("reward_inference") for x in verl.cannot_express), verl.cannot_express
+
+
+def test_an_export_says_when_the_plan_was_costed_for_another_stack(hf_plan) -> None:
+    data = hf_plan.model_dump(mode="json")
+    data["estimate"]["framework"] = "torch"
+    from plans.plan import Plan
+
+    exp = export_plan(Plan.model_validate(data), "openrlhf")
+    assert exp.notes[0].startswith("the plan was costed for framework torch, not for OpenRLHF")
+    assert "--framework rlhf-engine-hf" in exp.notes[0]
+    assert all(fw in FRAMEWORKS for stacks in STACKS.values() for fw in stacks)
