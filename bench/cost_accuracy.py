@@ -381,6 +381,13 @@
    +1.83% (6.94%); vTrain in sample 6.72% -> 6.69% (multi-node), 6.82% (single-node), out of
    sample 7.88% -> 7.76% and 7.69% -> 7.70%; not refitted.
 
+   Context parallelism over a ring as Transformer Engine runs it (``ops.ring_attention``: one
+   fused-attention call per block of keys, each merged into the output by an elementwise kernel,
+   the gradients of q, K and V added per call), read in its source after every table above had
+   been seen (every context-parallel NeMo row was too fast): NeMo 6.60% -> 4.85% (still every row
+   too fast), the AutoModel dense row +7.5% -> +5.8%, the 34 pooled rows 6.94% (+1.83%) -> 6.68%
+   (+1.58%); no vTrain row has cp, so neither the fit nor its out-of-sample errors moved.
+
 3. Out of sample on the vTrain rows (``--cross-validate``): leave one model size out. For each
    size, the coefficients are fitted again, from the same fixed start as `planner calibrate`, on
    every row of the other sizes (both files, equal weight), and the held-out size's rows are

@@ -72,7 +72,7 @@ from plans.sharding import slicing, stage_layers
 # README; `bench/cost_accuracy.py`) ran slower than costed, and nothing here has measured why
 # (`tests/test_cost_realism.py` keeps the figures equal to the bench's).
 HOPPER_CAVEAT = ("training optimistic on Hopper: Megatron-Core's published H100 runs of 1.7B and 7.1B GPTs took 18% "
-                 "and 16% longer than costed, NeMo's of Llama 3.1 8B-405B and GPT-3 175B 2-11% (README, Current limits)")
+                 "and 16% longer than costed, NeMo's of Llama 3.1 8B-405B and GPT-3 175B 1-8% (README, Current limits)")
 
 # Host-side tensor ops per slice a reallocation packs, unpacks or copies (`runtime.realloc`: index
 # the source, slice the flat buffer, view it, copy).

@@ -315,6 +315,36 @@ def _attention(spec: ModelSpec, fw: Framework, *, b: int, s_q: int, s_k: int, tp
     return tuple(fwd), tuple(bwd)
 
 
+def ring_attention(spec: ModelSpec, fw: Framework, *, b: int, s_loc: int, tp: int, cp: int) -> tuple[
+        tuple[Kernel, ...], tuple[Kernel, ...]]:
+    """Causal attention of a rank's `s_loc` tokens under context parallelism over a ring, as
+    Transformer Engine runs it (`AttnFuncWithCPAndKVP2P` in
+    transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py): each rank
+    holds two chunks of s / (2 cp) tokens (load balancing) and runs cp fused-attention calls, one
+    per block of keys that reaches it: its own, causal over its s_loc tokens, then cp - 1 without
+    a mask, where the last rank (the busiest, which the others wait for at the next exchange)
+    attends all its queries to the first half of each received block. Each call's output and
+    log-sum-exp are merged into the result by a fused elementwise kernel in the compute dtype (the
+    first scaled, 2+2 bytes a q element, each later one added, 2+2+2), and K and V are packed into
+    the ring's send buffer (2+2 a k or v element). Backward runs the same calls in reverse; q's
+    gradient is copied (2+2) then added to (2+2+2) per call, and the gradient of the keys and values
+    in flight is copied or added to per call, over the half of the block the call saw, except the
+    last (the whole block), with K and V copied into the backward's ring buffer first. The total
+    scores equal one causal kernel's over the whole sequence (1/cp of them on the rank), in
+    kernels of s / (2 cp) keys per query rather than s / 2."""
+    own_f, own_b = _attention(spec, fw, b=b, s_q=s_loc, s_k=s_loc, tp=tp, causal=True)
+    got_f, got_b = _attention(spec, fw, b=b, s_q=s_loc, s_k=s_loc // 2, tp=tp, causal=False)
+    q = b * s_loc * spec.num_attention_heads * spec.d_head / tp  # elements of q (and of the output)
+    kv = 2.0 * b * s_loc * spec.kv_heads * spec.d_head / tp  # of k and v
+    fwd: list[Kernel] = [mem(4.0 * kv), *own_f, mem(4.0 * q)]
+    bwd: list[Kernel] = [mem(4.0 * kv), *got_b, mem(4.0 * q), mem(2.0 * kv)]
+    for i in range(1, cp):
+        fwd += [*got_f, mem(6.0 * q)]
+        last = i == cp - 1
+        bwd += [*(own_b if last else got_b), mem(6.0 * q), mem((6.0 if last else 3.0) * kv)]
+    return tuple(fwd), tuple(bwd)
+
+
 def stream_bytes(fw: Framework) -> float:
     """Bytes per element of the residual stream, which the hidden states between layers keep:
     fp32 where each GEMM casts its input from it (`Framework.input_cast_bytes`), else bf16."""
@@ -414,7 +444,11 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     if moe is None:
         down = gemm(m, h, f // tp)
     keys = -(-kv_len // cp) if kv_len is not None else s
-    att_f, att_b = _attention(spec, fw, b=b, s_q=s_loc, s_k=keys, tp=tp, causal=kv_len is None)
+    windowed = spec.sliding_window is not None and spec.sliding_window < s
+    if cp > 1 and kv_len is None and fw.cp_comm == "ring" and fw.attention == "flash" and not windowed:
+        att_f, att_b = ring_attention(spec, fw, b=b, s_loc=s_loc, tp=tp, cp=cp)
+    else:
+        att_f, att_b = _attention(spec, fw, b=b, s_q=s_loc, s_k=keys, tp=tp, causal=kv_len is None)
     qk = m * (a + kv) * d / tp
     rope_f = [] if gpt else [mem(x * qk, fw.rope_launches) for x in fw.rope_fwd]
     rope_b = [] if gpt else [mem(x * qk, fw.rope_launches) for x in fw.rope_bwd]

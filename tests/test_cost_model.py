@@ -737,3 +737,37 @@ def test_megatron_runs_its_unfused_vocab_parallel_cross_entropy():
     t = {fw.name: CostModel(parse_cluster("a100-80gb:1x8"), framework=fw).call_cost(
         TRAIN, decl, Mesh.block(0, 8), Layout(dp=8)).time_s for fw in (core, as_fused)}
     assert t["megatron-core"] > t["fused loss"]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_context_parallel_attention_runs_one_kernel_per_block_of_keys_and_merges_each(cp) -> None:
+    """Transformer Engine's ring attention (`ops.ring_attention`): cp fused-attention calls of the
+    same total scores as one causal kernel over the sequence (1/cp of them on the rank), each
+    merged into the output; backward adds q's and the keys' and values' gradients per call."""
+    from cost_models.ops import _attention, layer_work, ring_attention
+
+    spec, fw = resolve_model("llama-3-8b"), resolve_framework("megatron-core")
+    b, s, tp = 2, 8192, 2
+    s_loc = s // cp
+    fwd, bwd = ring_attention(spec, fw, b=b, s_loc=s_loc, tp=tp, cp=cp)
+    whole_f, whole_b = _attention(spec, fw, b=b, s_q=s_loc, s_k=s, tp=tp, causal=True)
+    for ring, whole in ((fwd, whole_f), (bwd, whole_b)):
+        attn = [k for k in ring if k.kind == "attn"]
+        assert len(attn) == cp
+        assert sum(k.scores for k in attn) == pytest.approx(whole[0].scores, rel=1e-12)
+        assert sum(k.flops for k in attn) == pytest.approx(whole[0].flops, rel=1e-12)
+        # Each call sees about s / (2 cp) keys per query where one kernel would see s / 2.
+        assert all(k.scores / (k.batch * k.m) <= s_loc / 2 + 1 for k in attn)
+    q = b * s_loc * spec.num_attention_heads * spec.d_head / tp
+    kv = 2 * b * s_loc * spec.kv_heads * spec.d_head / tp
+    merge_f = sum(k.bytes for k in fwd if k.kind != "attn")
+    merge_b = sum(k.bytes for k in bwd if k.kind != "attn")
+    assert merge_f == pytest.approx(4 * kv + 4 * q + 6 * q * (cp - 1))  # pack K, V; first output, then cp - 1 merges
+    assert merge_b == pytest.approx(4 * kv + 4 * q + 6 * q * (cp - 1) + 2 * kv + 3 * kv * (cp - 2) + 6 * kv)
+    # In a layer: Megatron-Core's ring, not the runtime's gathered K and V, nor a sliding window.
+    ring_layer = layer_work(spec, fw, b=b, s=s, tp=tp, cp=cp, sp=True)
+    assert ring_layer.attn_core == fwd
+    runtime = layer_work(spec, resolve_framework("torch"), b=b, s=s, tp=tp, cp=cp, sp=True)
+    assert sum(k.kind == "attn" for k in runtime.attn_core) == 1
+    mistral = resolve_model("mistral-7b-v0.1")
+    assert sum(k.kind == "attn" for k in layer_work(mistral, fw, b=b, s=s, tp=tp, cp=cp, sp=True).attn_core) == 1
