@@ -287,7 +287,8 @@ class Framework:
     # How context-parallel ranks share keys and values. "ring": each passes its chunk around the
     # ring while attention runs on the one it holds (ring attention; Transformer Engine's p2p, what
     # Megatron-core runs), hidden under that attention; "all_gather": every chunk is all-gathered
-    # before attention and the gradients reduce-scattered after, not overlapped (the planner's runtime).
+    # before attention and the gradients reduce-scattered after, not overlapped (the planner's
+    # runtime; OpenRLHF's ring attention, ring-flash-attn's llama3 variant, which gathers K and V).
     cp_comm: CpComm = "ring"
     # Under context parallel, one data-parallel group of dp x cp ranks shards the ZeRO states and
     # reduces the gradients, overlapped as the stack overlaps (Megatron-core's distributed
@@ -525,7 +526,10 @@ FRAMEWORKS: dict[str, Framework] = {
     # checked against `transformers`' own block, memory included). Its sparse MLPs run transformers'
     # routing in PyTorch ops and each projection kind of every expert as one grouped GEMM (its
     # default experts implementation, `grouped_mm`; `cost_models.ops.hf_sparse_mlp`), its rollouts
-    # vLLM's fused MoE.
+    # vLLM's fused MoE. Context parallelism as OpenRLHF runs it (`--ds.ring_attn_size`:
+    # ring-flash-attn's `substitute_hf_flash_attn`, the llama3 variant): K and V all-gathered over
+    # the ring group, their gradients reduce-scattered, not overlapped (verl's FSDP workers run
+    # Ulysses instead: all-to-alls of q, k, v and the output, not priced apart).
     "rlhf-engine-hf": Framework(
         name="rlhf-engine-hf", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
@@ -535,7 +539,7 @@ FRAMEWORKS: dict[str, Framework] = {
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), layernorm=LAYER_NORM_KERNELS[2], split_projections=True,
         gpt_split_projections=False, bias_grads_apart=True, qkv_grad_cat=True, gelu_fwd=HF_GELU_NEW[0],
         gelu_bwd=HF_GELU_NEW[1], rollouts_fused=True, qk_norm_kernels=(("head", HF_QK_NORM), ("proj", HF_QK_NORM)),
-        layouts=HF_ENGINE_LAYOUTS,
+        layouts=HF_ENGINE_LAYOUTS, cp_comm="all_gather",
     ),
     # vLLM as verl and OpenRLHF run it for rollouts: bf16 weights, fused kernels, decode steps
     # replayed as CUDA graphs (its generate calls; it does not train).
