@@ -109,6 +109,9 @@ class EngineLayouts:
     split_decode: bool = True
     rollout_expert_parallel: bool = True
     rollout_expert_tp: bool = True
+    # Every call runs on all GPUs of the cluster, one after another (verl's single resource pool
+    # in its hybrid engine): no call placed on part of it, so none side by side.
+    whole_pool: bool = False
 
 
 @dataclass(frozen=True)
@@ -460,10 +463,12 @@ VLLM_LAYOUTS = EngineLayouts(engines="vLLM", rollout_context=False, split_decode
 # verl's Megatron workers train and score with any Megatron-Core layout; the distributed optimizer
 # is ZeRO-1 (reduce-scattered gradients into a whole buffer) and Megatron's FSDP ZeRO-3: no ZeRO-2.
 # Its vLLM rollouts take a tensor-parallel size and, for experts, an expert-parallel size over the
-# whole engine (each expert whole: verl checks expert_parallel_size == tp x dp).
+# whole engine (each expert whole: verl checks expert_parallel_size == tp x dp). verl runs every
+# role on its one resource pool, one after another (a reward model may have a pool of its own,
+# which these plans do not use).
 VERL_MEGATRON_LAYOUTS = EngineLayouts(engines="verl's Megatron workers with vLLM rollouts", zero=(0, 1, 3),
                                       rollout_pipeline=False, rollout_context=False, split_decode=False,
-                                      rollout_expert_tp=False)
+                                      rollout_expert_tp=False, whole_pool=True)
 # OpenRLHF (DeepSpeed) and verl's FSDP workers hold each HF model's layers whole on every rank,
 # sharded by ZeRO-3 (verl's FSDP workers shard every model, frozen ones too: FULL_SHARD; OpenRLHF's
 # forward-only models follow --ds.zero_stage 3); sequences split by ring attention or Ulysses

@@ -220,6 +220,9 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
     cm = CostModel(cluster, calibration, framework=framework)
     rule: Restriction | None = restriction(baseline, graph, cm) if baseline else None
     space = rule.space if rule is not None else (space or SearchSpace())
+    pool = cm.framework.layouts.whole_pool
+    if pool:  # the stack's engines run every call on all GPUs (verl's one resource pool)
+        space = dataclasses.replace(space, mesh_sizes=(cluster.world_size,))
     check_search_size(graph, cm, space)
     say(SearchProgress("costing", detail=f"of {len(graph.calls)} calls"))
     per_size = graph_candidates(graph, cm, space,
@@ -229,6 +232,8 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
         # meshes sit where this space's do (aligned blocks, or runs of nodes too).
         ranges = node_ranges_on(space, cluster)
         for other in baseline_spaces(graph, cm):
+            if pool and other.mesh_sizes != space.mesh_sizes:
+                continue
             merge_candidates(per_size, graph_candidates(graph, cm, dataclasses.replace(other, node_ranges=ranges)))
     for name, sizes in per_size.items():
         if not sizes:

@@ -94,3 +94,18 @@ def test_an_export_says_when_the_plan_was_costed_for_another_stack(hf_plan) -> N
     assert exp.notes[0].startswith("the plan was costed for framework torch, not for OpenRLHF")
     assert "--framework rlhf-engine-hf" in exp.notes[0]
     assert all(fw in FRAMEWORKS for stacks in STACKS.values() for fw in stacks)
+
+
+def test_a_plan_for_verls_megatron_workers_runs_every_call_on_the_whole_pool() -> None:
+    """verl runs every role on its one resource pool, one after another: a plan for its stack
+    places no call on part of the cluster (before the rule, this PPO trained the actor on 8 GPUs
+    beside the critic on the other 8, which verl's export could only list)."""
+    graph = ppo("llama-2-13b", batch=512, prompt_len=1024, gen_len=1024, name="ppo_verl")
+    plan = compile_graph(graph, parse_cluster("h100-sxm:2x8"), time_limit_s=5, framework="rlhf-engine")
+    assert {c.mesh.size for c in plan.calls} == {16}
+    for c in plan.calls:
+        assert engine_layout_problems(FRAMEWORKS["rlhf-engine"], c.kind, c.layout, c.decode_layout) == []
+    exp = export_plan(plan, "verl")
+    assert exp.data["actor_rollout_ref"]["actor"]["strategy"] == "megatron"
+    assert not any("resource pool" in x or "one layout" in x for x in exp.cannot_express), exp.cannot_express
+    assert not FRAMEWORKS["rlhf-engine-hf"].layouts.whole_pool  # OpenRLHF places its groups apart
