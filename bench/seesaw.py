@@ -7,7 +7,7 @@ them) and decode with another on the same GPUs, paying for moving the weights an
 KV cache between them (`CostModel.realloc_cost`, `kv_reshard_cost`).
 It prints both plans' generate layouts, iteration times, the win and the compile times. Only
 the planner's runtime (framework torch) runs such plans: the RLHF engines' stacks (vllm,
-rlhf-engine, rlhf-engine-hf) decode where they prefill, so their plans never split. The
+rlhf-engine, rlhf-engine-hf, verl-fsdp) decode where they prefill, so their plans never split. The
 runtime runs such plans (`tests/test_runtime_seesaw.py`: 4 gloo ranks equal to the reference,
 exactly the elements charged moved). Last, a workload of few long sequences: its generate call as
 compiled (a context-parallel prefill, then KV-parallel decode, Mnemosyne's KVP: each rank attends

@@ -1,7 +1,7 @@
 """Software-stack traits: discrete implementation choices that change which kernels run.
 
 Coefficients (`cost_models.calibration`) say how fast a GPU runs a kernel; a `Framework` says which
-kernels a training step launches and which bytes it keeps. Five presets:
+kernels a training step launches and which bytes it keeps. Seven presets:
 
 - ``megatron``: Megatron-LM's GPT pretraining as the vTrain measurements ran it, on Microsoft's
   Megatron-DeepSpeed fork (the vTrain repository's ``data/README.md``; Megatron-LM's layers on
@@ -21,7 +21,11 @@ kernels a training step launches and which bytes it keeps. Five presets:
 - ``rlhf-engine``: verl and OpenRLHF: ``megatron-core``'s training (but each micro-batch's weight
   gradients added by a kernel of their own, as verl's Megatron backend runs unless told, and a
   fused loss, as verl's FSDP backend computes log-probs with flash-attention's cross entropy; its
-  Megatron backend calls Megatron's unfused one) and vLLM's rollouts.
+  Megatron backend calls Megatron's unfused one) and vLLM's rollouts; as verl's Megatron workers
+  run them (their layouts).
+- ``rlhf-engine-hf``: OpenRLHF: HF transformers layers as they run eagerly, trained on DeepSpeed
+  ZeRO-3, ring attention for context parallel, vLLM's rollouts; ``verl-fsdp``: the same layers
+  as verl's FSDP workers train them, Ulysses for context parallel, every call on verl's one pool.
 - ``vllm``: vLLM's generation (bf16 weights, fused kernels, CUDA-graph decode), the rollout
   engine of verl and OpenRLHF exports.
 - ``torch``: the planner's runtime (`runtime/`) as it is written: PyTorch's fused (flash) causal
@@ -70,7 +74,7 @@ if TYPE_CHECKING:
 AttentionImpl = Literal["flash", "materialized"]
 MoeDispatch = Literal["alltoall", "deepep"]
 ExpertGemms = Literal["grouped", "per_expert", "loop"]
-CpComm = Literal["ring", "all_gather"]
+CpComm = Literal["ring", "all_gather", "all_to_all"]
 LayerActivations = Literal["fused", "autocast", "hf"]
 
 
@@ -291,7 +295,10 @@ class Framework:
     # ring while attention runs on the one it holds (ring attention; Transformer Engine's p2p, what
     # Megatron-core runs), hidden under that attention; "all_gather": every chunk is all-gathered
     # before attention and the gradients reduce-scattered after, not overlapped (the planner's
-    # runtime; OpenRLHF's ring attention, ring-flash-attn's llama3 variant, which gathers K and V).
+    # runtime; OpenRLHF's ring attention, ring-flash-attn's llama3 variant, which gathers K and V);
+    # "all_to_all": DeepSpeed-Ulysses (verl's FSDP workers), q, k and v all-to-all'd from a chunk of
+    # the sequence with every head to the whole sequence with 1/cp of the heads, the output back,
+    # not overlapped (`ops.ulysses_attention`).
     cp_comm: CpComm = "ring"
     # Under context parallel, one data-parallel group of dp x cp ranks shards the ZeRO states and
     # reduces the gradients, overlapped as the stack overlaps (Megatron-core's distributed
@@ -469,16 +476,21 @@ VLLM_LAYOUTS = EngineLayouts(engines="vLLM", rollout_context=False, split_decode
 VERL_MEGATRON_LAYOUTS = EngineLayouts(engines="verl's Megatron workers with vLLM rollouts", zero=(0, 1, 3),
                                       rollout_pipeline=False, rollout_context=False, split_decode=False,
                                       rollout_expert_tp=False, whole_pool=True)
-# OpenRLHF (DeepSpeed) and verl's FSDP workers hold each HF model's layers whole on every rank,
-# sharded by ZeRO-3 (verl's FSDP workers shard every model, frozen ones too: FULL_SHARD; OpenRLHF's
-# forward-only models follow --ds.zero_stage 3); sequences split by ring attention or Ulysses
-# (context parallel). OpenRLHF's DeepSpeed AutoTP is not what this stack prices (its tensor-parallel
-# layers overlap no collective with the weight gradient) and verl's FSDP workers have none, so a
-# plan for both holds no tensor parallel in training or scoring. Their vLLM rollouts: tensor
-# parallel only (OpenRLHF has no expert-parallel flag for its engines).
-HF_ENGINE_LAYOUTS = EngineLayouts(engines="OpenRLHF and verl's FSDP workers with vLLM rollouts", model_parallel=False,
+# OpenRLHF (DeepSpeed) holds each HF model's layers whole on every rank, sharded by ZeRO-3 (its
+# forward-only models follow --ds.zero_stage 3; one stage for every model, so ZeRO-3 throughout);
+# sequences split by ring attention (context parallel). Its DeepSpeed AutoTP is not what this
+# stack prices (its tensor-parallel layers overlap no collective with the weight gradient), so a
+# plan holds no tensor parallel in training or scoring. Its vLLM engines: tensor parallel only
+# (no expert-parallel flag); its roles may run on groups of their own, side by side.
+HF_ENGINE_LAYOUTS = EngineLayouts(engines="OpenRLHF's DeepSpeed models with vLLM rollouts", model_parallel=False,
                                   zero=(3,), rollout_pipeline=False, rollout_context=False, split_decode=False,
                                   rollout_expert_parallel=False, rollout_expert_tp=False)
+# verl's FSDP workers: every model sharded by FSDP (FULL_SHARD, ZeRO-3), no tensor or pipeline
+# parallel, sequences split by Ulysses; vLLM rollouts as for its Megatron workers; every role on
+# its one resource pool.
+VERL_FSDP_LAYOUTS = EngineLayouts(engines="verl's FSDP workers with vLLM rollouts", model_parallel=False, zero=(3,),
+                                  rollout_pipeline=False, rollout_context=False, split_decode=False,
+                                  rollout_expert_tp=False, whole_pool=True)
 
 FRAMEWORKS: dict[str, Framework] = {
     "megatron": Framework(
@@ -533,8 +545,8 @@ FRAMEWORKS: dict[str, Framework] = {
     # default experts implementation, `grouped_mm`; `cost_models.ops.hf_sparse_mlp`), its rollouts
     # vLLM's fused MoE. Context parallelism as OpenRLHF runs it (`--ds.ring_attn_size`:
     # ring-flash-attn's `substitute_hf_flash_attn`, the llama3 variant): K and V all-gathered over
-    # the ring group, their gradients reduce-scattered, not overlapped (verl's FSDP workers run
-    # Ulysses instead: all-to-alls of q, k, v and the output, not priced apart).
+    # the ring group, their gradients reduce-scattered, not overlapped. `verl-fsdp` is the same
+    # stack as verl's FSDP workers run it: Ulysses for context parallel, its layouts.
     "rlhf-engine-hf": Framework(
         name="rlhf-engine-hf", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
@@ -583,6 +595,11 @@ FRAMEWORKS: dict[str, Framework] = {
         qk_norm_kernels=tuple(RUNTIME_QK_NORM.items()),
     ),
 }
+# verl's FSDP workers (`actor_rollout_ref.actor.strategy: fsdp`): HF layers as `rlhf-engine-hf`
+# prices them, context parallel by Ulysses (`ulysses_sequence_parallel_size`: verl's
+# `gather_seq_scatter_heads` around flash attention, models/transformers/monkey_patch.py in 0.9.1).
+FRAMEWORKS["verl-fsdp"] = dataclasses.replace(FRAMEWORKS["rlhf-engine-hf"], name="verl-fsdp", cp_comm="all_to_all",
+                                              layouts=VERL_FSDP_LAYOUTS)
 
 
 # Until a stack's attention is measured on a GPU, its fused attention is never timed above what

@@ -345,6 +345,39 @@ def ring_attention(spec: ModelSpec, fw: Framework, *, b: int, s_loc: int, tp: in
     return tuple(fwd), tuple(bwd)
 
 
+def ulysses_bytes(spec: ModelSpec, *, b: int, s_loc: int, tp: int, cp: int) -> tuple[float, float]:
+    """Bytes a rank sends into Ulysses' all-to-all of q (and of the output), and of k (or v):
+    its chunk of the sequence with every head of its tensor-parallel share, k and v with their
+    heads repeated up to cp where there are fewer (verl's `repeat_kv`)."""
+    d = spec.d_head
+    kv_heads = max(spec.kv_heads // tp, cp)
+    return ACT_BYTES * b * s_loc * spec.num_attention_heads * d / tp, ACT_BYTES * b * s_loc * kv_heads * d
+
+
+def ulysses_attention(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: int) -> tuple[
+        tuple[Kernel, ...], tuple[Kernel, ...]]:
+    """Causal attention under DeepSpeed-Ulysses context parallelism as verl's FSDP workers run it
+    (`gather_seq_scatter_heads` / `gather_heads_scatter_seq` in verl/utils/ulysses.py): q, k and v
+    are exchanged from the rank's chunk of the sequence with every head to the whole sequence
+    with 1/cp of the heads, one fused kernel attends over the whole sequence, and the output goes
+    back; each all-to-all copies its input into cp contiguous parts (2+2 bytes an element, cp
+    launches) and concatenates what it receives (2+2), backward the same for the gradients. k and
+    v with fewer heads than cp are repeated up to cp first (`repeat_kv`, a copy; backward sums the
+    copies)."""
+    f, b_ = _attention(spec, fw, b=b, s_q=s, s_k=s, tp=tp * cp, causal=True)
+    q_b, kv_b = ulysses_bytes(spec, b=b, s_loc=s // cp, tp=tp, cp=cp)
+
+    def exchange(nbytes: float) -> list[Kernel]:  # cp contiguous parts of the input, then one concatenation
+        return [mem(2.0 * nbytes, cp), mem(2.0 * nbytes)]
+
+    own_kv = kv_b * (spec.kv_heads // tp) / max(spec.kv_heads // tp, cp)
+    repeat = [mem(own_kv + kv_b)] * 2 if spec.kv_heads // tp < cp else []  # k, v; backward sums the copies
+    heads = [*exchange(q_b), *exchange(kv_b), *exchange(kv_b)]
+    fwd = (*repeat, *heads, *f, *exchange(q_b))
+    bwd = (*exchange(q_b), *b_, *heads, *repeat)
+    return fwd, bwd
+
+
 def stream_bytes(fw: Framework) -> float:
     """Bytes per element of the residual stream, which the hidden states between layers keep:
     fp32 where each GEMM casts its input from it (`Framework.input_cast_bytes`), else bf16."""
@@ -447,6 +480,8 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
     windowed = spec.sliding_window is not None and spec.sliding_window < s
     if cp > 1 and kv_len is None and fw.cp_comm == "ring" and fw.attention == "flash" and not windowed:
         att_f, att_b = ring_attention(spec, fw, b=b, s_loc=s_loc, tp=tp, cp=cp)
+    elif cp > 1 and kv_len is None and fw.cp_comm == "all_to_all":
+        att_f, att_b = ulysses_attention(spec, fw, b=b, s=s, tp=tp, cp=cp)
     else:
         att_f, att_b = _attention(spec, fw, b=b, s_q=s_loc, s_k=keys, tp=tp, causal=kv_len is None)
     qk = m * (a + kv) * d / tp
@@ -593,6 +628,12 @@ def layer_work(spec: ModelSpec, fw: Framework, *, b: int, s: int, tp: int, cp: i
         if fw.cp_comm == "all_gather":  # every chunk of K and V gathered; their gradients reduce-scattered
             fwd_comm += (Comm("all_gather", cp * kv_chunk, "cp"),)
             bwd_comm += (Comm("reduce_scatter", cp * kv_chunk, "cp"),)
+        elif fw.cp_comm == "all_to_all":  # Ulysses: q, k, v to heads, the output back, each apart
+            q_b, kv_b = ulysses_bytes(spec, b=b, s_loc=s_loc, tp=tp, cp=cp)
+            heads = (Comm("all_to_all", q_b, "cp"), Comm("all_to_all", kv_b, "cp"), Comm("all_to_all", kv_b, "cp"))
+            # verl all-gathers the position ids (int64) for flash attention's varlen form in each layer
+            fwd_comm += (*heads, Comm("all_gather", INDEX_BYTES * b * s, "cp"), Comm("all_to_all", q_b, "cp"))
+            bwd_comm += (Comm("all_to_all", q_b, "cp"), *heads)
         else:
             fwd_comm += (Comm("ring_p2p", (cp - 1) * kv_chunk, "cp"),)
             bwd_comm += (Comm("ring_p2p", 2 * (cp - 1) * kv_chunk, "cp"),)  # K, V and their gradients

@@ -185,6 +185,8 @@ def runnable_layouts(call: Call, decl: ModelDecl, size: int, cm: CostModel) -> l
             continue
         if engine_layout_problems(fw, call.kind, lay):
             continue
+        if fw.cp_comm == "all_to_all" and lay.cp > 1 and decl.spec.num_attention_heads % (lay.tp * lay.cp):
+            continue  # Ulysses splits the heads over the context-parallel ranks
         out.append(lay)
     return out
 

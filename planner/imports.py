@@ -352,7 +352,7 @@ def from_verl(tree: dict[str, Any], cluster: ClusterSpec, models: dict[str, str]
         rtp_rm = _int(get("reward.reward_model.rollout.tensor_model_parallel_size"), "reward rollout tp")
         placements["reward_inference"] = (on, Layout(dp=_div(on.size, rtp_rm, "reward GPUs over its tp"), tp=rtp_rm),
                                           None)
-    return Imported(graph, placements, notes, framework="rlhf-engine" if strategy == "megatron" else "rlhf-engine-hf")
+    return Imported(graph, placements, notes, framework="rlhf-engine" if strategy == "megatron" else "verl-fsdp")
 
 
 # ---- OpenRLHF --------------------------------------------------------------------------------

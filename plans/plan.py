@@ -25,7 +25,7 @@ from plans.layout import GaLore, Layout, Mesh
 from plans.sharding import layout_problems
 
 # The cost model's framework presets (`cost_models.framework.FRAMEWORKS`, which a test keeps equal).
-FrameworkName = Literal["megatron", "megatron-core", "rlhf-engine", "rlhf-engine-hf", "vllm", "torch"]
+FrameworkName = Literal["megatron", "megatron-core", "rlhf-engine", "rlhf-engine-hf", "verl-fsdp", "vllm", "torch"]
 
 PLAN_VERSION = 1
 

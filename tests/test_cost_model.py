@@ -771,3 +771,33 @@ def test_ring_context_parallel_attention_runs_one_kernel_per_block_of_keys_and_m
     assert sum(k.kind == "attn" for k in runtime.attn_core) == 1
     mistral = resolve_model("mistral-7b-v0.1")
     assert sum(k.kind == "attn" for k in layer_work(mistral, fw, b=b, s=s, tp=tp, cp=cp, sp=True).attn_core) == 1
+
+
+def test_ulysses_context_parallel_attends_over_the_whole_sequence_with_a_share_of_the_heads() -> None:
+    """verl's FSDP workers (`verl-fsdp`): q, k and v all-to-all'd to the whole sequence with 1/cp
+    of the heads, one kernel over it, the output back; k and v repeated up to cp heads where they
+    have fewer; each exchange copies its parts out and concatenates what it gets."""
+    from cost_models.ops import INDEX_BYTES, _attention, layer_work
+
+    fw = resolve_framework("verl-fsdp")
+    assert fw.cp_comm == "all_to_all" and resolve_framework("rlhf-engine-hf").cp_comm == "all_gather"
+    spec = resolve_model("llama-3-8b")  # 32 heads, 8 of k and v
+    b, s, cp = 1, 16384, 4
+    work = layer_work(spec, fw, b=b, s=s, tp=1, cp=cp, sp=False)
+    attn = [k for k in work.attn_core if k.kind == "attn"]
+    whole = _attention(spec, fw, b=b, s_q=s // cp, s_k=s, tp=1, causal=True)[0][0]
+    assert len(attn) == 1 and attn[0].m == s and attn[0].batch == b * 32 // cp
+    assert attn[0].flops == pytest.approx(whole.flops, rel=1e-12)  # the same scores, another shape
+    q_bytes = 2.0 * b * (s // cp) * 32 * 128
+    kv_bytes = 2.0 * b * (s // cp) * 8 * 128
+    a2a = [c for c in work.fwd_comm if c.group == "cp"]
+    assert [c.op for c in a2a] == ["all_to_all"] * 3 + ["all_gather", "all_to_all"]
+    assert [c.bytes for c in a2a] == [q_bytes, kv_bytes, kv_bytes, INDEX_BYTES * b * s, q_bytes]
+    assert [c.op for c in work.bwd_comm if c.group == "cp"] == ["all_to_all"] * 4
+    copies = sum(k.bytes for k in work.attn_core if k.kind != "attn")
+    assert copies == pytest.approx(4 * (2 * q_bytes + 2 * kv_bytes))  # two copies of 2+2 bytes per exchange
+    # Two heads of k and v per rank at cp 8 over tp 4: each repeated to 8 (read 2, write 8 heads).
+    rep = layer_work(spec, fw, b=b, s=s, tp=4, cp=8, sp=False)
+    kv8 = 2.0 * b * (s // 8) * 8 * 128
+    extra = sum(k.bytes for k in rep.attn_core if k.kind != "attn") - 4 * (2 * 2.0 * b * (s // 8) * 8 * 128 + 2 * kv8)
+    assert extra == pytest.approx(2 * (kv8 / 4 + kv8))

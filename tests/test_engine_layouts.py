@@ -1,11 +1,12 @@
 """A plan costed for an export stack keeps to the layouts that stack's engines run.
 
-`--framework rlhf-engine-hf` stands for OpenRLHF (DeepSpeed) and verl's FSDP workers, which hold
-each HF model's layers whole on every rank (ZeRO-3 shards them) and start vLLM engines with a
-tensor-parallel size only; `rlhf-engine` for verl's Megatron workers, which train with any
-Megatron-Core layout but have no ZeRO-2. Before the search knew this, the PPO below compiled
-for rlhf-engine-hf trained the actor at tp 2 with sequence parallelism and decoded generation on
-a pipeline-parallel layout of its own, which neither engine runs.
+`--framework rlhf-engine-hf` stands for OpenRLHF (DeepSpeed) and `verl-fsdp` for verl's FSDP
+workers, which hold each HF model's layers whole on every rank (ZeRO-3 shards them) and start
+vLLM engines with a tensor-parallel size only; `rlhf-engine` for verl's Megatron workers, which
+train with any Megatron-Core layout but have no ZeRO-2; verl runs every call on its one pool.
+Before the search knew this, the PPO below compiled for the HF stack trained the actor at tp 2
+with sequence parallelism and decoded generation on a pipeline-parallel layout of its own, which
+neither engine runs.
 """
 
 from __future__ import annotations
@@ -74,15 +75,24 @@ def test_a_plan_for_the_hf_engines_holds_only_layouts_they_run(hf_plan) -> None:
     assert any(c.kind == "inference" and c.layout.dp > 1 for c in hf_plan.calls)  # sharded scoring, not replicas
 
 
-def test_its_exports_run_as_planned(hf_plan) -> None:
-    """OpenRLHF takes the plan as it is; verl takes it on its FSDP workers, where only the reward
-    model's serving differs (verl serves it on its own, not in the plan's ZeRO-3 layout)."""
+def test_its_export_to_openrlhf_runs_as_planned(hf_plan) -> None:
     openrlhf = export_plan(hf_plan, "openrlhf")
     assert openrlhf.cannot_express == []
     assert not any("costed for framework" in n for n in openrlhf.notes)
-    verl = export_plan(hf_plan, "verl")
+
+
+def test_a_plan_for_verls_fsdp_workers_runs_on_its_pool_as_planned() -> None:
+    """verl takes a `verl-fsdp` plan on its FSDP workers, every call on all GPUs; only the reward
+    model's serving differs (verl serves it on its own, not in the plan's ZeRO-3 layout)."""
+    graph = ppo("llama-3-8b", batch=512, prompt_len=1024, gen_len=1024, name="ppo_verl_fsdp")
+    plan = compile_graph(graph, parse_cluster("h100-sxm:2x8"), time_limit_s=5, framework="verl-fsdp")
+    assert {c.mesh.size for c in plan.calls} == {16}
+    for c in plan.calls:
+        assert engine_layout_problems(FRAMEWORKS["verl-fsdp"], c.kind, c.layout, c.decode_layout) == []
+    verl = export_plan(plan, "verl")
     assert verl.data["actor_rollout_ref"]["actor"]["strategy"] == "fsdp"
     assert all(x.startswith("reward_inference") for x in verl.cannot_express), verl.cannot_express
+    assert not any("costed for framework" in n for n in verl.notes)
 
 
 def test_an_export_says_when_the_plan_was_costed_for_another_stack(hf_plan) -> None:

@@ -95,7 +95,7 @@ def test_import_cli_costs_a_verl_config_from_its_defaults(cli, tmp_path) -> None
     assert r.code == 0, r.err
     plan = json.loads(out.read_text())
     # Costed for verl's own stack, not the runtime: its default FSDP workers train HF models.
-    assert plan["estimate"]["framework"] == "rlhf-engine-hf"
+    assert plan["estimate"]["framework"] == "verl-fsdp"
     calls = {c["name"]: c for c in plan["calls"]}
     # verl 0.9.1 defaults: 1024 prompts, mini-batches of 256, rollout tp 2, FSDP (ZeRO-3) on 8 GPUs.
     assert calls["actor_generate"]["seqs"] == 1024 and calls["actor_train"]["minibatches"] == 4
@@ -171,7 +171,7 @@ def test_imports_are_costed_for_the_layers_their_engine_trains() -> None:
     megatron = with_layout(base, "actor_train", filling(base, "actor_train", tp=2, zero=1, micro_batches=4,
                                                         sequence_parallel=True))
     models = {"actor": "llama-2-7b", "critic": "llama-2-7b", "reward": "llama-2-7b"}
-    for plan, want in ((fsdp, "rlhf-engine-hf"), (megatron, "rlhf-engine")):
+    for plan, want in ((fsdp, "verl-fsdp"), (megatron, "rlhf-engine")):
         exp = export_plan(plan, "verl")
         got = imports.from_verl(imports.verl_config(None, _overrides(exp.text)), plan.cluster, models)
         assert got.framework == want, exp.text[:300]

@@ -31,14 +31,16 @@ class FrameworkName(str, Enum):
     vllm = "vllm"
     rlhf_engine = "rlhf-engine"
     rlhf_engine_hf = "rlhf-engine-hf"
+    verl_fsdp = "verl-fsdp"
 
 
 FRAMEWORK_HELP = ("Software stack whose kernels are timed: 'torch' (the planner's runtime: flash attention, fp32 "
                   "weights under bf16 autocast, eager norms; not yet calibrated on a GPU), 'megatron-core' (Megatron-Core "
                   "with Transformer Engine: fused kernels, bf16 weights, overlapped communication), 'megatron' "
                   "(Megatron-LM's GPT on Megatron-DeepSpeed, as vTrain measured it: materialised attention scores, dropout), "
-                  "'rlhf-engine' (verl's Megatron workers, vLLM rollouts), 'rlhf-engine-hf' (OpenRLHF and verl's FSDP "
-                  "workers: HF transformers layers, whose activations are larger) or 'vllm' (generation).")
+                  "'rlhf-engine' (verl's Megatron workers, vLLM rollouts), 'rlhf-engine-hf' (OpenRLHF: HF transformers "
+                  "layers on DeepSpeed, whose activations are larger, ring attention), 'verl-fsdp' (verl's FSDP workers: "
+                  "the same layers on FSDP, Ulysses context parallel) or 'vllm' (generation).")
 
 
 def estimate(

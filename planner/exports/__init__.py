@@ -65,11 +65,11 @@ def export_plan(plan: Plan, target: str, *, call: str | None = None, version: st
     return exp
 
 
-# The framework presets (`cost_models.framework`) that cost each target's engines, the first the
-# one to compile with (verl: its Megatron workers; its FSDP workers are rlhf-engine-hf).
+# The framework presets (`cost_models.framework`) that cost each target's engines (verl: its
+# Megatron workers, or its FSDP workers).
 STACKS: dict[str, tuple[str, ...]] = {"megatron": ("megatron-core", "megatron"),
                                       "deepspeed": ("megatron-core", "rlhf-engine-hf"),
-                                      "verl": ("rlhf-engine", "rlhf-engine-hf"), "openrlhf": ("rlhf-engine-hf",)}
+                                      "verl": ("rlhf-engine", "verl-fsdp"), "openrlhf": ("rlhf-engine-hf",)}
 
 
 def stack_note(plan: Plan, target: str) -> str | None:

@@ -9,8 +9,8 @@ writes, under OUT:
 - ``exports/PLAN.TARGET.json``: `planner export --json` of each plan to each target, or the
   refusal (``{"refused": message}``) when the target cannot run the plan.
 
-The matrix: SFT 7B and 70B, PPO 7B, 13B and 70B, GRPO 7B, DPO 7B as compiled (and PPO 7B, GRPO
-Mixtral and PPO 13B compiled for the RLHF engines' stacks), plus layout
+The matrix: SFT 7B and 70B, PPO 7B, 13B and 70B, GRPO 7B, DPO 7B as compiled (and PPO 7B twice,
+GRPO Mixtral and PPO 13B compiled for the RLHF engines' stacks), plus layout
 variants of them (tp, pp with interleaving and uneven stages, ZeRO-1/2/3, sequence parallel,
 context parallel, recompute) that the search may not pick but users do. Plans compile with beam
 search only (deterministic, seconds each).
@@ -75,7 +75,7 @@ def plans() -> dict[str, Plan]:
     sft_llama31 = _compile(sft("llama-3.1-8b", batch=64, seq_len=16384, name="sft_llama31"), "h100-sxm:1x8")
     sft_mistral = _compile(sft("mistral-7b-v0.1", batch=128, seq_len=8192, name="sft_mistral"), "h100-sxm:1x8")
     # Compiled for the RLHF engines' own stacks (`--framework`), which keep to the layouts they run:
-    # OpenRLHF / verl's FSDP workers (rlhf-engine-hf) and verl's Megatron workers (rlhf-engine).
+    # OpenRLHF (rlhf-engine-hf), verl's FSDP workers (verl-fsdp) and its Megatron workers (rlhf-engine).
     ppo7_hf = _compile(ppo("llama-2-7b", critic="llama-2-7b", reward="llama-2-7b", batch=512, prompt_len=1024,
                            gen_len=1024, name="ppo_7b_hf"), "a100-80gb:2x8", "rlhf-engine-hf")
     grpo_moe_hf = _compile(grpo("mixtral-8x7b", reward_fn="runtime.tasks:pattern_reward", batch=64, prompt_len=512,
@@ -83,8 +83,10 @@ def plans() -> dict[str, Plan]:
                            "rlhf-engine-hf")
     ppo13_verl = _compile(ppo("llama-2-13b", critic="llama-2-13b", reward="llama-2-13b", batch=512, prompt_len=1024,
                               gen_len=1024, name="ppo_13b_verl"), "h100-sxm:2x8", "rlhf-engine")
+    ppo7_fsdp = _compile(ppo("llama-2-7b", critic="llama-2-7b", reward="llama-2-7b", batch=512, prompt_len=1024,
+                             gen_len=1024, name="ppo_7b_verl_fsdp"), "a100-80gb:2x8", "verl-fsdp")
     out = {p.name: p for p in (sft7, sft70, ppo7, ppo13, ppo70, grpo7, dpo7, sft_moe, grpo_moe, sft_llama31,
-                               sft_mistral, ppo7_hf, grpo_moe_hf, ppo13_verl)}
+                               sft_mistral, ppo7_hf, grpo_moe_hf, ppo13_verl, ppo7_fsdp)}
     variants = {
         "sft_7b_tp2_sp_z1": (sft7, {"model_train": Layout(dp=8, tp=2, zero=1, micro_batches=16,
                                                           sequence_parallel=True)}),
