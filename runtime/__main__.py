@@ -197,6 +197,11 @@ def run(args: argparse.Namespace, interrupts: Interrupts) -> None:
         resumed = resume(runner, ckpt)
         start = resumed.step if resumed is not None else 0
         say = print if rank == 0 and not args.quiet else (lambda *_a, **_k: None)
+        costed = plan.estimate.framework
+        if costed not in (None, "torch"):
+            say(f"note: plan {plan.name!r} was costed for framework {costed}, another stack; the runtime runs its "
+                "layouts, but its predicted times and memory are that stack's (compile with --framework torch for "
+                "the runtime's)", flush=True)
         if resumed is not None:
             say(f"resumed from {resumed.directory} (step {resumed.step}, saved by {resumed.world_size} rank{'s' if resumed.world_size > 1 else ''})"
                 + (f"; skipped {'; '.join(resumed.skipped)}" if resumed.skipped else ""), flush=True)

@@ -166,3 +166,15 @@ def test_a_plan_of_another_schema_version_is_refused_on_every_rank(tmp_path: Pat
         assert f"error (rank {rank}): {tmp_path / 'v99.json'} has plan version 99; this planner reads version 1" \
             in out.stderr
     assert str(ROOT / "runtime") not in out.stderr
+
+
+def test_a_plan_costed_for_another_stack_runs_with_a_note_saying_so(tmp_path: Path) -> None:
+    plan = tiny_ppo_plan(LAYOUTS)
+    other = plan.model_copy(update={"estimate": plan.estimate.model_copy(update={"framework": "rlhf-engine-hf"})})
+    save_plan(other, tmp_path / "other.json")
+    out = _run(["-m", "runtime", str(tmp_path / "other.json"), "--reference", "--steps", "1"])
+    assert out.returncode == 0, out.stderr
+    assert "was costed for framework rlhf-engine-hf, another stack" in out.stdout
+    save_plan(plan, tmp_path / "own.json")
+    own = _run(["-m", "runtime", str(tmp_path / "own.json"), "--reference", "--steps", "1"])
+    assert own.returncode == 0 and "costed for framework" not in own.stdout
