@@ -275,8 +275,9 @@ class CostModel:
         """Time and per-rank memory of `call` on `mesh` with `layout` (decode with `decode_layout`)."""
         gpn = self.cluster.gpus_per_node
         # An inference call's cost reads only whether it returns per-token log-probs (scores and
-        # values cost alike).
-        returns = call.returns == "logprobs" if call.kind == "inference" else call.returns
+        # values cost alike), unless the stack serves its reward models on the rollout engine.
+        returns = call.returns == "logprobs" if call.kind == "inference" and not self.framework.layouts.served_scores \
+            else call.returns
         key = (call.kind, call.seqs, call.seq_len, call.gen_len, call.response_len, call.minibatches, returns,
                self._decl_key(decl),
                mesh.first % gpn if mesh.size < gpn else 0, mesh.size, layout, decode_layout)
@@ -304,8 +305,9 @@ class CostModel:
             times = {k: v * call.minibatches for k, v in step.parts.items()}
             mem = self._train_memory_at(call, decl, mesh, layout)
         elif call.kind == "inference":
-            times = forward_pass(spec, fw, hw, layout, topo, head=head, seqs=call.seqs, seq_len=call.seq_len,
-                                 load_cv=cv).parts
+            served = call.returns == "scores" and fw.layouts.served_scores  # on the rollout engine's kernels
+            times = forward_pass(spec, fw.for_rollouts() if served else fw, hw, layout, topo, head=head, seqs=call.seqs,
+                                 seq_len=call.seq_len, load_cv=cv).parts
             mem = self._forward_memory(decl, layout, topo, seqs=call.seqs, seq_len=call.seq_len,
                                        logits="all" if call.returns == "logprobs" else "none")
         else:

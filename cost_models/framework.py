@@ -116,6 +116,11 @@ class EngineLayouts:
     # Every call runs on all GPUs of the cluster, one after another (verl's single resource pool
     # in its hybrid engine): no call placed on part of it, so none side by side.
     whole_pool: bool = False
+    # A reward model (an inference call returning one score per sequence) is served by the
+    # rollout engine (verl 0.9's `reward_model.rollout`: vLLM): replicas of tensor-parallel
+    # groups with their weights on the GPU (no ZeRO, no pipeline, no host offload), costed with
+    # the rollout engine's kernels (`Framework.for_rollouts`).
+    served_scores: bool = False
 
 
 @dataclass(frozen=True)
@@ -475,7 +480,7 @@ VLLM_LAYOUTS = EngineLayouts(engines="vLLM", rollout_context=False, split_decode
 # which these plans do not use).
 VERL_MEGATRON_LAYOUTS = EngineLayouts(engines="verl's Megatron workers with vLLM rollouts", zero=(0, 1, 3),
                                       rollout_pipeline=False, rollout_context=False, split_decode=False,
-                                      rollout_expert_tp=False, whole_pool=True)
+                                      rollout_expert_tp=False, whole_pool=True, served_scores=True)
 # OpenRLHF (DeepSpeed) holds each HF model's layers whole on every rank, sharded by ZeRO-3 (its
 # forward-only models follow --ds.zero_stage 3; one stage for every model, so ZeRO-3 throughout);
 # sequences split by ring attention (context parallel). Its DeepSpeed AutoTP is not what this
@@ -490,7 +495,7 @@ HF_ENGINE_LAYOUTS = EngineLayouts(engines="OpenRLHF's DeepSpeed models with vLLM
 # its one resource pool.
 VERL_FSDP_LAYOUTS = EngineLayouts(engines="verl's FSDP workers with vLLM rollouts", model_parallel=False, zero=(3,),
                                   rollout_pipeline=False, rollout_context=False, split_decode=False,
-                                  rollout_expert_tp=False, whole_pool=True)
+                                  rollout_expert_tp=False, whole_pool=True, served_scores=True)
 
 FRAMEWORKS: dict[str, Framework] = {
     "megatron": Framework(
@@ -626,12 +631,19 @@ def resolve_framework(fw: str | Framework) -> Framework:
     return FRAMEWORKS[fw]
 
 
-def engine_layout_problems(fw: Framework, kind: str, layout: Layout, decode_layout: Layout | None = None) -> list[str]:
+def engine_layout_problems(fw: Framework, kind: str, layout: Layout, decode_layout: Layout | None = None, *,
+                           returns: str | None = None) -> list[str]:
     """Why the engines `fw` stands for cannot run a `kind` call ("train", "inference" or
-    "generate") with `layout` (and `decode_layout`); empty when they can."""
+    "generate"; an inference call's `returns`) with `layout` (and `decode_layout`); empty when
+    they can."""
     rules = fw.layouts
     who = rules.engines or f"framework {fw.name}"
     out = []
+    if kind == "inference" and returns == "scores" and rules.served_scores:
+        if layout.zero or layout.pp > 1 or layout.offload != "none":
+            out.append(f"a reward model at {layout.short()} is not run by {who}: the rollout engine serves it, "
+                       "replicas of a tensor-parallel group with the weights on the GPU")
+        return out
     if kind == "generate":
         dec = decode_layout or layout
         if not rules.rollout_pipeline and max(layout.pp, dec.pp) > 1:

@@ -176,14 +176,15 @@ def runnable_layouts(call: Call, decl: ModelDecl, size: int, cm: CostModel) -> l
     ZeRO stage they shard with."""
     fw = cm.framework
     stages = fw.layouts.zero
-    shard = max(stages) if call.kind == "inference" and stages is not None and 0 not in stages else 0
+    served = call.kind == "inference" and call.returns == "scores" and fw.layouts.served_scores
+    shard = max(stages) if call.kind == "inference" and stages is not None and 0 not in stages and not served else 0
     out = []
     for lay in layouts_for(call, decl, size, cm.cluster):
         if shard and lay.dp * lay.cp > 1:
             lay = lay.model_copy(update={"zero": shard})
         if fw.name == "torch" and expert_layout_problems(decl.spec, lay):
             continue
-        if engine_layout_problems(fw, call.kind, lay):
+        if engine_layout_problems(fw, call.kind, lay, returns=call.returns):
             continue
         if fw.cp_comm == "all_to_all" and lay.cp > 1 and decl.spec.num_attention_heads % (lay.tp * lay.cp):
             continue  # Ulysses splits the heads over the context-parallel ranks
@@ -505,6 +506,8 @@ def _add_offload(call: Call, graph: Graph, cm: CostModel, sizes: dict[int, list[
         # The kept candidates keep every state on the GPU; a variant has their peak, so it fits.
         for c in cands[:OFFLOAD_VARIANTS[kind]]:
             lay = c.layout.model_copy(update={"offload": kind})
+            if engine_layout_problems(cm.framework, call.kind, lay, c.decode_layout, returns=call.returns):
+                continue  # the stack's engines keep these states on the GPU
             cost = cm.call_cost(call, view, c.mesh, lay, decode_layout=c.decode_layout)
             if 0 < cost.host_mem_bytes <= cluster.host_mem_bytes:
                 cands.append(Candidate(c.mesh, lay, cost, c.decode_layout))

@@ -291,9 +291,12 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
         if ri.layout.offload == "weights":
             limits.append(f"{ri.name}: its weights wait in host memory between calls; verl's served reward model "
                           "keeps them on the GPU")
-        if ri.layout.zero or ri.layout.micro_batches > 1:
+        if ri.layout.zero:
             limits.append(f"{ri.name}: {ri.layout.short()}; verl serves the reward model with vLLM, a full copy per "
-                          "tensor-parallel group that schedules sequences itself")
+                          "tensor-parallel group")
+        elif ri.layout.micro_batches > 1:
+            notes.append(f"{ri.name}: the plan scores in {ri.layout.micro_batches} micro-batches per replica; verl's "
+                         "served reward model schedules sequences itself (max_num_batched_tokens)")
         if reward_pool is not None:
             nodes, per = nodes_and_gpus(reward_pool, gpn)
             rw.update(enable_resource_pool=True, nnodes=nodes, n_gpus_per_node=per)
