@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cost_models import CostModel
+from cost_models.framework import engine_layout_problems
 from planner.candidates import costed_view
 from plans.errors import PlannerError
 from plans.graph import NamedCode, named_code
@@ -51,8 +52,27 @@ def export_limits(plan: Plan, target: str) -> list[str]:
 
 def check_plan(plan: Plan, *, targets: tuple[str, ...] = ()) -> PlanCheck:
     """Every check of `planner validate` on `plan`, with `targets` the engines to check exports for."""
-    return PlanCheck(problems=memory_problems(plan) + runtime_problems(plan), mismatches=split_problems(plan),
-                     export={t: export_limits(plan, t) for t in targets}, code=named_code(plan.graph()))
+    return PlanCheck(problems=memory_problems(plan) + runtime_problems(plan) + stack_problems(plan),
+                     mismatches=split_problems(plan), export={t: export_limits(plan, t) for t in targets},
+                     code=named_code(plan.graph()))
+
+
+def stack_problems(plan: Plan) -> list[str]:
+    """Calls the engines of the stack the plan was costed for do not run as placed
+    (`cost_models.framework.engine_layout_problems`, `EngineLayouts.whole_pool`): a plan compiled
+    for that stack has none; an edited one may."""
+    from cost_models.framework import resolve_framework
+
+    fw = resolve_framework(plan.estimate.framework or "torch")
+    world = plan.cluster.world_size
+    out = []
+    for c in plan.calls:
+        out += [f"call {c.name!r}: {why}" for why in
+                engine_layout_problems(fw, c.kind, c.layout, c.decode_layout, returns=c.returns)]
+        if fw.layouts.whole_pool and c.mesh.size != world:
+            out.append(f"call {c.name!r} runs on GPUs {c.mesh.short()} only: {fw.layouts.engines} run every call on "
+                       f"all {world} GPUs")
+    return out
 
 
 def memory_problems(plan: Plan) -> list[str]:

@@ -134,3 +134,19 @@ def test_a_plan_for_verls_megatron_workers_runs_every_call_on_the_whole_pool() -
     assert exp.data["actor_rollout_ref"]["actor"]["strategy"] == "megatron"
     assert not any("resource pool" in x or "one layout" in x for x in exp.cannot_express), exp.cannot_express
     assert not FRAMEWORKS["rlhf-engine-hf"].layouts.whole_pool  # OpenRLHF places its groups apart
+
+
+def test_validate_reports_calls_the_plans_own_stack_does_not_run(hf_plan) -> None:
+    from planner.check import stack_problems
+    from plans.plan import Plan
+
+    assert stack_problems(hf_plan) == []
+    data = hf_plan.model_dump(mode="json")
+    for c in data["calls"]:
+        if c["name"] == "actor_train":
+            c["layout"].update(tp=2, dp=c["layout"]["dp"] // 2, sequence_parallel=True)
+    edited = Plan.model_validate(data)
+    found = stack_problems(edited)
+    assert len(found) == 1 and found[0].startswith("call 'actor_train': tensor, pipeline or expert parallel")
+    data["estimate"]["framework"] = "torch"  # the runtime's stack runs it
+    assert stack_problems(Plan.model_validate(data)) == []
