@@ -9,6 +9,7 @@ and at most `keep_per_size` survive per size, fastest first.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from bisect import bisect_right
 from collections.abc import Callable
@@ -166,6 +167,14 @@ def layouts_for(call: Call, decl: ModelDecl, size: int, cluster: ClusterSpec) ->
     """Every valid layout of `size` ranks for `call`: degrees that shard the model, tp inside a
     node, the batch splitting evenly over data-parallel ranks and micro-batches."""
     return list(_layouts_for(call.kind == "train", call.step_seqs, call.seq_len, decl.spec, size, cluster.gpus_per_node))
+
+
+def stack_space(space: SearchSpace, cm: CostModel) -> SearchSpace:
+    """`space` kept to the meshes the stack the plan is costed for places calls on: the whole
+    cluster where its engines run every call on all GPUs (`EngineLayouts.whole_pool`)."""
+    if cm.framework.layouts.whole_pool:
+        return dataclasses.replace(space, mesh_sizes=(cm.cluster.world_size,))
+    return space
 
 
 def runnable_layouts(call: Call, decl: ModelDecl, size: int, cm: CostModel) -> list[Layout]:

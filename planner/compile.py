@@ -26,6 +26,7 @@ from planner.candidates import (
     mesh_sizes,
     min_memory_needed,
     node_ranges_on,
+    stack_space,
 )
 from planner.cpsat import solve_cpsat
 from planner.exhaustive import topological_orders
@@ -220,9 +221,8 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
     cm = CostModel(cluster, calibration, framework=framework)
     rule: Restriction | None = restriction(baseline, graph, cm) if baseline else None
     space = rule.space if rule is not None else (space or SearchSpace())
-    pool = cm.framework.layouts.whole_pool
-    if pool:  # the stack's engines run every call on all GPUs (verl's one resource pool)
-        space = dataclasses.replace(space, mesh_sizes=(cluster.world_size,))
+    pool = cm.framework.layouts.whole_pool  # the stack's engines run every call on all GPUs (verl's one pool)
+    space = stack_space(space, cm)
     check_search_size(graph, cm, space)
     say(SearchProgress("costing", detail=f"of {len(graph.calls)} calls"))
     per_size = graph_candidates(graph, cm, space,

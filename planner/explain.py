@@ -27,9 +27,10 @@ from planner.candidates import (
     costed_view,
     expert_degrees,
     graph_candidates,
-    layouts_for,
     mesh_positions,
     mesh_sizes,
+    runnable_layouts,
+    stack_space,
 )
 from planner.compile import lower_bound_parts
 from planner.lowering import augmented_graph
@@ -330,7 +331,7 @@ def _options(plan: Plan, problem: Problem, slot: int, cm: CostModel, space: Sear
     view = _view(plan, s.call.name)
     out: dict[tuple[int, Layout, Layout | None], CallCost] = {}
     for size in mesh_sizes(cluster, space):
-        for lay in layouts_for(s.call, decl, size, cluster):
+        for lay in runnable_layouts(s.call, decl, size, cm):  # those the plan's stack runs
             out[(size, lay, None)] = cm.call_cost(s.call, view, Mesh.block(0, size), lay)
     for c in s.cands:
         out.setdefault((c.mesh.size, c.layout, c.decode_layout), c.cost)
@@ -431,7 +432,7 @@ def explain_plan(plan: Plan, *, cm: CostModel | None = None, space: SearchSpace 
                  top: int = 5) -> Explanation:
     """Explain `plan` with cost model `cm` (default: the shipped calibration for its GPU)."""
     cm = cm or CostModel(plan.cluster, framework=plan.estimate.framework or "torch")
-    space = space or SearchSpace()
+    space = stack_space(space or SearchSpace(), cm)
     problem, choice = replay(plan, cm, space)
     chain_s, work_s = lower_bound_parts(problem)
     orders = [default_order(problem), _plan_order(problem, plan)]

@@ -99,6 +99,15 @@ def test_a_plan_for_verls_fsdp_workers_runs_on_its_pool_as_planned() -> None:
     assert verl.data["actor_rollout_ref"]["actor"]["strategy"] == "fsdp"
     assert verl.cannot_express == []
     assert not any("costed for framework" in n for n in verl.notes)
+    # `planner explain` weighs only what verl runs: every alternative on all GPUs, no tensor parallel
+    # in training.
+    from planner.explain import explain_plan
+
+    why = explain_plan(plan, top=8)
+    options = [o for c in why.calls for o in (c.chosen, *c.alternatives)]
+    assert options and {o.mesh_size for o in options} == {16}
+    assert not any("tp" in o.layout and " tp1 " not in o.layout for c in why.calls if c.call.endswith("_train")
+                   for o in (c.chosen, *c.alternatives))
     # Scored on vLLM's fused kernels, the same forward is faster than the FSDP workers' eager one.
     from cost_models import CostModel
     from planner.candidates import costed_view
