@@ -121,6 +121,9 @@ class EngineLayouts:
     # groups with their weights on the GPU (no ZeRO, no pipeline, no host offload), costed with
     # the rollout engine's kernels (`Framework.for_rollouts`).
     served_scores: bool = False
+    # A trained value model (the critic) runs every call with the layout its worker was built with
+    # (verl's critic worker: one tp/pp/cp for its training and its value pass).
+    one_critic_layout: bool = False
 
 
 @dataclass(frozen=True)
@@ -480,7 +483,8 @@ VLLM_LAYOUTS = EngineLayouts(engines="vLLM", rollout_context=False, split_decode
 # which these plans do not use).
 VERL_MEGATRON_LAYOUTS = EngineLayouts(engines="verl's Megatron workers with vLLM rollouts", zero=(0, 1, 3),
                                       rollout_pipeline=False, rollout_context=False, split_decode=False,
-                                      rollout_expert_tp=False, whole_pool=True, served_scores=True)
+                                      rollout_expert_tp=False, whole_pool=True, served_scores=True,
+                                      one_critic_layout=True)
 # OpenRLHF (DeepSpeed) holds each HF model's layers whole on every rank, sharded by ZeRO-3 (its
 # forward-only models follow --ds.zero_stage 3; one stage for every model, so ZeRO-3 throughout);
 # sequences split by ring attention (context parallel). Its DeepSpeed AutoTP is not what this
@@ -495,7 +499,8 @@ HF_ENGINE_LAYOUTS = EngineLayouts(engines="OpenRLHF's DeepSpeed models with vLLM
 # its one resource pool.
 VERL_FSDP_LAYOUTS = EngineLayouts(engines="verl's FSDP workers with vLLM rollouts", model_parallel=False, zero=(3,),
                                   rollout_pipeline=False, rollout_context=False, split_decode=False,
-                                  rollout_expert_tp=False, whole_pool=True, served_scores=True)
+                                  rollout_expert_tp=False, whole_pool=True, served_scores=True,
+                                  one_critic_layout=True)
 
 FRAMEWORKS: dict[str, Framework] = {
     "megatron": Framework(

@@ -42,6 +42,12 @@ class Restriction:
     space: SearchSpace
     same_degrees: bool = False  # every call of a model uses its home call's mesh and dp/tp/pp
     half_of: dict[str, int] = field(default_factory=dict)  # model -> 0 (first half) or 1
+    tied: frozenset[str] | None = None  # with same_degrees, only these models' calls (None: every model's)
+
+    def _tied(self, p: Problem, i: int) -> bool:
+        """Whether slot `i` must take its home call's degrees."""
+        s = p.slots[i]
+        return self.same_degrees and s.home is not None and (self.tied is None or s.call.model in self.tied)
 
     def static(self, p: Problem, i: int, k: int) -> bool:
         cand = p.slots[i].cands[k]
@@ -51,7 +57,7 @@ class Restriction:
             lo = self.half_of[model] * half
             if not (lo <= cand.mesh.first and cand.mesh.first + cand.mesh.size <= lo + half):
                 return False
-        if self.same_degrees and p.slots[i].home is not None and not self._matches(p, i, k):
+        if self._tied(p, i) and not self._matches(p, i, k):
             return False
         return True
 
@@ -72,7 +78,7 @@ class Restriction:
         if not self.static(p, i, k):
             return False
         home = p.slots[i].home
-        if self.same_degrees and home is not None and choice[home] is not None:
+        if home is not None and self._tied(p, i) and choice[home] is not None:
             return self._matches(p, i, k, choice[home])
         return True
 
@@ -80,7 +86,7 @@ class Restriction:
         if not self.same_degrees:
             return
         for s in p.slots:
-            if s.home is None:
+            if s.home is None or not self._tied(p, s.index):
                 continue
             home = p.slots[s.home]
             for k, c in enumerate(s.cands):

@@ -223,11 +223,13 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
     space = rule.space if rule is not None else (space or SearchSpace())
     pool = cm.framework.layouts.whole_pool  # the stack's engines run every call on all GPUs (verl's one pool)
     space = stack_space(space, cm)
+    if rule is None:
+        rule = engine_rule(graph, cm, space)
     check_search_size(graph, cm, space)
     say(SearchProgress("costing", detail=f"of {len(graph.calls)} calls"))
     per_size = graph_candidates(graph, cm, space,
                                 progress=lambda n, name: say(SearchProgress("costing", detail=f"{name} ({n}/{len(graph.calls)})")))
-    if rule is None:
+    if baseline is None:
         # The search space holds every baseline's, so a plan is never slower than a baseline; their
         # meshes sit where this space's do (aligned blocks, or runs of nodes too).
         ranges = node_ranges_on(space, cluster)
@@ -255,6 +257,18 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
                         gap=(sched.iteration_s - bound) / sched.iteration_s if sched.iteration_s > 0 else 0.0,
                         candidates=n_cands, status=status)
     return build_plan(problem, choice, sched, search_info)
+
+
+def engine_rule(graph: Graph, cm: CostModel, space: SearchSpace) -> Restriction | None:
+    """The stack's own rule over calls together, where its engines have one: a critic's calls
+    on one layout (`EngineLayouts.one_critic_layout`, verl's critic worker); None otherwise."""
+    if not cm.framework.layouts.one_critic_layout:
+        return None
+    critics = frozenset(m for m, d in graph.models.items()
+                        if d.trainable and d.head == "value" and sum(c.model == m for c in graph.calls) > 1)
+    if not critics:
+        return None
+    return Restriction(f"{cm.framework.name}: one layout per critic", space, same_degrees=True, tied=critics)
 
 
 def check_request(graph: Graph, *, time_limit_s: float, beam_width: int, workers: int) -> None:

@@ -21,6 +21,7 @@ from cost_models import CallCost, CostModel
 from cost_models.api import OFFLOADED
 from cost_models.memory import state_bytes
 from cost_models.training import stage_param_counts
+from planner.baselines import Restriction
 from planner.candidates import (
     Candidate,
     SearchSpace,
@@ -32,7 +33,7 @@ from planner.candidates import (
     runnable_layouts,
     stack_space,
 )
-from planner.compile import lower_bound_parts
+from planner.compile import engine_rule, lower_bound_parts
 from planner.lowering import augmented_graph
 from planner.problem import Problem, build_problem
 from planner.simulate import Op, Schedule, default_order, simulate
@@ -342,8 +343,21 @@ def _describe(layout: Layout, decode: Layout | None) -> str:
     return layout.short() + (f" / decode {decode.short()}" if decode is not None else "")
 
 
+def _allowed(plan: Plan, problem: Problem, slot: int, key: tuple[int, Layout, Layout | None],
+             rule: Restriction | None) -> bool:
+    """Whether the stack's rule over calls together (`planner.compile.engine_rule`) lets the call
+    take `key` beside the plan's other choices: a tied call keeps its home call's degrees."""
+    s = problem.slots[slot]
+    if rule is None or s.home is None or not rule._tied(problem, slot):
+        return True
+    home = plan.call(problem.slots[s.home].call.name)
+    size, lay, _ = key
+    return (size, lay.dp * lay.cp, lay.tp, lay.pp) == (home.mesh.size, home.layout.dp * home.layout.cp,
+                                                        home.layout.tp, home.layout.pp)
+
+
 def alternatives(plan: Plan, problem: Problem, choice: list[int], cm: CostModel, space: SearchSpace, *,
-                 base: Schedule, orders: list[list[Op]], top: int) -> list[CallChoice]:
+                 base: Schedule, orders: list[list[Op]], top: int, rule: Restriction | None = None) -> list[CallChoice]:
     """For each call, the chosen option and the `top` strongest others (the fastest of each mesh
     size), each tried in the plan in place of the chosen one."""
     cap = cm.cluster.usable_mem_bytes
@@ -354,7 +368,7 @@ def alternatives(plan: Plan, problem: Problem, choice: list[int], cm: CostModel,
         pc = plan.call(s.call.name)
         chosen_key = (pc.mesh.size, pc.layout, pc.decode_layout)
         opts = costed[s.index]
-        ranked = sorted((k for k in opts if k != chosen_key),
+        ranked = sorted((k for k in opts if k != chosen_key and _allowed(plan, problem, s.index, k, rule)),
                         key=lambda k: (opts[k].time_s, opts[k].peak_mem_bytes, k[0], _describe(k[1], k[2])))
         picked: list[tuple[int, Layout, Layout | None]] = []
         for size in sorted({k[0] for k in ranked}):
@@ -457,5 +471,6 @@ def explain_plan(plan: Plan, *, cm: CostModel | None = None, space: SearchSpace 
         lower_bound_s=plan.search.lower_bound_s, gap=plan.search.gap, chain_bound_s=chain_s, work_bound_s=work_s,
         critical_path=path, bottleneck=bottleneck, capacity_bytes=plan.cluster.usable_mem_bytes,
         memory=memory_over_time(plan, problem, choice),
-        calls=alternatives(plan, problem, choice, cm, space, base=base, orders=orders, top=top), notes=notes,
+        calls=alternatives(plan, problem, choice, cm, space, base=base, orders=orders, top=top,
+                           rule=engine_rule(plan.graph(), cm, space)), notes=notes,
         shared_cores=cm.shares_cores)

@@ -159,3 +159,28 @@ def test_validate_reports_calls_the_plans_own_stack_does_not_run(hf_plan) -> Non
     assert len(found) == 1 and found[0].startswith("call 'actor_train': tensor, pipeline or expert parallel")
     data["estimate"]["framework"] = "torch"  # the runtime's stack runs it
     assert stack_problems(Plan.model_validate(data)) == []
+
+
+def test_verls_critic_worker_runs_its_training_and_its_values_on_one_layout() -> None:
+    """verl builds one critic model per worker: a plan for its stacks gives the critic's value
+    pass the tp/pp/cp of its training (this PPO's value pass had taken tp 8 x pp 8 beside
+    training at dp 64, which verl's export could only list)."""
+    from planner.candidates import SearchSpace
+    from planner.compile import engine_rule
+
+    graph = ppo("llama-3-70b", critic="llama-3-8b", batch=512, prompt_len=1024, gen_len=1024, name="ppo_critic")
+    plan = compile_graph(graph, parse_cluster("h100-sxm:8x8"), time_limit_s=3, framework="rlhf-engine")
+    train, values = plan.call("critic_train").layout, plan.call("critic_inference").layout
+    assert (train.tp, train.pp, train.cp) == (values.tp, values.pp, values.cp)
+    assert not any("one layout" in x for x in export_plan(plan, "verl").cannot_express)
+    from planner.explain import explain_plan  # and explain offers the value pass no other degrees
+
+    (values_choice,) = [c for c in explain_plan(plan, top=8).calls if c.call == "critic_inference"]
+    assert values_choice.alternatives
+    assert all(f"tp{train.tp} pp{train.pp}" in o.layout for o in values_choice.alternatives)
+    from cost_models import CostModel
+
+    cluster = parse_cluster("h100-sxm:8x8")
+    rule = engine_rule(plan.graph(), CostModel(cluster, framework="verl-fsdp"), SearchSpace())
+    assert rule is not None and rule.tied == frozenset({"critic"})
+    assert engine_rule(plan.graph(), CostModel(cluster, framework="rlhf-engine-hf"), SearchSpace()) is None
