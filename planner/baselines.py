@@ -44,7 +44,7 @@ class Restriction:
     half_of: dict[str, int] = field(default_factory=dict)  # model -> 0 (first half) or 1
     tied: frozenset[str] | None = None  # with same_degrees, only these models' calls (None: every model's)
 
-    def _tied(self, p: Problem, i: int) -> bool:
+    def ties(self, p: Problem, i: int) -> bool:
         """Whether slot `i` must take its home call's degrees."""
         s = p.slots[i]
         return self.same_degrees and s.home is not None and (self.tied is None or s.call.model in self.tied)
@@ -57,7 +57,7 @@ class Restriction:
             lo = self.half_of[model] * half
             if not (lo <= cand.mesh.first and cand.mesh.first + cand.mesh.size <= lo + half):
                 return False
-        if self._tied(p, i) and not self._matches(p, i, k):
+        if self.ties(p, i) and not self._matches(p, i, k):
             return False
         return True
 
@@ -78,7 +78,7 @@ class Restriction:
         if not self.static(p, i, k):
             return False
         home = p.slots[i].home
-        if home is not None and self._tied(p, i) and choice[home] is not None:
+        if home is not None and self.ties(p, i) and choice[home] is not None:
             return self._matches(p, i, k, choice[home])
         return True
 
@@ -86,7 +86,7 @@ class Restriction:
         if not self.same_degrees:
             return
         for s in p.slots:
-            if s.home is None or not self._tied(p, s.index):
+            if s.home is None or not self.ties(p, s.index):
                 continue
             home = p.slots[s.home]
             for k, c in enumerate(s.cands):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cost_models import CostModel
-from cost_models.framework import engine_layout_problems
+from cost_models.framework import engine_layout_problems, resolve_framework
 from planner.candidates import costed_view
 from plans.errors import PlannerError
 from plans.graph import NamedCode, named_code
@@ -61,8 +61,6 @@ def stack_problems(plan: Plan) -> list[str]:
     """Calls the engines of the stack the plan was costed for do not run as placed
     (`cost_models.framework.engine_layout_problems`, `EngineLayouts.whole_pool`): a plan compiled
     for that stack has none; an edited one may."""
-    from cost_models.framework import resolve_framework
-
     fw = resolve_framework(plan.estimate.framework or "torch")
     world = plan.cluster.world_size
     out = []

@@ -348,7 +348,7 @@ def _allowed(plan: Plan, problem: Problem, slot: int, key: tuple[int, Layout, La
     """Whether the stack's rule over calls together (`planner.compile.engine_rule`) lets the call
     take `key` beside the plan's other choices: a tied call keeps its home call's degrees."""
     s = problem.slots[slot]
-    if rule is None or s.home is None or not rule._tied(problem, slot):
+    if rule is None or s.home is None or not rule.ties(problem, slot):
         return True
     home = plan.call(problem.slots[s.home].call.name)
     size, lay, _ = key
