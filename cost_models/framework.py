@@ -121,9 +121,17 @@ class EngineLayouts:
     # groups with their weights on the GPU (no ZeRO, no pipeline, no host offload), costed with
     # the rollout engine's kernels (`Framework.for_rollouts`).
     served_scores: bool = False
-    # A trained value model (the critic) runs every call with the layout its worker was built with
-    # (verl's critic worker: one tp/pp/cp for its training and its value pass).
-    one_critic_layout: bool = False
+    # A trained model runs its calls other than generation with the layout its worker was built
+    # with (verl's actor and critic workers: one tp/pp/cp for training, the actor's log-probs and
+    # the critic's value pass).
+    one_worker_layout: bool = False
+    # Before training, the policy's log-probs of its own samples are computed again in a forward
+    # pass of the trained model (the "old" log-probs of the PPO ratio and the KL term), not taken
+    # from generation: verl 0.9's `_compute_old_log_prob` (unless
+    # `algorithm.rollout_correction.bypass_mode`) and OpenRLHF 0.11's experience maker (the actor
+    # group's forward beside the reference's). The algorithms' graphs then have that call
+    # (`planner.algorithms`, ``policy_logprobs``).
+    policy_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -480,27 +488,28 @@ VLLM_LAYOUTS = EngineLayouts(engines="vLLM", rollout_context=False, split_decode
 # Its vLLM rollouts take a tensor-parallel size and, for experts, an expert-parallel size over the
 # whole engine (each expert whole: verl checks expert_parallel_size == tp x dp). verl runs every
 # role on its one resource pool, one after another (a reward model may have a pool of its own,
-# which these plans do not use).
+# which these plans do not use), and recomputes the actor's log-probs before training.
 VERL_MEGATRON_LAYOUTS = EngineLayouts(engines="verl's Megatron workers with vLLM rollouts", zero=(0, 1, 3),
                                       rollout_pipeline=False, rollout_context=False, split_decode=False,
                                       rollout_expert_tp=False, whole_pool=True, served_scores=True,
-                                      one_critic_layout=True)
+                                      one_worker_layout=True, policy_logprobs=True)
 # OpenRLHF (DeepSpeed) holds each HF model's layers whole on every rank, sharded by ZeRO-3 (its
 # forward-only models follow --ds.zero_stage 3; one stage for every model, so ZeRO-3 throughout);
 # sequences split by ring attention (context parallel). Its DeepSpeed AutoTP is not what this
 # stack prices (its tensor-parallel layers overlap no collective with the weight gradient), so a
 # plan holds no tensor parallel in training or scoring. Its vLLM engines: tensor parallel only
-# (no expert-parallel flag); its roles may run on groups of their own, side by side.
+# (no expert-parallel flag); its roles may run on groups of their own, side by side. Its experience
+# maker recomputes the actor's log-probs on the actor's group.
 HF_ENGINE_LAYOUTS = EngineLayouts(engines="OpenRLHF's DeepSpeed models with vLLM rollouts", model_parallel=False,
                                   zero=(3,), rollout_pipeline=False, rollout_context=False, split_decode=False,
-                                  rollout_expert_parallel=False, rollout_expert_tp=False)
+                                  rollout_expert_parallel=False, rollout_expert_tp=False, policy_logprobs=True)
 # verl's FSDP workers: every model sharded by FSDP (FULL_SHARD, ZeRO-3), no tensor or pipeline
 # parallel, sequences split by Ulysses; vLLM rollouts as for its Megatron workers; every role on
 # its one resource pool.
 VERL_FSDP_LAYOUTS = EngineLayouts(engines="verl's FSDP workers with vLLM rollouts", model_parallel=False, zero=(3,),
                                   rollout_pipeline=False, rollout_context=False, split_decode=False,
                                   rollout_expert_tp=False, whole_pool=True, served_scores=True,
-                                  one_critic_layout=True)
+                                  one_worker_layout=True, policy_logprobs=True)
 
 FRAMEWORKS: dict[str, Framework] = {
     "megatron": Framework(

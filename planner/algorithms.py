@@ -11,6 +11,12 @@ remax      actor generate (sampled) and generate (greedy baseline) ; reward on b
 rloo       like grpo, with the leave-one-out baseline
 =========  =========================================================================================
 
+With ``policy_logprobs=True`` the RL algorithms also run the actor over its own samples before
+training (``actor_logprobs``, an inference call): the log-probs of the PPO ratio and the KL term
+come from that forward pass, as verl and OpenRLHF compute them, not from generation (what the
+planner's runtime does without it). ``planner compile`` turns it on for the stacks that work so
+(`cost_models.framework.EngineLayouts.policy_logprobs`).
+
 Rewards come from a reward model (value head, scored at the last token) or, with ``reward_fn``,
 from a Python function of the generated tokens (no reward-model call), or of their text when the
 prompts come from a dataset (``data={"data": "train.jsonl", "key": "prompt", ...}``: the keyword
@@ -66,26 +72,34 @@ def _reward(g: Graph, reward: Spec | None, reward_fn: str | None, samples: Data,
     return [rm.inference(samples, returns="scores", name=name)]
 
 
+def _policy_logprobs(a: ModelHandle, samples: Data, on: bool) -> list[Data]:
+    """The actor's own log-probs of its samples, recomputed before training (``policy_logprobs``)."""
+    return [a.inference(samples, name="actor_logprobs")] if on else []
+
+
 def ppo(actor: Spec, *, critic: Spec | None = None, ref: Spec | None = None, reward: Spec | None = None,
         reward_fn: str | None = None, batch: int, prompt_len: int, gen_len: int, ppo_minibatches: int = 4,
-        name: str = "ppo", data: dict[str, Any] | None = None, **algo: Any) -> GraphSpec:
-    """PPO with a critic (InstructGPT/ReaLHF's six calls). `critic` and `reward` default to `actor`'s spec."""
+        name: str = "ppo", data: dict[str, Any] | None = None, policy_logprobs: bool = False,
+        **algo: Any) -> GraphSpec:
+    """PPO with a critic (InstructGPT/ReaLHF's six calls, seven with `policy_logprobs`). `critic`
+    and `reward` default to `actor`'s spec."""
     g = Graph(name, batch=batch, prompt_len=prompt_len, gen_len=gen_len, algorithm=_algo("ppo", reward_fn, algo))
     a = g.model("actor", actor, trainable=True)
     c = g.model("critic", critic or actor, trainable=True, head="value")
     r = g.model("ref", ref or actor)
     samples = a.generate(g.input("prompts", **(data or {})), name="actor_generate")
+    old = _policy_logprobs(a, samples, policy_logprobs)
     rewards = _reward(g, reward or critic or actor, reward_fn, samples)
     ref_lp = r.inference(samples, name="ref_inference")
     values = c.inference(samples, name="critic_inference")
-    a.train(samples, *rewards, ref_lp, values, loss="ppo_policy", minibatches=ppo_minibatches, name="actor_train")
-    c.train(samples, *rewards, ref_lp, values, loss="ppo_value", minibatches=ppo_minibatches, name="critic_train")
+    a.train(samples, *rewards, ref_lp, values, *old, loss="ppo_policy", minibatches=ppo_minibatches, name="actor_train")
+    c.train(samples, *rewards, ref_lp, values, *old, loss="ppo_value", minibatches=ppo_minibatches, name="critic_train")
     return g.build()
 
 
 def _group(kind: Loss, actor: Spec, *, ref: Spec | None, reward: Spec | None, reward_fn: str | None, batch: int,
            prompt_len: int, gen_len: int, samples_per_prompt: int, ppo_minibatches: int, name: str,
-           data: dict[str, Any] | None, algo: dict[str, Any]) -> GraphSpec:
+           data: dict[str, Any] | None, policy_logprobs: bool, algo: dict[str, Any]) -> GraphSpec:
     if samples_per_prompt < 2:
         raise PlannerError(f"{kind} needs --samples-per-prompt of at least 2 (the baseline is the group), got {samples_per_prompt}")
     g = Graph(name, batch=batch, prompt_len=prompt_len, gen_len=gen_len, algorithm=_algo(kind, reward_fn, algo))
@@ -93,33 +107,36 @@ def _group(kind: Loss, actor: Spec, *, ref: Spec | None, reward: Spec | None, re
     r = g.model("ref", ref or actor)
     samples = a.generate(g.input("prompts", **(data or {})), samples_per_prompt=samples_per_prompt,
                          name="actor_generate")
+    old = _policy_logprobs(a, samples, policy_logprobs)
     rewards = _reward(g, reward or actor, reward_fn, samples)
     ref_lp = r.inference(samples, name="ref_inference")
-    a.train(samples, *rewards, ref_lp, loss=kind, minibatches=ppo_minibatches, name="actor_train")
+    a.train(samples, *rewards, ref_lp, *old, loss=kind, minibatches=ppo_minibatches, name="actor_train")
     return g.build()
 
 
 def grpo(actor: Spec, *, ref: Spec | None = None, reward: Spec | None = None, reward_fn: str | None = None,
          batch: int, prompt_len: int, gen_len: int, samples_per_prompt: int = 8, ppo_minibatches: int = 1,
-         name: str = "grpo", data: dict[str, Any] | None = None, **algo: Any) -> GraphSpec:
+         name: str = "grpo", data: dict[str, Any] | None = None, policy_logprobs: bool = False,
+         **algo: Any) -> GraphSpec:
     """GRPO: group-normalised advantages over `samples_per_prompt` samples, no critic."""
     return _group("grpo", actor, ref=ref, reward=reward, reward_fn=reward_fn, batch=batch, prompt_len=prompt_len,
                   gen_len=gen_len, samples_per_prompt=samples_per_prompt, ppo_minibatches=ppo_minibatches,
-                  name=name, data=data, algo=algo)
+                  name=name, data=data, policy_logprobs=policy_logprobs, algo=algo)
 
 
 def rloo(actor: Spec, *, ref: Spec | None = None, reward: Spec | None = None, reward_fn: str | None = None,
          batch: int, prompt_len: int, gen_len: int, samples_per_prompt: int = 4, ppo_minibatches: int = 1,
-         name: str = "rloo", data: dict[str, Any] | None = None, **algo: Any) -> GraphSpec:
+         name: str = "rloo", data: dict[str, Any] | None = None, policy_logprobs: bool = False,
+         **algo: Any) -> GraphSpec:
     """REINFORCE leave-one-out: each sample's baseline is the mean reward of its siblings."""
     return _group("rloo", actor, ref=ref, reward=reward, reward_fn=reward_fn, batch=batch, prompt_len=prompt_len,
                   gen_len=gen_len, samples_per_prompt=samples_per_prompt, ppo_minibatches=ppo_minibatches,
-                  name=name, data=data, algo=algo)
+                  name=name, data=data, policy_logprobs=policy_logprobs, algo=algo)
 
 
 def remax(actor: Spec, *, ref: Spec | None = None, reward: Spec | None = None, reward_fn: str | None = None,
           batch: int, prompt_len: int, gen_len: int, ppo_minibatches: int = 1, name: str = "remax",
-          data: dict[str, Any] | None = None, **algo: Any) -> GraphSpec:
+          data: dict[str, Any] | None = None, policy_logprobs: bool = False, **algo: Any) -> GraphSpec:
     """ReMax: REINFORCE with the reward of a greedy generation as the baseline."""
     g = Graph(name, batch=batch, prompt_len=prompt_len, gen_len=gen_len, algorithm=_algo("remax", reward_fn, algo))
     a = g.model("actor", actor, trainable=True)
@@ -127,10 +144,12 @@ def remax(actor: Spec, *, ref: Spec | None = None, reward: Spec | None = None, r
     prompts = g.input("prompts", **(data or {}))
     samples = a.generate(prompts, name="actor_generate")
     greedy = a.generate(prompts, temperature=0.0, name="actor_generate_greedy")
+    old = _policy_logprobs(a, samples, policy_logprobs)
     rewards = _reward(g, reward or actor, reward_fn, samples)
     base = _reward(g, reward or actor, reward_fn, greedy, name="reward_inference_greedy")
     ref_lp = r.inference(samples, name="ref_inference")
-    a.train(samples, greedy, *rewards, *base, ref_lp, loss="remax", minibatches=ppo_minibatches, name="actor_train")
+    a.train(samples, greedy, *rewards, *base, ref_lp, *old, loss="remax", minibatches=ppo_minibatches,
+            name="actor_train")
     return g.build()
 
 

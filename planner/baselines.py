@@ -42,12 +42,16 @@ class Restriction:
     space: SearchSpace
     same_degrees: bool = False  # every call of a model uses its home call's mesh and dp/tp/pp
     half_of: dict[str, int] = field(default_factory=dict)  # model -> 0 (first half) or 1
-    tied: frozenset[str] | None = None  # with same_degrees, only these models' calls (None: every model's)
+    # With same_degrees, only these models' calls, and not their generate calls, which run on the
+    # rollout engine's own layout (None: every call of every model).
+    tied: frozenset[str] | None = None
 
     def ties(self, p: Problem, i: int) -> bool:
         """Whether slot `i` must take its home call's degrees."""
         s = p.slots[i]
-        return self.same_degrees and s.home is not None and (self.tied is None or s.call.model in self.tied)
+        if not self.same_degrees or s.home is None:
+            return False
+        return self.tied is None or (s.call.model in self.tied and s.call.kind != "generate")
 
     def static(self, p: Problem, i: int, k: int) -> bool:
         cand = p.slots[i].cands[k]

@@ -260,15 +260,17 @@ def compile_graph(graph: Graph, cluster: ClusterSpec, *, time_limit_s: float = 1
 
 
 def engine_rule(graph: Graph, cm: CostModel, space: SearchSpace) -> Restriction | None:
-    """The stack's own rule over calls together, where its engines have one: a critic's calls
-    on one layout (`EngineLayouts.one_critic_layout`, verl's critic worker); None otherwise."""
-    if not cm.framework.layouts.one_critic_layout:
+    """The stack's own rule over calls together, where its engines have one: a trained model's
+    calls other than generation on one layout (`EngineLayouts.one_worker_layout`, verl's actor and
+    critic workers); None otherwise."""
+    if not cm.framework.layouts.one_worker_layout:
         return None
-    critics = frozenset(m for m, d in graph.models.items()
-                        if d.trainable and d.head == "value" and sum(c.model == m for c in graph.calls) > 1)
-    if not critics:
+    workers = frozenset(m for m, d in graph.models.items()
+                        if d.trainable and sum(c.model == m and c.kind != "generate" for c in graph.calls) > 1)
+    if not workers:
         return None
-    return Restriction(f"{cm.framework.name}: one layout per critic", space, same_degrees=True, tied=critics)
+    return Restriction(f"{cm.framework.name}: one layout per trained model's worker", space, same_degrees=True,
+                       tied=workers)
 
 
 def check_request(graph: Graph, *, time_limit_s: float, beam_width: int, workers: int) -> None:

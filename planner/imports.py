@@ -132,12 +132,14 @@ VERL_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref.rollout.n": 1, "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
     "actor_rollout_ref.rollout.temperature": 1.0, "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5,
     "actor_rollout_ref.rollout.max_num_seqs": 256,
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": None,
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": None,
     "critic.enable": None, "critic.model.path": None, "critic.ppo_micro_batch_size_per_gpu": None,
     "critic.forward_micro_batch_size_per_gpu": None, "critic.optim.lr": 1e-5, "critic.cliprange_value": 0.5,
     "critic.ulysses_sequence_parallel_size": 1, "critic.model.enable_gradient_checkpointing": True,
     "algorithm.adv_estimator": "gae", "algorithm.gamma": 1.0, "algorithm.lam": 1.0,
     "algorithm.use_kl_in_reward": False, "algorithm.kl_ctrl.kl_coef": 0.001,
+    "algorithm.rollout_correction.bypass_mode": False,
     "reward.reward_model.enable": False, "reward.reward_model.model_path": None,
     "reward.reward_model.enable_resource_pool": False, "reward.reward_model.nnodes": 0,
     "reward.reward_model.n_gpus_per_node": 8, "reward.reward_model.rollout.tensor_model_parallel_size": 2,
@@ -253,7 +255,10 @@ def from_verl(tree: dict[str, Any], cluster: ClusterSpec, models: dict[str, str]
     if epochs != 1:
         notes.append(f"ppo_epochs={epochs}: the planner costs one pass over each mini-batch")
     actor = _model("actor", get("actor_rollout_ref.model.path"), models, "actor_rollout_ref.model.path")
-    kw: dict[str, Any] = dict(batch=prompts if algo != "ppo" else prompts * n,
+    # verl recomputes the actor's log-probs before training (ray_trainer's _compute_old_log_prob)
+    # unless bypass mode takes the rollout's.
+    recompute = not get("algorithm.rollout_correction.bypass_mode")
+    kw: dict[str, Any] = dict(batch=prompts if algo != "ppo" else prompts * n, policy_logprobs=recompute,
                               prompt_len=_int(get("data.max_prompt_length"), "data.max_prompt_length"),
                               gen_len=_int(get("data.max_response_length"), "data.max_response_length"),
                               ppo_minibatches=minibatches, name="verl_import", clip_eps=float(get(
@@ -311,16 +316,18 @@ def from_verl(tree: dict[str, Any], cluster: ClusterSpec, models: dict[str, str]
         return Layout(dp=dp, cp=sp, zero=_zero(3, dp * sp), recompute=rc, offload=off,
                       micro_batches=_div(rows // minibatches, dp * micro, f"{role} mini-batch over dp x micro"))
 
-    def forward_layout(role: str, micro: int, on: Mesh) -> Layout:
+    def forward_layout(role: str, micro: int, on: Mesh, cp: int = 1) -> Layout:
+        """A forward-only call's layout: the worker's tp and pp (Megatron) or its FSDP sharding,
+        over `cp` context-parallel ranks (the actor worker's own, for its log-probs)."""
         if strategy == "megatron":
             b = block(role)
             tp, pp = _int(b["tensor_model_parallel_size"], "tp"), _int(b["pipeline_model_parallel_size"], "pp")
         else:
             tp = pp = 1
-        dp = _div(on.size, tp * pp, f"{role}: {on.size} GPUs over tp x pp")
+        dp = _div(on.size, tp * pp * cp, f"{role}: {on.size} GPUs over tp x pp x cp")
         # verl's FSDP workers shard every model they hold, the reference included (ZeRO-3).
-        zero = _zero(3, dp) if strategy != "megatron" else 0
-        return Layout(dp=dp, tp=tp, pp=pp, zero=zero,
+        zero = _zero(3, dp * cp) if strategy != "megatron" else 0
+        return Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero,
                       micro_batches=_div(rows, dp * micro, f"{role} batch over dp x micro"))
 
     rtp = _int(get("actor_rollout_ref.rollout.tensor_model_parallel_size"), "rollout.tensor_model_parallel_size")
@@ -334,6 +341,15 @@ def from_verl(tree: dict[str, Any], cluster: ClusterSpec, models: dict[str, str]
         "actor_train": (mesh, train_layout("actor_rollout_ref.actor", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
                                            "actor_rollout_ref.model.enable_gradient_checkpointing"), None),
     }
+    if recompute:  # on the actor worker: its tp, pp and cp (verl builds one engine for both)
+        at = placements["actor_train"][1]
+        lp_key = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
+        placements["actor_logprobs"] = (mesh, forward_layout("actor_rollout_ref.actor", _int(get(lp_key, required=True),
+                                                                                              lp_key), mesh, cp=at.cp),
+                                        None)
+    else:
+        notes.append("algorithm.rollout_correction.bypass_mode: the rollout's log-probs are the PPO ratio's, so "
+                     "the actor runs no forward pass over the samples")
     ref_micro = get("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu") if ref_on else None
     if ref_micro is None:
         ref_micro = get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", required=True)
@@ -506,7 +522,8 @@ def from_openrlhf(words: list[str], cluster: ClusterSpec, models: dict[str, str]
         raise PlannerError(f"--data.max_len {max_len} leaves no room for prompts and responses",
                            hint="set --rollout.max_new_tokens below --data.max_len")
     actor = _model("actor", get("actor.model_name_or_path"), models, "--actor.model_name_or_path")
-    kw: dict[str, Any] = dict(prompt_len=prompt_len, gen_len=gen_len, ppo_minibatches=minibatches,
+    # The experience maker runs the actor over the samples for their log-probs (always, in 0.11).
+    kw: dict[str, Any] = dict(prompt_len=prompt_len, gen_len=gen_len, ppo_minibatches=minibatches, policy_logprobs=True,
                               name="openrlhf_import", lr=float(get("actor.adam.lr")), clip_eps=float(get("actor.eps_clip")),
                               gamma=float(get("algo.advantage.gamma")), lam=float(get("algo.advantage.lambd")),
                               kl_coef=kl)
@@ -568,9 +585,15 @@ def from_openrlhf(words: list[str], cluster: ClusterSpec, models: dict[str, str]
     gen, why = vllm_waves(graph, cluster, "actor_generate", groups["vllm"], Layout(dp=n_eng, tp=vtp),
                           memory_share=float(get("vllm.gpu_memory_utilization")), max_num_seqs=None)
     notes += [why] if why else []
+    # The actor's log-probs: its training engine (tp, ring, the weights sharded at ZeRO-3 only) in
+    # --rollout.micro_batch_size batches.
+    at = train("actor")
+    lp = at.model_copy(update={"recompute": "none", "offload": "none", "zero": 3 if at.zero == 3 else 0, "micro_batches": _div(
+        rows, at.dp * roll, "actor: samples over dp x --rollout.micro_batch_size")})
     placements: dict[str, Placement] = {
         "actor_generate": (groups["vllm"], gen, None),
-        "actor_train": (groups["actor"], train("actor"), None),
+        "actor_logprobs": (groups["actor"], lp, None),
+        "actor_train": (groups["actor"], at, None),
         "ref_inference": (groups["ref"], forward("ref", offload=bool(get("ref.offload"))), None),
     }
     if algo == "ppo":

@@ -160,10 +160,14 @@ class Glue:
         self.eos_id = tokenizer.eos_id if tokenizer is not None else None
         self.producer = {h: c for c in plan.calls for h in c.outputs}
         self.host_producer = {h: s.name for s in plan.host_steps for h in s.outputs}
+        self.policies = {c.model for c in plan.calls if c.kind == "generate"}
 
     def _inputs(self, call: PlanCall, store: dict[str, Rows]) -> dict[str, list[Rows]]:
-        """The call's inputs by role: samples, logprobs, values, scores, data."""
-        roles: dict[str, list[Rows]] = {"samples": [], "logprobs": [], "values": [], "scores": [], "data": []}
+        """The call's inputs by role: samples, logprobs (another model's: the reference's),
+        policy_logprobs (a generating model's own, recomputed by an inference call), values,
+        scores, data."""
+        roles: dict[str, list[Rows]] = {"samples": [], "logprobs": [], "policy_logprobs": [], "values": [],
+                                        "scores": [], "data": []}
         for h in call.inputs:
             src = self.producer.get(h)
             if src is None:
@@ -171,7 +175,8 @@ class Glue:
             elif src.kind == "generate":
                 roles["samples"].append(store[h])
             elif src.kind == "inference":
-                roles[str(src.returns)].append(store[h])
+                own = src.returns == "logprobs" and src.model in self.policies
+                roles["policy_logprobs" if own else str(src.returns)].append(store[h])
         return roles
 
     def _scores(self, samples: Rows, given: list[Rows], index: int, rows: list[RowInfo] | None = None) -> Tensor:
@@ -219,7 +224,12 @@ class Glue:
             return TrainBatch(rows, _denoms(pairs.repeat_interleave(2) / 2, call.minibatches, 2), 2, {})
         samples = roles["samples"][0]
         mask = aligned(samples, "mask")
-        old_lp = aligned(samples, "logprobs")
+        # The PPO ratio's and the KL term's log-probs: the policy's recomputed ones where the plan
+        # has that call (verl's and OpenRLHF's way), else generation's.
+        if roles["policy_logprobs"]:  # [B, s-1] over every position: the response's kept, as generation gives them
+            old_lp = torch.where(mask.bool(), roles["policy_logprobs"][0]["logprobs"], 0.0)
+        else:
+            old_lp = aligned(samples, "logprobs")
         sample_rows = self._sample_rows(call, infos, call.inputs[0])
         scores = self._scores(samples, roles["scores"], 0, sample_rows)
         ref_lp = roles["logprobs"][0]["logprobs"] if roles["logprobs"] else old_lp

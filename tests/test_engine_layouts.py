@@ -19,6 +19,7 @@ from planner.compile import compile_graph
 from planner.exports import STACKS, export_plan
 from plans.cluster import parse_cluster
 from plans.layout import Layout
+from tests.conftest import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +185,64 @@ def test_verls_critic_worker_runs_its_training_and_its_values_on_one_layout() ->
     rule = engine_rule(plan.graph(), CostModel(cluster, framework="verl-fsdp"), SearchSpace())
     assert rule is not None and rule.tied == frozenset({"critic"})
     assert engine_rule(plan.graph(), CostModel(cluster, framework="rlhf-engine-hf"), SearchSpace()) is None
+
+
+def test_the_engines_recompute_the_actors_logprobs_and_their_plans_cost_it(cli, tmp_path) -> None:
+    """verl (`_compute_old_log_prob`) and OpenRLHF (the experience maker's actor forward) run the
+    actor over its samples before training: `planner compile` for their stacks adds that call
+    (`actor_logprobs`), costed and exported where the engine takes its micro-batch; the planner's
+    runtime takes the log-probs from generation unless asked."""
+    from plans.plan import load_plan
+
+    common = ["compile", "ppo", "--actor", "llama-3-8b", "--cluster", "h100-sxm:1x8", "--batch", "128",
+              "--prompt-len", "512", "--gen-len", "512", "--time-limit", "0"]
+    names = {}
+    for flags in (["--framework", "verl-fsdp"], ["--framework", "rlhf-engine-hf"], [],
+                  ["--framework", "verl-fsdp", "--no-policy-logprobs"], ["--policy-logprobs"]):
+        out = tmp_path / f"{len(names)}.json"
+        r = cli(*common, *flags, "-o", str(out))
+        assert r.code == 0, r.err
+        names[" ".join(flags)] = load_plan(out)
+    has = {k: any(c.name == "actor_logprobs" for c in p.calls) for k, p in names.items()}
+    assert has == {"--framework verl-fsdp": True, "--framework rlhf-engine-hf": True, "": False,
+                   "--framework verl-fsdp --no-policy-logprobs": False, "--policy-logprobs": True}
+    with_lp, without = names["--framework verl-fsdp"], names["--framework verl-fsdp --no-policy-logprobs"]
+    lp = with_lp.call("actor_logprobs")
+    assert lp.kind == "inference" and lp.returns == "logprobs" and lp.est_time_s > 0
+    assert with_lp.estimate.iteration_s > without.estimate.iteration_s
+    # The actor worker's one layout, and verl's key for that forward's micro-batch.
+    train = with_lp.call("actor_train").layout
+    assert (lp.layout.tp, lp.layout.pp, lp.layout.cp) == (train.tp, train.pp, train.cp)
+    verl = export_plan(with_lp, "verl")
+    assert verl.cannot_express == []
+    micro = with_lp.call("actor_logprobs").seqs // (lp.layout.dp * lp.layout.micro_batches)
+    assert verl.data["actor_rollout_ref"]["rollout"]["log_prob_micro_batch_size_per_gpu"] == micro
+    assert not any("recomputes the actor's log-probs" in n for n in verl.notes)
+    old = export_plan(without, "verl")  # a plan without the call says what verl does instead
+    assert any("recomputes the actor's log-probs" in n and "bypass_mode" in n for n in old.notes)
+    assert any("recomputes the actor's log-probs" in n for n in export_plan(names[""], "openrlhf").notes)
+    hf = export_plan(names["--framework rlhf-engine-hf"], "openrlhf")
+    assert hf.cannot_express == [] and not any("recomputes the actor's log-probs" in n for n in hf.notes)
+    # A built-in algorithm without generation, or a graph file, has no such switch.
+    r = cli("compile", "sft", "--actor", "llama-3-8b", "--cluster", "h100-sxm:1x8", "--policy-logprobs")
+    assert r.code == 2 and "generates nothing" in r.err
+    r = cli("compile", str(ROOT / "examples" / "tiny_ppo.py"), "--policy-logprobs", "-o", str(tmp_path / "x.json"))
+    assert r.code == 2 and "a graph file declares its own calls" in r.err
+
+
+def test_verls_actor_worker_runs_its_log_probs_on_its_training_layout() -> None:
+    """With the log-prob pass, verl's actor worker holds one engine for training and that
+    forward: a plan for its stacks ties their degrees, while generation keeps vLLM's own."""
+    from cost_models import CostModel
+    from planner.candidates import SearchSpace
+    from planner.compile import engine_rule
+
+    graph = ppo("llama-3-70b", critic="llama-3-8b", batch=512, prompt_len=1024, gen_len=1024, name="ppo_lp",
+                policy_logprobs=True)
+    plan = compile_graph(graph, parse_cluster("h100-sxm:8x8"), time_limit_s=3, framework="rlhf-engine")
+    train, lp, gen = (plan.call(n).layout for n in ("actor_train", "actor_logprobs", "actor_generate"))
+    assert (train.tp, train.pp, train.cp) == (lp.tp, lp.pp, lp.cp)
+    assert (gen.tp, gen.pp) != (train.tp, train.pp)  # the rollout is not tied to the worker's layout
+    rule = engine_rule(plan.graph(), CostModel(plan.cluster, framework="rlhf-engine"), SearchSpace())
+    assert rule is not None and rule.tied == frozenset({"actor", "critic"})
+    assert not any("one layout" in x for x in export_plan(plan, "verl").cannot_express)

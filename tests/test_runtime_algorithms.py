@@ -97,3 +97,41 @@ def test_pattern_task_is_seeded_and_its_reward_checkable() -> None:
     assert a["tokens"]["mask"].shape == (4, 9) and a["tokens"]["mask"][:, 4:].all() and not a["tokens"]["mask"][:, :4].any()
     responses = torch.tensor([[0, 4, 8, 1], [1, 2, 3, 5]])
     assert torch.equal(pattern_reward(torch.zeros(2, 3), responses), torch.tensor([0.75, 0.0]))
+
+
+def test_recomputed_policy_logprobs_are_the_ratios_old_logprobs() -> None:
+    """With an `actor_logprobs` call (verl's and OpenRLHF's way), the PPO ratio and the KL term
+    take the actor's recomputed log-probs over the response, not generation's; the reference's
+    stay the reference's. Without it, generation's."""
+    from planner.algorithms import ppo
+    from planner.compile import compile_graph
+    from plans.cluster import parse_cluster
+    from runtime.algorithms import Glue, aligned
+
+    b, prompt, gen = 4, 5, 3
+    s = prompt + gen
+    g = torch.Generator().manual_seed(0)
+    samples = {"tokens": torch.randint(0, 50, (b, s), generator=g), "mask": torch.ones(b, gen, dtype=torch.bool),
+               "logprobs": -torch.rand(b, gen, generator=g)}
+    samples["mask"][0, -1] = False  # a response that ended early
+    recomputed = {"logprobs": -torch.rand(b, s - 1, generator=g)}
+    ref = {"logprobs": -torch.rand(b, s - 1, generator=g)}
+    values = {"values": torch.rand(b, s, generator=g)}
+    for on in (True, False):
+        graph = ppo("tiny-llama", reward_fn="runtime.tasks:pattern_reward", batch=b, prompt_len=prompt, gen_len=gen,
+                    ppo_minibatches=1, policy_logprobs=on)
+        plan = compile_graph(graph, parse_cluster("cpu:1x1"), time_limit_s=0)
+        store = {plan.call("actor_generate").outputs[0]: samples, plan.call("ref_inference").outputs[0]: ref,
+                 plan.call("critic_inference").outputs[0]: values}
+        if on:
+            store[plan.call("actor_logprobs").outputs[0]] = recomputed
+        glue = Glue(plan, reward_fn=pattern_reward)
+        for name in ("actor_train", "critic_train"):
+            rows = glue.train_batch(plan.call(name), store).rows
+            mask = rows["mask"].bool()
+            if on:  # the response's positions, zero elsewhere as generation's are
+                assert torch.equal(rows["old_logprobs"][mask], recomputed["logprobs"][mask])
+                assert torch.equal(rows["old_logprobs"][~mask], torch.zeros(int((~mask).sum())))
+            else:
+                assert torch.equal(rows["old_logprobs"], aligned(samples, "logprobs"))
+            assert torch.equal(rows["ref_logprobs"], ref["logprobs"])

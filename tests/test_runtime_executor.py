@@ -100,6 +100,13 @@ def _plans() -> dict[str, Plan]:
                          "actor_generate": (high, Layout(tp=2)),
                          "critic": (all4, Layout(dp=2, tp=2, zero=1, micro_batches=2, sequence_parallel=True)),
                          "critic_inference": (all4, Layout(dp=2, tp=2)), "ref": (low, Layout(tp=2))}),
+        # The actor's log-probs recomputed before training (verl's and OpenRLHF's way): a
+        # pipelined copy on two ranks, reallocated from a tensor-parallel home.
+        "ppo_policy_lp": place(algorithms.ppo("tiny-llama", reward_fn=REWARD, batch=4, prompt_len=6, gen_len=5,
+                                              ppo_minibatches=2, policy_logprobs=True, **common),
+                               {"actor_train": (all4, Layout(dp=2, tp=2)), "actor_generate": (all4, Layout(dp=4)),
+                                "actor_logprobs": (high, Layout(pp=2)), "critic": (low, Layout(dp=2)),
+                                "ref": (low, Layout(tp=2))}),
         # A run of three consecutive ranks that is no aligned block (the search's node ranges on a
         # cluster of four one-GPU nodes): the actor trains data-parallel over ranks 1-3 and
         # generates on all four, the reference sits on rank 0 alone.

@@ -68,7 +68,10 @@ def _graph_from_target(target: str, *, actor: str | None, critic: str | None, re
                        reward_fn: str | None, batch: int | None, prompt_len: int | None, gen_len: int | None,
                        seq_len: int | None, samples_per_prompt: int | None, ppo_minibatches: int | None,
                        function: str | None = None, data: dict | None = None,
-                       lr: float | None = None, stop: list[str] | None = None):  # noqa: ANN202
+                       lr: float | None = None, stop: list[str] | None = None,
+                       policy_logprobs: bool | None = None, stack_recomputes: bool = False):  # noqa: ANN202
+    """The graph a compile target names; `policy_logprobs` is the flag as given (None: the
+    stack's way, `stack_recomputes`)."""
     from planner.algorithms import ALGORITHMS
     from planner.loader import LoadedGraph, load_target
 
@@ -76,6 +79,10 @@ def _graph_from_target(target: str, *, actor: str | None, critic: str | None, re
         if data is not None or lr is not None or stop:
             raise PlannerError("--data, --lr and --stop configure a built-in algorithm; a graph file declares its own",
                                hint="in the graph file: g.input('prompts', data='train.jsonl', key='prompt')")
+        if policy_logprobs:
+            raise PlannerError("--policy-logprobs adds a call to a built-in algorithm; a graph file declares its own calls",
+                               hint="in the graph file: old = actor.inference(samples, name='actor_logprobs'), "
+                                    "then pass old to the train calls")
         return load_target(target, function=function)
     if function is not None:
         raise PlannerError(f"--function picks a @planner.auto loop of a graph file; {target!r} is not a file")
@@ -86,6 +93,9 @@ def _graph_from_target(target: str, *, actor: str | None, critic: str | None, re
         raise PlannerError(f"algorithm {target} needs --actor SPEC")
     kw: dict = {"batch": batch or 512, "data": data, **({"lr": lr} if lr else {}), **({"stop": stop} if stop else {})}
     if target in ("sft", "dpo"):
+        if policy_logprobs:
+            raise PlannerError(f"--policy-logprobs: {target} generates nothing, so it has no policy log-probs to "
+                               "recompute", hint="drop --policy-logprobs")
         kw["seq_len"] = seq_len or 2048
         if target == "dpo" and ref:
             kw["ref"] = ref
@@ -97,6 +107,7 @@ def _graph_from_target(target: str, *, actor: str | None, critic: str | None, re
             kw["samples_per_prompt"] = samples_per_prompt
         if ppo_minibatches:
             kw["ppo_minibatches"] = ppo_minibatches
+        kw["policy_logprobs"] = stack_recomputes if policy_logprobs is None else policy_logprobs
     return LoadedGraph(ALGORITHMS[target](actor, **kw), None)  # type: ignore[operator]
 
 
@@ -165,6 +176,7 @@ def compile_cmd(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="A string that also ends a response (repeat for several; with --data).")] = None,
     response_len_mean: Annotated[Optional[float], typer.Option("--response-len-mean", min=1, help="Generate calls: the mean tokens a response really has (gen_len is the cap); lengths are costed as geometric (a constant chance of stopping at each token), and a batch takes as many steps as its longest response [default: every response runs to gen_len].")] = None,
     response_len_from: Annotated[Optional[Path], typer.Option("--response-len-from", help="Generate calls: take that mean from a previous run's --metrics-out file (its last 10 steps' response_len).")] = None,
+    policy_logprobs: Annotated[Optional[bool], typer.Option("--policy-logprobs/--no-policy-logprobs", show_default=False, help="RL algorithms: run the actor over its samples before training (an inference call, actor_logprobs) for the log-probs of the PPO ratio and the KL term, as verl and OpenRLHF do, instead of taking generation's. [default: on for the stacks that do it (rlhf-engine, rlhf-engine-hf, verl-fsdp), off otherwise (the planner's runtime takes generation's)]")] = None,
 ) -> None:
     from planner.compile import SearchProgress, compile_graph
     from planner.render import print_plan
@@ -183,10 +195,14 @@ def compile_cmd(
     elif any(v is not None for v in (response_key, chosen_key, rejected_key, extra_keys)):
         raise PlannerError("--response-key, --chosen-key, --rejected-key and --extra-keys describe a --data file",
                            hint="add --data FILE.jsonl")
+    from cost_models.framework import resolve_framework
+
+    stack = resolve_framework(framework)  # an unknown name is an error before any work
     loaded = _graph_from_target(
         target, actor=actor, critic=critic, ref=ref, reward=reward, reward_fn=reward_fn, batch=batch,
         prompt_len=prompt_len, gen_len=gen_len, seq_len=seq_len, samples_per_prompt=samples_per_prompt,
-        ppo_minibatches=ppo_minibatches, function=function, data=source, lr=lr, stop=stop)
+        ppo_minibatches=ppo_minibatches, function=function, data=source, lr=lr, stop=stop,
+        policy_logprobs=policy_logprobs, stack_recomputes=stack.layouts.policy_logprobs)
     graph = loaded.graph
     if response_len_mean is not None and response_len_from is not None:
         raise PlannerError("give --response-len-mean or --response-len-from, not both")
@@ -200,9 +216,6 @@ def compile_cmd(
     if cluster is None and loaded.cluster is None:
         raise PlannerError("no cluster given", hint="pass --cluster GPU:NODESxPER_NODE, e.g. --cluster a100-80gb:2x8")
     cl = with_headroom(resolve_cluster(cluster if cluster is not None else loaded.cluster), mem_headroom)
-    from cost_models.framework import resolve_framework
-
-    resolve_framework(framework)  # an unknown name is an error before any work
     if galore_rank is not None and framework != "torch":
         raise PlannerError(f"--galore-rank with --framework {framework}: GaLore runs on the planner's runtime only "
                            "(framework torch); no engine planner exports to has it",

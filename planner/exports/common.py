@@ -103,6 +103,7 @@ class Roles:
     actor: str
     generate: PlanCall
     actor_train: PlanCall
+    actor_inference: PlanCall | None  # the actor's own log-probs of its samples, recomputed before training
     critic: str | None
     critic_train: PlanCall | None
     critic_inference: PlanCall | None
@@ -134,9 +135,10 @@ def roles(plan: Plan, *, target: str) -> Roles:
     critic_inf = first(lambda c: c.kind == "inference" and c.model == critic) if critic else None
     ref_inf = first(lambda c: c.kind == "inference" and c.returns == "logprobs" and not plan.models[c.model].trainable)
     reward_inf = first(lambda c: c.kind == "inference" and c.returns == "scores")
-    used = {gen.name, actor_train.name} | {c.name for c in (critic_train, critic_inf, ref_inf, reward_inf) if c}
-    return Roles(actor, gen, actor_train, critic, critic_train, critic_inf, ref_inf.model if ref_inf else None, ref_inf,
-                 reward_inf.model if reward_inf else None, reward_inf,
+    actor_inf = first(lambda c: c.kind == "inference" and c.returns == "logprobs" and c.model == actor)
+    used = {gen.name, actor_train.name} | {c.name for c in (actor_inf, critic_train, critic_inf, ref_inf, reward_inf) if c}
+    return Roles(actor, gen, actor_train, actor_inf, critic, critic_train, critic_inf, ref_inf.model if ref_inf else None,
+                 ref_inf, reward_inf.model if reward_inf else None, reward_inf,
                  tuple(c.name for c in plan.calls if c.name not in used))
 
 
@@ -153,8 +155,8 @@ def prompts(r: Roles) -> int:
 
 
 def role_calls(r: Roles) -> list[PlanCall]:
-    return [c for c in (r.generate, r.actor_train, r.critic_inference, r.critic_train, r.ref_inference,
-                        r.reward_inference) if c is not None]
+    return [c for c in (r.generate, r.actor_inference, r.actor_train, r.critic_inference, r.critic_train,
+                        r.ref_inference, r.reward_inference) if c is not None]
 
 
 def overlapping_iterations(plan: Plan) -> bool:

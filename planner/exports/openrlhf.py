@@ -61,6 +61,8 @@ def _groups(plan: Plan, r) -> tuple[dict[str, Mesh], bool]:  # noqa: ANN001 - Ro
     """GPUs of each OpenRLHF group as the plan places the roles, and whether OpenRLHF can place
     them so (identical meshes only where a colocation switch shares them, the rest disjoint)."""
     groups: dict[str, Mesh] = {"vllm": r.generate.mesh, "actor": r.actor_train.mesh}
+    if r.actor_inference is not None and r.actor_inference.mesh != r.actor_train.mesh:
+        return groups, False  # the actor group computes the log-probs on its own GPUs
     if r.ref_inference is not None:
         groups["ref"] = r.ref_inference.mesh
     if r.critic_train is not None:
@@ -155,8 +157,8 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
         if "reward" in groups and "critic" in groups and groups["reward"] == groups["critic"]:
             flags.append(("--train.colocate_critic_reward", None))
     flags += _offload_flags(r, colocate_all, notes)
-    deepspeed = [c for c in (r.actor_train, r.critic_train, r.ref_inference, r.critic_inference, r.reward_inference)
-                 if c is not None]
+    deepspeed = [c for c in (r.actor_train, r.critic_train, r.actor_inference, r.ref_inference, r.critic_inference,
+                             r.reward_inference) if c is not None]
     trained = [c for c in (r.actor_train, r.critic_train) if c is not None]
     zero = _one_value(trained, "ZeRO stage", lambda c: c.layout.zero, limits)
     flags.append(("--ds.zero_stage", zero))
@@ -168,7 +170,7 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
     cp = _one_value(deepspeed, "ring-attention size", lambda c: c.layout.cp, limits)
     if cp > 1:
         flags += [("--ds.ring_attn_size", cp), ("--ds.packing_samples", None)]
-    for c in (r.ref_inference, r.critic_inference, r.reward_inference):
+    for c in (r.actor_inference, r.ref_inference, r.critic_inference, r.reward_inference):
         want = 3 if zero == 3 else 0
         if c is not None and c.layout.dp > 1 and c.layout.zero != want:
             limits.append(f"{c.name}: ZeRO-{c.layout.zero}; OpenRLHF's forward-only models use ZeRO-{want} with "
@@ -208,7 +210,12 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
         limits.append(f"one --train.batch_size for actor and critic, but the plan steps the critic every "
                       f"{optimizer_batch(r.critic_train)} sequences")
     samples = gen.seqs
-    forward = [c for c in (r.ref_inference, r.critic_inference, r.reward_inference) if c is not None]
+    forward = [c for c in (r.actor_inference, r.ref_inference, r.critic_inference, r.reward_inference)
+               if c is not None]
+    if r.actor_inference is None:
+        notes.append("OpenRLHF's experience maker recomputes the actor's log-probs of the samples on the actor group "
+                     "(a forward pass per --rollout.micro_batch_size), which the plan does not have: it takes them "
+                     "from generation (compile with --policy-logprobs to cost OpenRLHF's way)")
     if forward:
         want = min(micro_batch_per_gpu(c) for c in forward)
         # OpenRLHF asserts samples // micro >= the actor's data-parallel ranks (each gets a batch).

@@ -103,8 +103,10 @@ def _layout_limits(r: Roles, strategy: str) -> list[str]:
     """Per-role layouts verl cannot give: a role's calls with different degrees, pipelined or
     micro-batched generation, and ZeRO stages the worker does not have."""
     out = []
-    for role, calls in (("actor", [r.actor_train]), ("critic", [r.critic_train, r.critic_inference])):
-        calls = [c for c in calls if c is not None]
+    workers: tuple[tuple[str, list[PlanCall | None]], ...] = (("actor", [r.actor_train, r.actor_inference]),
+                                                              ("critic", [r.critic_train, r.critic_inference]))
+    for role, maybe in workers:
+        calls = [c for c in maybe if c is not None]
         degrees = {(c.layout.tp, c.layout.pp, c.layout.cp) for c in calls}
         if len(degrees) > 1:
             out.append(f"the {role} worker keeps one layout, but the plan runs " +
@@ -122,7 +124,7 @@ def _layout_limits(r: Roles, strategy: str) -> list[str]:
     if gen.layout.micro_batches > 1:
         out.append(f"{gen.name}: generation in {gen.layout.micro_batches} waves per replica; vLLM schedules "
                    "sequences itself (max_num_seqs)")
-    for c in (r.ref_inference, r.critic_inference):
+    for c in (r.actor_inference, r.ref_inference, r.critic_inference):
         if c is not None and strategy == "fsdp" and c.layout.dp > 1 and c.layout.zero != 3:
             out.append(f"{c.name}: parameters replicated over dp={c.layout.dp}; verl's FSDP workers shard them "
                        "(ZeRO-3) and gather them for each forward")
@@ -166,7 +168,7 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
     gpn = plan.cluster.gpus_per_node
     algo = plan.algorithm
     trained = [c for c in (r.actor_train, r.critic_train) if c is not None]
-    forward = [c for c in (r.ref_inference, r.critic_inference) if c is not None]
+    forward = [c for c in (r.actor_inference, r.ref_inference, r.critic_inference) if c is not None]
     # Tensor, pipeline or expert parallel need Megatron workers (verl's FSDP workers have none).
     strategy = "megatron" if any(c.layout.tp > 1 or c.layout.pp > 1 or c.layout.ep > 1
                                  for c in trained + forward) else "fsdp"
@@ -220,13 +222,18 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
         **_rollout_experts(decode_layout(gen), gen.name, limits),
         "gpu_memory_utilization": memory_fraction(plan, gen),
         "free_cache_engine": True,
-        "log_prob_micro_batch_size_per_gpu": actor["ppo_micro_batch_size_per_gpu"],
+        # The actor worker's forward over the samples (verl's old log-probs), on either strategy.
+        "log_prob_micro_batch_size_per_gpu": (_micro(r.actor_inference, pool_gpus, strategy, notes)
+                                              if r.actor_inference is not None else actor["ppo_micro_batch_size_per_gpu"]),
     }
     notes.append(f"{gen.name}: rollout.gpu_memory_utilization {rollout['gpu_memory_utilization']} is the share of "
                  "GPU memory the plan costed generation with (weights, KV cache, activations); free_cache_engine "
                  "releases the KV cache between calls")
-    notes.append("verl recomputes the actor's log-probs of the samples in a forward pass (sized by "
-                 "rollout.log_prob_micro_batch_size_per_gpu); the plan takes them from generation")
+    if r.actor_inference is None:
+        notes.append("verl recomputes the actor's log-probs of the samples in a forward pass (sized by "
+                     "rollout.log_prob_micro_batch_size_per_gpu), which the plan does not have: it takes them from "
+                     "generation, as algorithm.rollout_correction.bypass_mode=true would (compile with "
+                     "--policy-logprobs to cost verl's way)")
     model: dict[str, Any] = {"path": model_path(plan, r.actor),
                              "enable_gradient_checkpointing": at.layout.recompute != "none"}
     if at.layout.recompute == "selective":

@@ -75,16 +75,17 @@ def plans() -> dict[str, Plan]:
     sft_llama31 = _compile(sft("llama-3.1-8b", batch=64, seq_len=16384, name="sft_llama31"), "h100-sxm:1x8")
     sft_mistral = _compile(sft("mistral-7b-v0.1", batch=128, seq_len=8192, name="sft_mistral"), "h100-sxm:1x8")
     # Compiled for the RLHF engines' own stacks (`--framework`), which keep to the layouts they run:
-    # OpenRLHF (rlhf-engine-hf), verl's FSDP workers (verl-fsdp) and its Megatron workers (rlhf-engine).
+    # OpenRLHF (rlhf-engine-hf), verl's FSDP workers (verl-fsdp) and its Megatron workers (rlhf-engine);
+    # with the actor's log-probs recomputed before training, as `planner compile` adds for them.
     ppo7_hf = _compile(ppo("llama-2-7b", critic="llama-2-7b", reward="llama-2-7b", batch=512, prompt_len=1024,
-                           gen_len=1024, name="ppo_7b_hf"), "a100-80gb:2x8", "rlhf-engine-hf")
+                           gen_len=1024, name="ppo_7b_hf", policy_logprobs=True), "a100-80gb:2x8", "rlhf-engine-hf")
     grpo_moe_hf = _compile(grpo("mixtral-8x7b", reward_fn="runtime.tasks:pattern_reward", batch=64, prompt_len=512,
-                                gen_len=1024, samples_per_prompt=8, name="grpo_mixtral_hf"), "h100-sxm:2x8",
-                           "rlhf-engine-hf")
+                                gen_len=1024, samples_per_prompt=8, name="grpo_mixtral_hf", policy_logprobs=True),
+                           "h100-sxm:2x8", "rlhf-engine-hf")
     ppo13_verl = _compile(ppo("llama-2-13b", critic="llama-2-13b", reward="llama-2-13b", batch=512, prompt_len=1024,
-                              gen_len=1024, name="ppo_13b_verl"), "h100-sxm:2x8", "rlhf-engine")
+                              gen_len=1024, name="ppo_13b_verl", policy_logprobs=True), "h100-sxm:2x8", "rlhf-engine")
     ppo7_fsdp = _compile(ppo("llama-2-7b", critic="llama-2-7b", reward="llama-2-7b", batch=512, prompt_len=1024,
-                             gen_len=1024, name="ppo_7b_verl_fsdp"), "a100-80gb:2x8", "verl-fsdp")
+                             gen_len=1024, name="ppo_7b_verl_fsdp", policy_logprobs=True), "a100-80gb:2x8", "verl-fsdp")
     out = {p.name: p for p in (sft7, sft70, ppo7, ppo13, ppo70, grpo7, dpo7, sft_moe, grpo_moe, sft_llama31,
                                sft_mistral, ppo7_hf, grpo_moe_hf, ppo13_verl, ppo7_fsdp)}
     variants = {
