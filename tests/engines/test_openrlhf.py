@@ -224,8 +224,13 @@ def test_openrlhfs_example_script_imports_into_a_valid_plan(monkeypatch, tmp_pat
     train = calls["actor_train"]
     assert train["layout"]["zero"] == args.ds.zero_stage and len(train["mesh"]["ranks"]) == 8
     assert train["minibatches"] == args.rollout.batch_size // args.train.batch_size
-    assert set(calls) == {"actor_generate", "reward_inference", "ref_inference", "critic_inference", "actor_train",
-                          "critic_train"}
+    # and the actor's forward over its samples that the experience maker runs, on the actor's GPUs
+    assert set(calls) == {"actor_generate", "actor_logprobs", "reward_inference", "ref_inference", "critic_inference",
+                          "actor_train", "critic_train"}
+    assert calls["actor_logprobs"]["mesh"] == train["mesh"]
+    per = len(train["mesh"]["ranks"]) // (args.ds.ring_attn_size * args.ds.tensor_parallel_size)
+    lp = calls["actor_logprobs"]["layout"]
+    assert gen["seqs"] // (lp["dp"] * lp["micro_batches"]) == args.rollout.micro_batch_size and lp["dp"] == per
 
 
 def test_the_importers_openrlhf_defaults_are_openrlhfs(monkeypatch) -> None:  # noqa: ANN001

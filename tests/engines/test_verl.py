@@ -128,6 +128,10 @@ def test_verls_own_trainer_config_imports_into_a_valid_plan(config, tmp_path) ->
     assert all(len(c["mesh"]["ranks"]) == gpus for c in calls.values())
     want_zero = 3 if config == "ppo_trainer" else 1  # FSDP; Megatron's distributed optimizer by default
     assert calls["actor_train"]["layout"]["zero"] == want_zero
+    # verl recomputes the actor's log-probs (no bypass_mode) on the actor worker, 8 rows per GPU
+    lp = calls["actor_logprobs"]["layout"]
+    assert calls["actor_generate"]["seqs"] // (lp["dp"] * lp["micro_batches"]) == 8
+    assert (lp["tp"], lp["pp"], lp["cp"]) == tuple(calls["actor_train"]["layout"][k] for k in ("tp", "pp", "cp"))
 
 
 def test_the_importers_verl_defaults_are_verls() -> None:
