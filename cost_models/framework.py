@@ -122,8 +122,8 @@ class EngineLayouts:
     # the rollout engine's kernels (`Framework.for_rollouts`).
     served_scores: bool = False
     # A trained model runs its calls other than generation with the layout its worker was built
-    # with (verl's actor and critic workers: one tp/pp/cp for training, the actor's log-probs and
-    # the critic's value pass).
+    # with, on the worker's GPUs (verl's actor and critic workers, OpenRLHF's DeepSpeed engines:
+    # one placement and tp/pp/cp for training, the actor's log-probs and the critic's value pass).
     one_worker_layout: bool = False
     # Before training, the policy's log-probs of its own samples are computed again in a forward
     # pass of the trained model (the "old" log-probs of the PPO ratio and the KL term), not taken
@@ -499,10 +499,12 @@ VERL_MEGATRON_LAYOUTS = EngineLayouts(engines="verl's Megatron workers with vLLM
 # stack prices (its tensor-parallel layers overlap no collective with the weight gradient), so a
 # plan holds no tensor parallel in training or scoring. Its vLLM engines: tensor parallel only
 # (no expert-parallel flag); its roles may run on groups of their own, side by side. Its experience
-# maker recomputes the actor's log-probs on the actor's group.
+# maker recomputes the actor's log-probs on the actor's group, and a trained model's forward runs on
+# its training engine (the actor's log-probs, the critic's values): one group and layout per model.
 HF_ENGINE_LAYOUTS = EngineLayouts(engines="OpenRLHF's DeepSpeed models with vLLM rollouts", model_parallel=False,
                                   zero=(3,), rollout_pipeline=False, rollout_context=False, split_decode=False,
-                                  rollout_expert_parallel=False, rollout_expert_tp=False, policy_logprobs=True)
+                                  rollout_expert_parallel=False, rollout_expert_tp=False, one_worker_layout=True,
+                                  policy_logprobs=True)
 # verl's FSDP workers: every model sharded by FSDP (FULL_SHARD, ZeRO-3), no tensor or pipeline
 # parallel, sequences split by Ulysses; vLLM rollouts as for its Megatron workers; every role on
 # its one resource pool.

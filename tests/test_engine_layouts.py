@@ -184,7 +184,9 @@ def test_verls_critic_worker_runs_its_training_and_its_values_on_one_layout() ->
     cluster = parse_cluster("h100-sxm:8x8")
     rule = engine_rule(plan.graph(), CostModel(cluster, framework="verl-fsdp"), SearchSpace())
     assert rule is not None and rule.tied == frozenset({"critic"})
-    assert engine_rule(plan.graph(), CostModel(cluster, framework="rlhf-engine-hf"), SearchSpace()) is None
+    hf_rule = engine_rule(plan.graph(), CostModel(cluster, framework="rlhf-engine-hf"), SearchSpace())
+    assert hf_rule is not None and hf_rule.tied == frozenset({"critic"})  # OpenRLHF: the critic's engine
+    assert engine_rule(plan.graph(), CostModel(cluster, framework="megatron-core"), SearchSpace()) is None
 
 
 def test_the_engines_recompute_the_actors_logprobs_and_their_plans_cost_it(cli, tmp_path) -> None:
@@ -221,8 +223,11 @@ def test_the_engines_recompute_the_actors_logprobs_and_their_plans_cost_it(cli, 
     old = export_plan(without, "verl")  # a plan without the call says what verl does instead
     assert any("recomputes the actor's log-probs" in n and "bypass_mode" in n for n in old.notes)
     assert any("recomputes the actor's log-probs" in n for n in export_plan(names[""], "openrlhf").notes)
-    hf = export_plan(names["--framework rlhf-engine-hf"], "openrlhf")
+    hf_plan_lp = names["--framework rlhf-engine-hf"]
+    hf = export_plan(hf_plan_lp, "openrlhf")
     assert hf.cannot_express == [] and not any("recomputes the actor's log-probs" in n for n in hf.notes)
+    # OpenRLHF's actor group computes them on its own GPUs, with its training engine's degrees
+    assert hf_plan_lp.call("actor_logprobs").mesh == hf_plan_lp.call("actor_train").mesh
     # A built-in algorithm without generation, or a graph file, has no such switch.
     r = cli("compile", "sft", "--actor", "llama-3-8b", "--cluster", "h100-sxm:1x8", "--policy-logprobs")
     assert r.code == 2 and "generates nothing" in r.err
