@@ -344,9 +344,12 @@ def from_verl(tree: dict[str, Any], cluster: ClusterSpec, models: dict[str, str]
     if recompute:  # on the actor worker: its tp, pp and cp (verl builds one engine for both)
         at = placements["actor_train"][1]
         lp_key = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
-        placements["actor_logprobs"] = (mesh, forward_layout("actor_rollout_ref.actor", _int(get(lp_key, required=True),
-                                                                                              lp_key), mesh, cp=at.cp),
-                                        None)
+        lp_micro = get(lp_key)
+        if lp_micro is None:  # verl requires it unless batches are sized by tokens (use_dynamic_bsz)
+            lp_micro = get("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", required=True)
+            notes.append(f"{lp_key} is not set: the actor's log-prob pass is costed at the training micro-batch")
+        placements["actor_logprobs"] = (mesh, forward_layout("actor_rollout_ref.actor", _int(lp_micro, lp_key), mesh,
+                                                             cp=at.cp), None)
     else:
         notes.append("algorithm.rollout_correction.bypass_mode: the rollout's log-probs are the PPO ratio's, so "
                      "the actor runs no forward pass over the samples")

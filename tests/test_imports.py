@@ -309,3 +309,24 @@ def test_deepspeed_imports_say_when_the_reduction_runs_after_the_backward() -> N
     assert not any("kernels of their own" in n for n in exp.notes)
     core = plan.model_copy(update={"estimate": plan.estimate.model_copy(update={"framework": "megatron-core"})})
     assert any("kernels of their own" in n for n in export_plan(core, "deepspeed", call="model_train").notes)
+
+
+def test_a_verl_config_without_the_log_prob_micro_batch_costs_the_pass_at_the_training_one() -> None:
+    """verl sizes its old-log-prob pass by rollout.log_prob_micro_batch_size_per_gpu (required
+    unless batches are sized by tokens); without it the import takes the actor's training
+    micro-batch and says so; with bypass_mode there is no pass."""
+    base = ["data.train_batch_size=64", "actor_rollout_ref.model.path=llama-2-7b", "critic.model.path=llama-2-7b",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.ppo_mini_batch_size=64"]
+    cluster = parse_cluster("a100-80gb:1x8")
+    got = imports.from_verl(imports.verl_config(None, base), cluster, {})
+    lp = got.placements["actor_logprobs"][1]
+    assert 64 // (lp.dp * lp.micro_batches) == 2
+    assert any("log_prob_micro_batch_size_per_gpu is not set" in n for n in got.notes)
+    got = imports.from_verl(imports.verl_config(None, base + ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"]),
+                            cluster, {})
+    lp = got.placements["actor_logprobs"][1]
+    assert 64 // (lp.dp * lp.micro_batches) == 4 and not any("is not set" in n for n in got.notes)
+    got = imports.from_verl(imports.verl_config(None, base + ["algorithm.rollout_correction.bypass_mode=true"]), cluster, {})
+    assert "actor_logprobs" not in got.placements and all(c.name != "actor_logprobs" for c in got.graph.calls)
+    assert any("bypass_mode" in n for n in got.notes)
