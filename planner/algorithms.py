@@ -15,7 +15,8 @@ With ``policy_logprobs=True`` the RL algorithms also run the actor over its own 
 training (``actor_logprobs``, an inference call): the log-probs of the PPO ratio and the KL term
 come from that forward pass, as verl and OpenRLHF compute them, not from generation (what the
 planner's runtime does without it). ``planner compile`` turns it on for the stacks that work so
-(`cost_models.framework.EngineLayouts.policy_logprobs`).
+(`cost_models.framework.EngineLayouts.policy_logprobs`), and adds the same call to a graph file's
+graph that lacks it (`with_policy_logprobs`).
 
 Rewards come from a reward model (value head, scored at the last token) or, with ``reward_fn``,
 from a Python function of the generated tokens (no reward-model call), or of their text when the
@@ -30,7 +31,7 @@ from typing import Any
 from planner.graph import Data, Graph, ModelHandle
 from plans.base import validated
 from plans.errors import PlannerError
-from plans.graph import AlgorithmConfig, Loss
+from plans.graph import AlgorithmConfig, Call, Loss
 from plans.graph import Graph as GraphSpec
 from plans.model import ModelSpec
 
@@ -75,6 +76,60 @@ def _reward(g: Graph, reward: Spec | None, reward_fn: str | None, samples: Data,
 def _policy_logprobs(a: ModelHandle, samples: Data, on: bool) -> list[Data]:
     """The actor's own log-probs of its samples, recomputed before training (``policy_logprobs``)."""
     return [a.inference(samples, name="actor_logprobs")] if on else []
+
+
+RL_LOSSES: frozenset[Loss] = frozenset({"ppo_policy", "grpo", "rloo", "remax"})
+
+
+def rl_trains(graph: GraphSpec) -> list[tuple[Call, Call]]:
+    """(train call, generate call) pairs of `graph`: a train call with an RL loss whose first input
+    is the samples its own model generated."""
+    writers = {out: c for c in graph.calls for out in c.outputs}
+    pairs = []
+    for train in graph.calls:
+        gen = writers.get(train.inputs[0]) if train.kind == "train" and train.inputs else None
+        if train.loss in RL_LOSSES and gen is not None and gen.kind == "generate" and gen.model == train.model:
+            pairs.append((train, gen))
+    return pairs
+
+
+def with_policy_logprobs(graph: GraphSpec) -> tuple[GraphSpec, list[str]]:
+    """`graph` with each generating model's log-probs of its samples recomputed before it trains,
+    as ``policy_logprobs=True`` builds the algorithms above, and the names of the calls added.
+
+    For every train call with an RL loss whose first input is the samples of a generate call of
+    its own model, and no inference call of that model already reading them: an inference call
+    ``<model>_logprobs`` after the model's last generate call before the train call, its output
+    passed to every train call whose first input is those samples (an algorithm's graph built
+    without the flag becomes the one built with it, call for call)."""
+    calls = list(graph.calls)
+    names = {c.name for c in calls}
+    handles = {out for c in calls for out in c.outputs} | {i.name for i in graph.inputs}
+    added: list[str] = []
+    for train, gen in rl_trains(graph):
+        samples = train.inputs[0]
+        if any(c.kind == "inference" and c.model == train.model and c.returns == "logprobs" and samples in c.inputs
+               for c in calls):
+            continue
+        name, n = f"{train.model}_logprobs", 2
+        while name in names or f"{name}.logprobs" in handles:
+            name, n = f"{train.model}_logprobs_{n}", n + 1
+        out = f"{name}.logprobs"
+        call = validated(Call, dict(name=name, model=train.model, kind="inference", inputs=[samples], outputs=[out],
+                                    seqs=gen.seqs, seq_len=gen.seq_len, returns="logprobs"), source=f"call {name!r}")
+        order = [c.name for c in calls]
+        at = max((i for i, c in enumerate(calls[:order.index(train.name)]) if c.kind == "generate"
+                  and c.model == train.model), default=order.index(gen.name))
+        calls.insert(at + 1, call)
+        calls = [c.model_copy(update={"inputs": [*c.inputs, out]}) if c.kind == "train" and c.inputs[:1] == [samples]
+                 else c for c in calls]
+        names.add(name)
+        handles.add(out)
+        added.append(name)
+    if not added:
+        return graph, []
+    return validated(GraphSpec, {**graph.model_dump(), "calls": [c.model_dump() for c in calls]},
+                     source=f"graph {graph.name!r}"), added
 
 
 def ppo(actor: Spec, *, critic: Spec | None = None, ref: Spec | None = None, reward: Spec | None = None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from cost_models.framework import FRAMEWORKS, engine_layout_problems
-from planner.algorithms import ppo
+from planner.algorithms import grpo, ppo, sft
 from planner.compile import compile_graph
 from planner.exports import STACKS, export_plan
 from plans.cluster import parse_cluster
@@ -228,11 +228,63 @@ def test_the_engines_recompute_the_actors_logprobs_and_their_plans_cost_it(cli, 
     assert hf.cannot_express == [] and not any("recomputes the actor's log-probs" in n for n in hf.notes)
     # OpenRLHF's actor group computes them on its own GPUs, with its training engine's degrees
     assert hf_plan_lp.call("actor_logprobs").mesh == hf_plan_lp.call("actor_train").mesh
-    # A built-in algorithm without generation, or a graph file, has no such switch.
+    # A built-in algorithm without generation has no such switch.
     r = cli("compile", "sft", "--actor", "llama-3-8b", "--cluster", "h100-sxm:1x8", "--policy-logprobs")
     assert r.code == 2 and "generates nothing" in r.err
-    r = cli("compile", str(ROOT / "examples" / "tiny_ppo.py"), "--policy-logprobs", "-o", str(tmp_path / "x.json"))
-    assert r.code == 2 and "a graph file declares its own calls" in r.err
+
+
+def test_a_graph_files_plan_for_an_engine_stack_costs_the_log_prob_pass(cli, tmp_path) -> None:
+    """A graph file declares its calls; compiled for a stack that recomputes the actor's log-probs
+    it gets the call the built-in algorithm would have (with_policy_logprobs), and says so: the
+    same plan as `planner compile ppo` with the same models, batch and lengths."""
+    from plans.plan import load_plan
+
+    example = str(ROOT / "examples" / "ppo_llama7b.py")
+    builtin = ["ppo", "--actor", "llama-2-7b", "--critic", "llama-2-7b", "--ref", "llama-2-7b", "--reward",
+               "llama-2-7b", "--batch", "512", "--prompt-len", "1024", "--gen-len", "1024", "--ppo-minibatches", "4",
+               "--cluster", "a100-80gb:2x8"]
+    plans, outs = {}, {}
+    for key, args in (("file", [example]), ("builtin", builtin), ("file off", [example, "--no-policy-logprobs"]),
+                      ("file torch", [example, "--framework", "torch"])):
+        out = tmp_path / f"{len(plans)}.json"
+        flags = args + (["--framework", "verl-fsdp"] if "--framework" not in args else [])
+        r = cli("compile", *flags, "--time-limit", "0", "-o", str(out))
+        assert r.code == 0, r.err
+        plans[key], outs[key] = load_plan(out), r.out
+    assert "added actor_logprobs" in outs["file"] and "verl-fsdp recomputes" in outs["file"]
+    assert "added" not in outs["builtin"] and "added" not in outs["file off"] and "added" not in outs["file torch"]
+    file, builtin_plan = plans["file"], plans["builtin"]
+    assert [c.name for c in file.calls] == [c.name for c in builtin_plan.calls]
+    assert file.call("actor_train").inputs[-1] == "actor_logprobs.logprobs"
+    for c in file.calls:
+        b = builtin_plan.call(c.name)
+        assert (c.mesh, c.layout, c.inputs, c.est_time_s) == (b.mesh, b.layout, b.inputs, b.est_time_s), c.name
+    assert file.estimate.iteration_s == builtin_plan.estimate.iteration_s
+    assert not any(c.name == "actor_logprobs" for p in (plans["file off"], plans["file torch"]) for c in p.calls)
+    r = cli("compile", example, "--policy-logprobs", "--time-limit", "0", "-o", str(tmp_path / "x.json"))
+    assert r.code == 0 and "asked for by --policy-logprobs" in r.out, r.err
+    assert any(c.name == "actor_logprobs" for c in load_plan(tmp_path / "x.json").calls)
+    # Nothing to recompute in an SFT graph file; a traced loop's calls are the loop's own.
+    r = cli("compile", str(ROOT / "examples" / "sft_llama3_70b.py"), "--policy-logprobs", "-o", str(tmp_path / "y.json"))
+    assert r.code == 2 and "no train call" in r.err and not (tmp_path / "y.json").exists()
+    r = cli("compile", str(ROOT / "examples" / "train_loop_ppo.py"), "--policy-logprobs", "-o", str(tmp_path / "z.json"))
+    assert r.code == 2 and "@planner.auto loop" in r.err and not (tmp_path / "z.json").exists()
+
+
+def test_with_policy_logprobs_builds_what_the_algorithms_build_with_the_flag() -> None:
+    """Every RL algorithm built without the pass and given it equals the one built with it, byte
+    for byte; a graph that has the pass, or trains on no samples of its own, is left alone."""
+    from planner.algorithms import remax, rloo, with_policy_logprobs
+
+    common = dict(batch=32, prompt_len=64, gen_len=64)
+    for build, kw in ((ppo, {}), (grpo, {"reward_fn": "math:verify"}), (rloo, {}), (remax, {})):
+        plain, flagged = build("llama-2-7b", **common, **kw), build("llama-2-7b", **common, **kw, policy_logprobs=True)
+        added_graph, added = with_policy_logprobs(plain)
+        assert added == ["actor_logprobs"], build.__name__
+        assert added_graph.model_dump_json() == flagged.model_dump_json(), build.__name__
+        assert with_policy_logprobs(flagged) == (flagged, [])
+    sft_graph = sft("llama-2-7b", batch=8, seq_len=128)
+    assert with_policy_logprobs(sft_graph) == (sft_graph, [])
 
 
 def test_verls_actor_worker_runs_its_log_probs_on_its_training_layout() -> None:

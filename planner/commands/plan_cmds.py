@@ -69,9 +69,10 @@ def _graph_from_target(target: str, *, actor: str | None, critic: str | None, re
                        seq_len: int | None, samples_per_prompt: int | None, ppo_minibatches: int | None,
                        function: str | None = None, data: dict | None = None,
                        lr: float | None = None, stop: list[str] | None = None,
-                       policy_logprobs: bool | None = None, stack_recomputes: bool = False):  # noqa: ANN202
-    """The graph a compile target names; `policy_logprobs` is the flag as given (None: the
-    stack's way, `stack_recomputes`)."""
+                       policy_logprobs: bool | None = None, stack_recomputes: bool = False,
+                       stack_name: str = "torch"):  # noqa: ANN202
+    """The graph a compile target names, and what was added to a graph file's; `policy_logprobs`
+    is the flag as given (None: the stack's way, `stack_recomputes`)."""
     from planner.algorithms import ALGORITHMS
     from planner.loader import LoadedGraph, load_target
 
@@ -79,11 +80,9 @@ def _graph_from_target(target: str, *, actor: str | None, critic: str | None, re
         if data is not None or lr is not None or stop:
             raise PlannerError("--data, --lr and --stop configure a built-in algorithm; a graph file declares its own",
                                hint="in the graph file: g.input('prompts', data='train.jsonl', key='prompt')")
-        if policy_logprobs:
-            raise PlannerError("--policy-logprobs adds a call to a built-in algorithm; a graph file declares its own calls",
-                               hint="in the graph file: old = actor.inference(samples, name='actor_logprobs'), "
-                                    "then pass old to the train calls")
-        return load_target(target, function=function)
+        loaded = load_target(target, function=function)
+        return _graph_file_logprobs(loaded, target, policy_logprobs=policy_logprobs, stack_recomputes=stack_recomputes,
+                                    stack_name=stack_name)
     if function is not None:
         raise PlannerError(f"--function picks a @planner.auto loop of a graph file; {target!r} is not a file")
     if target not in ALGORITHMS:
@@ -108,7 +107,37 @@ def _graph_from_target(target: str, *, actor: str | None, critic: str | None, re
         if ppo_minibatches:
             kw["ppo_minibatches"] = ppo_minibatches
         kw["policy_logprobs"] = stack_recomputes if policy_logprobs is None else policy_logprobs
-    return LoadedGraph(ALGORITHMS[target](actor, **kw), None)  # type: ignore[operator]
+    return LoadedGraph(ALGORITHMS[target](actor, **kw), None), []  # type: ignore[operator]
+
+
+def _graph_file_logprobs(loaded, target: str, *, policy_logprobs: bool | None,  # noqa: ANN001, ANN202
+                         stack_recomputes: bool, stack_name: str):
+    """A graph file's graph with the recomputed log-probs the stack runs (`with_policy_logprobs`),
+    and a note per call added; a traced loop's calls are the loop's own, so it only gets a note."""
+    import dataclasses
+
+    from planner.algorithms import rl_trains, with_policy_logprobs
+
+    if policy_logprobs is False or (policy_logprobs is None and not stack_recomputes):
+        return loaded, []
+    if policy_logprobs and loaded.auto is not None:
+        raise PlannerError(f"--policy-logprobs with {target}: a @planner.auto loop's calls are the ones it makes",
+                           hint="make the call in the loop: old = actor.inference(samples), then pass old to the "
+                                "train call")
+    if policy_logprobs and not rl_trains(loaded.graph):
+        raise PlannerError(f"--policy-logprobs: no train call of {target} with an RL loss (ppo_policy, grpo, rloo, "
+                           "remax) takes as its first input samples its own model generated",
+                           hint="drop --policy-logprobs")
+    graph, added = with_policy_logprobs(loaded.graph)
+    why = (f"{stack_name} recomputes a generating model's log-probs of its samples before training it, as verl "
+           "and OpenRLHF do" if policy_logprobs is None else "asked for by --policy-logprobs")
+    if loaded.auto is not None:
+        return loaded, [f"not costed: {why}, and {loaded.auto.fn.__qualname__}() does not ({', '.join(added)} "
+                        "would)"] if added else []
+    notes = [f"added {name}, an inference call over the samples passed to their train calls: {why}"
+             + ("; --no-policy-logprobs keeps the graph as declared" if policy_logprobs is None else "")
+             for name in added]
+    return dataclasses.replace(loaded, graph=graph), notes
 
 
 GALORE_INTERVAL = GaLore.model_fields["update_interval"].default
@@ -176,7 +205,7 @@ def compile_cmd(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="A string that also ends a response (repeat for several; with --data).")] = None,
     response_len_mean: Annotated[Optional[float], typer.Option("--response-len-mean", min=1, help="Generate calls: the mean tokens a response really has (gen_len is the cap); lengths are costed as geometric (a constant chance of stopping at each token), and a batch takes as many steps as its longest response [default: every response runs to gen_len].")] = None,
     response_len_from: Annotated[Optional[Path], typer.Option("--response-len-from", help="Generate calls: take that mean from a previous run's --metrics-out file (its last 10 steps' response_len).")] = None,
-    policy_logprobs: Annotated[Optional[bool], typer.Option("--policy-logprobs/--no-policy-logprobs", show_default=False, help="RL algorithms: run the actor over its samples before training (an inference call, actor_logprobs) for the log-probs of the PPO ratio and the KL term, as verl and OpenRLHF do, instead of taking generation's. [default: on for the stacks that do it (rlhf-engine, rlhf-engine-hf, verl-fsdp), off otherwise (the planner's runtime takes generation's)]")] = None,
+    policy_logprobs: Annotated[Optional[bool], typer.Option("--policy-logprobs/--no-policy-logprobs", show_default=False, help="RL training: run the actor over its samples before training (an inference call, actor_logprobs) for the log-probs of the PPO ratio and the KL term, as verl and OpenRLHF do, instead of taking generation's. A graph file gets the call after its generate call, passed to the train calls that read those samples, unless it has one (the compile prints what it added); a @planner.auto loop must make it itself. Default: on for the stacks that do it (rlhf-engine, rlhf-engine-hf, verl-fsdp), off otherwise (the planner's runtime takes generation's).")] = None,
 ) -> None:
     from planner.compile import SearchProgress, compile_graph
     from planner.render import print_plan
@@ -198,11 +227,11 @@ def compile_cmd(
     from cost_models.framework import resolve_framework
 
     stack = resolve_framework(framework)  # an unknown name is an error before any work
-    loaded = _graph_from_target(
+    loaded, notes = _graph_from_target(
         target, actor=actor, critic=critic, ref=ref, reward=reward, reward_fn=reward_fn, batch=batch,
         prompt_len=prompt_len, gen_len=gen_len, seq_len=seq_len, samples_per_prompt=samples_per_prompt,
         ppo_minibatches=ppo_minibatches, function=function, data=source, lr=lr, stop=stop,
-        policy_logprobs=policy_logprobs, stack_recomputes=stack.layouts.policy_logprobs)
+        policy_logprobs=policy_logprobs, stack_recomputes=stack.layouts.policy_logprobs, stack_name=stack.name)
     graph = loaded.graph
     if response_len_mean is not None and response_len_from is not None:
         raise PlannerError("give --response-len-mean or --response-len-from, not both")
@@ -250,6 +279,8 @@ def compile_cmd(
         typer.echo(plan_to_json(plan), nl=False)
         if output is not None:
             save_plan(plan, output)
+        for note in notes:
+            err.print(note, highlight=False)
         return
     path = output or default_path
     save_plan(plan, path)
@@ -257,6 +288,8 @@ def compile_cmd(
 
     console = make_console()
     print_plan(plan, console)
+    for note in notes:
+        console.print(note, highlight=False)
     console.print(f"wrote {path}", highlight=False)
     if loaded.auto is not None:
         loop = f"{loaded.auto.fn.__qualname__}()"
