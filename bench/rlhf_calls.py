@@ -27,7 +27,9 @@ first token, what a log-prob call of one sequence costs):
   one GPU, LLaMA 70B on 4 (TP 4), at 128 and 2048 input tokens.
 
 TensorRT-LLM is costed with the ``vllm`` preset, the nearest engine the cost model has (fused
-kernels and attention in half precision, no per-kernel host cost in decode). GPT-J is costed as a
+kernels and attention in half precision, no per-kernel host cost in decode), running the
+benchmark's one static batch (`static_rollouts`: since the vLLM stacks run their rollouts through
+vLLM's scheduler, whose max_num_seqs of 256 gptSessionBenchmark does not have). GPT-J is costed as a
 GPT-style model of its shape (4096 wide, 28 layers, 16 heads, vocabulary 50,400): its parallel
 attention and MLP and rotary embedding change neither its FLOPs nor its bytes. LLaMA 7B and 70B
 are ``llama-2-7b`` and ``llama-2-70b`` (LLaMA 2 70B has the grouped KV heads the benchmark's 70B
@@ -63,7 +65,8 @@ The protocol, fixed before any of these rows was predicted:
   prompt length), max_new_tokens the recipe's max_total_sequence_length less the prompt,
   responses of mean G-Average Seq len less the prompt, taken as geometric (the planner's rule for a
   mean alone), in the fewest waves that fit gpu_memory_utilization 0.6 and vLLM's default
-  max_num_seqs 256 (`planner.imports.vllm_waves`, as verl and OpenRLHF imports are costed);
+  max_num_seqs 256 (`planner.imports.vllm_waves`, as verl and OpenRLHF imports are costed; since
+  the change below, those waves' cache is the KV budget vLLM's scheduler runs in);
 - log-probs and training: sequence packing (the base config's, into bins of
   max_total_sequence_length x train_micro_batch_size tokens, or x logprob_batch_size), costed as
   sequences of G-Average Seq len tokens, as many per micro-batch as a bin holds (at least one);
@@ -80,26 +83,31 @@ an MoE rollout, which verl and OpenRLHF imports of MoE models lacked too), and t
 policy log-probs were costed with the actor's gradients and optimizer states resident (memory
 only). Then: +41.8%, +32.7%, +6.8%; since the tensor-parallel input-gradient overlap and the refit of the
 shipped coefficients (0a467ae): +43.2%, +32.8%, +7.7%, every row predicted slower than published, most of it in the
-rollout. Its waves are the suspect: `vllm_waves` budgets every row's KV cache at the cap (4,096
-tokens), so Llama's 128 sequences per engine go in 4 waves of 32, while vLLM allocates KV blocks as
-tokens are made and these responses average about 900 tokens. The bench prints the same rows with
-waves by the tokens in flight (`paged_waves`, chosen after the result): -30.2%, +9.0%, -21.1%. The
-published step sits between the two for the dense models.
+rollout, and +36.3%, +32.2%, +4.9% once the actor's q and k norms and vLLM's logits gather were priced. Its waves
+were the suspect: `vllm_waves` budgets every row's KV cache at the cap (4,096 tokens), so Llama's 128
+sequences per engine went in 4 waves of 32, while vLLM allocates KV blocks as tokens are made and
+these responses average about 900 tokens. A comparison with waves by the tokens in flight (chosen
+after the result) gave -32.4%, +9.2%, -22.4%. Then, also after seeing these rows, the vLLM stacks'
+rollouts were costed as vLLM V1's scheduler runs them (`cost_models.lengths.paged_schedule`, from
+vLLM's ``vllm/v1/core/sched/scheduler.py``; the waves' cache at the cap is the engine's KV budget):
+-33.3%, +11.1%, -18.3%. The bench prints the rows with static waves beside them. Llama's rollout is
+one pass of 3,967 steps (its longest response reaches the cap), 37.7 s, so its step's missing 31 s
+are not in the rollout's GPU work as modelled.
 
     python bench/rlhf_calls.py
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cost_models import CostModel  # noqa: E402
+from cost_models import CostModel, Framework  # noqa: E402
+from cost_models.framework import resolve_framework  # noqa: E402
 from plans import Layout, Mesh, ModelSpec, parse_cluster, resolve_model  # noqa: E402
 from plans.graph import Call, ModelDecl, ResponseLengths  # noqa: E402
 
@@ -144,39 +152,23 @@ NEMO_GRPO = [
 ]
 
 
-def paged_waves(cm: CostModel, generate: Call, decl: ModelDecl, mesh: Mesh, layout: Layout) -> Layout:
-    """The rollout layout in the fewest waves whose expected peak of KV-cache tokens in flight fits
-    what `gpu_memory_utilization` leaves after the weights: vLLM allocates KV blocks as tokens are
-    made (PagedAttention) and admits requests while blocks are free, so a wave's footprint is its
-    running rows' tokens, not every row at the cap (a comparison chosen after the protocol's
-    result; `planner.imports.vllm_waves` budgets every row at the cap)."""
-    from cost_models.lengths import length_dist
-
-    dist = length_dist(generate.response_len, generate.gen_len)
-    assert dist is not None
-    one = cm.call_cost(generate, decl, mesh, layout.model_copy(update={"micro_batches": generate.seqs // layout.dp}))
-    kv_per_token = one.mem_breakdown_bytes["kv_cache"] / generate.seq_len
-    budget = NEMO_VLLM_MEMORY * cm.cluster.mem_bytes - (one.peak_mem_bytes - one.mem_breakdown_bytes["kv_cache"])
-    steps = np.arange(1, generate.gen_len + 1)
-    share_tokens = float(np.max(dist.running(steps) * (generate.prompt_len + steps)))  # per row, at its peak step
-    per = generate.seqs // layout.dp
-    for mb in (m for m in range(1, per + 1) if per % m == 0):
-        rows = per // mb
-        if rows <= NEMO_MAX_NUM_SEQS and rows * share_tokens * kv_per_token <= budget:
-            return layout.model_copy(update={"micro_batches": mb})
-    return layout.model_copy(update={"micro_batches": per})
+def static_rollouts(name: str) -> Framework:
+    """`name`'s stack with its rollouts in static waves, each row's KV cache held at the length
+    cap (how every stack's generation was costed before vLLM's scheduler was simulated), or, for
+    TensorRT-LLM's `gptSessionBenchmark`, the one static batch it runs."""
+    return dataclasses.replace(resolve_framework(name), paged_kv=False, max_num_seqs=None)
 
 
-def nemo_rl_step(row: tuple, *, paged: bool = False) -> tuple[float, dict[str, float], bool]:
+def nemo_rl_step(row: tuple, *, static: bool = False) -> tuple[float, dict[str, float], bool]:
     """One NeMo RL GRPO row costed by the protocol above: (step s, seconds per part, fits); with
-    `paged`, its rollout in `paged_waves` instead."""
+    `static`, its rollout in static waves (`static_rollouts`)."""
     from planner.algorithms import grpo
     from planner.imports import vllm_waves
 
     (model, gpus, prompts, samples, tgbs, max_total, train_mb, lp_mb, avg_len, gen_tp, (tp, pp, ep, sp),
      ckpt, _) = row
     cluster = parse_cluster(f"h100-sxm:{gpus // 8}x8")
-    cm = CostModel(cluster, framework="rlhf-engine")
+    cm = CostModel(cluster, framework=static_rollouts("rlhf-engine") if static else "rlhf-engine")
     spec = resolve_model(model)
     # The rollout and the log-probs run on the weights alone (the planner's `costed_view`).
     actor, ref = ModelDecl(spec=spec, trainable=True), ModelDecl(spec=spec)
@@ -191,8 +183,6 @@ def nemo_rl_step(row: tuple, *, paged: bool = False) -> tuple[float, dict[str, f
     gen_layout, _ = vllm_waves(graph, cluster, "actor_generate", mesh, Layout(dp=gpus // gen_tp, tp=gen_tp),
                                memory_share=NEMO_VLLM_MEMORY, max_num_seqs=NEMO_MAX_NUM_SEQS)
     generate = graph.call("actor_generate")
-    if paged:
-        gen_layout = paged_waves(cm, generate, ref, mesh, gen_layout)
     dp = gpus // (tp * pp)
     minibatches = rows // tgbs
 
@@ -263,12 +253,12 @@ def main() -> None:
         row("generate (decode TPOT)", source, f"{model} on {cluster}, {prompt} in / {gen} out, concurrency {seqs}",
             tpot_ms, decode_tpot_s(cm, model, seqs, prompt, gen) * 1e3, "ms", by_kind.setdefault("generate", []))
     for source, engine, model, cluster, seqs, prompt, gen, tokens_s in BATCH:
-        cm = CostModel(parse_cluster(cluster), framework=engine)
+        cm = CostModel(parse_cluster(cluster), framework=static_rollouts(engine))  # one static batch
         pred, fits = batch_tokens_s(cm, model, seqs, prompt, gen)
         row("generate (batch)", source, f"{model} on {cluster}, batch {seqs}, {prompt} in / {gen} out"
             + ("" if fits else " (over memory)"), tokens_s, pred, "tok/s", by_kind.setdefault("generate", []))
     for source, engine, model, cluster, tp, prompt, ms in FIRST_TOKEN:
-        cm = CostModel(parse_cluster(cluster), framework=engine)
+        cm = CostModel(parse_cluster(cluster), framework=static_rollouts(engine))
         row("inference (first token)", source, f"{model} on {cluster} tp{tp}, batch 1, {prompt} in", ms,
             first_token_s(cm, model, tp, prompt) * 1e3, "ms", by_kind.setdefault("inference", []))
     for r in NEMO_GRPO:
@@ -277,10 +267,9 @@ def main() -> None:
         what = (f"{model} on h100-sxm x{gpus}, {prompts} x {samples} samples" + ("" if fits else " (over memory)"))
         row("iteration (GRPO step)", NEMO_RL, what, r[-1], step, "s", by_kind.setdefault("iteration", []))
         print("    " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
-    # Chosen after the lines above: the rollouts in waves of the KV-cache tokens really in flight.
-    paged = [(nemo_rl_step(r, paged=True)[0] - r[-1]) / r[-1] for r in NEMO_GRPO]
-    print("  the same iterations with vLLM's paged KV cache (waves by the tokens in flight, not every row at the "
-          "cap; a comparison chosen after the result): " + ", ".join(f"{r[0]} {e * 100:+.1f}%" for r, e in zip(NEMO_GRPO, paged)))
+    static = [(nemo_rl_step(r, static=True)[0] - r[-1]) / r[-1] for r in NEMO_GRPO]
+    print("  the same iterations with the rollouts in static waves, every row's KV cache at the cap (as costed "
+          "before vLLM's scheduler was simulated): " + ", ".join(f"{r[0]} {e * 100:+.1f}%" for r, e in zip(NEMO_GRPO, static)))
     print()
     for kind, errs in by_kind.items():
         print(f"  {kind}: mean |error| {sum(abs(e) for e in errs) / len(errs) * 100:.1f}%,"

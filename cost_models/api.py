@@ -599,9 +599,15 @@ class CostModel:
         decode = self._state(decl, dec)
         decode["kv_cache"] = int(kv_cache_bytes(spec, seqs=split.resident_seqs, ctx=-(-call.seq_len // dec.cp),
                                                 layers=layers, tp=dec.tp))  # KV-parallel decode: a share
-        decode["logits"] = int(LOGIT_INFER_BYTES * split.seqs_per_group * spec.vocab_size / dec.tp)
-        moe = self._moe(decl, dec, split.seqs_per_group)
-        decode["activations"] = int(max(forward_working_bytes(spec, self.framework, b=split.seqs_per_group, s=1,
+        # The rows one decode step runs: a wave's, or under a paged cache every row an engine may
+        # run at once (vLLM sizes its step's activations and logits for max_num_seqs).
+        fw = self.framework.for_rollouts()
+        step_rows = split.seqs_per_group
+        if fw.paged_kv and dec.pp == 1 and dec.cp == 1:
+            step_rows = min(-(-call.seqs // dec.dp), fw.max_num_seqs or call.seqs)
+        decode["logits"] = int(LOGIT_INFER_BYTES * step_rows * spec.vocab_size / dec.tp)
+        moe = self._moe(decl, dec, step_rows)
+        decode["activations"] = int(max(forward_working_bytes(spec, self.framework, b=step_rows, s=1,
                                                               tp=dec.tp, kv_len=call.seq_len, moe=m)
                                         for m in {None, moe}))
         if dec != layout:  # both placements' weights are live while the layout changes

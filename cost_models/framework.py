@@ -241,6 +241,14 @@ class Framework:
     # Generation drops a finished response from the running batch (vLLM's continuous batching);
     # False: every row of a batch is computed until its longest response ends (the runtime).
     decode_drops_finished: bool = False
+    # Generation's KV cache is paged (vLLM's PagedAttention): blocks are taken as tokens come, not
+    # for a whole response up front, so a budget runs as many rows as their tokens so far fit (at
+    # most `max_num_seqs`), admitting waiting rows as others finish and preempting the newest
+    # (recomputed on readmission) when a step finds no room (`cost_models.lengths.paged_schedule`).
+    # The call's KV budget is what its decode layout's waves would hold at the length cap. False:
+    # static waves, each row's cache held at the cap (the runtime).
+    paged_kv: bool = False
+    max_num_seqs: int | None = None  # rows one paged engine runs at once (vLLM's max_num_seqs)
     # The LM head makes at most this many logits at a time (fused head and log-probs) and its
     # backward makes each chunk again when there is more than one; None: all logits at once.
     logits_chunk_elements: int | None = None
@@ -441,6 +449,9 @@ LAYER_NORM_KERNELS = {b: ((2.0 * b,), (3.0 * b, 2.0 * b)) for b in (2, 4)}
 # Transformer Engine prefers cuDNN's fused attention on Hopper and FlashAttention-2 on Ampere (NVIDIA
 # NeMo docs, memory_optimizations.rst, PR #9188); PyTorch's SDPA runs FlashAttention-2 first on both;
 # vLLM runs its FlashAttention-2 build on Ampere and FlashAttention-3 on Hopper (forward only).
+# Rows a vLLM engine runs at once: verl 0.9's `rollout.max_num_seqs` default, and vLLM's own for
+# offline use (the `LLM` class) on A100s (EngineArgs.get_batch_defaults; 1024 on larger GPUs).
+VLLM_MAX_NUM_SEQS = 256
 TE_ATTENTION = (("ampere", "fa2"), ("hopper", "cudnn"))
 SDPA_ATTENTION = (("ampere", "fa2"), ("hopper", "fa2"))
 VLLM_ATTENTION = (("ampere", "fa2"), ("hopper", "fa3"))
@@ -547,7 +558,8 @@ FRAMEWORKS: dict[str, Framework] = {
     "rlhf-engine": Framework(
         name="rlhf-engine", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
-        decode_cuda_graphs=True, logits_all_gather=True, decode_drops_finished=True, expert_gemms="per_expert", rollout_expert_gemms="grouped",
+        decode_cuda_graphs=True, logits_all_gather=True, decode_drops_finished=True, paged_kv=True, max_num_seqs=VLLM_MAX_NUM_SEQS,
+        expert_gemms="per_expert", rollout_expert_gemms="grouped",
         attention_kernels=TE_ATTENTION, tp_dgrad_overlap=True, layouts=VERL_MEGATRON_LAYOUTS,
     ),
     # The same engines training HF transformers models (verl's FSDP workers, OpenRLHF on
@@ -571,7 +583,8 @@ FRAMEWORKS: dict[str, Framework] = {
     "rlhf-engine-hf": Framework(
         name="rlhf-engine-hf", attention="flash", dropout=False, param_bytes=2, grad_bytes=4, optimizer_bytes=12,
         optimizer_step_bytes=42, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
-        decode_cuda_graphs=True, logits_all_gather=True, decode_drops_finished=True, expert_gemms="grouped", moe_routing="hf",
+        decode_cuda_graphs=True, logits_all_gather=True, decode_drops_finished=True, paged_kv=True, max_num_seqs=VLLM_MAX_NUM_SEQS,
+        expert_gemms="grouped", moe_routing="hf",
         attention_kernels=SDPA_ATTENTION, tp_dgrad_overlap=True, layer_activations="hf",
         norm_fwd=HF_RMS_NORM[0], norm_bwd=HF_RMS_NORM[1], rope_fwd=HF_ROPE[0], rope_bwd=HF_ROPE[1], rope_launches=2,
         swiglu_fwd=(4.0, 6.0), swiglu_bwd=(6.0, 6.0, 6.0), layernorm=LAYER_NORM_KERNELS[2], split_projections=True,
@@ -584,7 +597,8 @@ FRAMEWORKS: dict[str, Framework] = {
     "vllm": Framework(
         name="vllm", attention="flash", dropout=False, param_bytes=2, grad_bytes=2, optimizer_bytes=12,
         optimizer_step_bytes=34, grad_accum_bytes=6, overlap_grad_reduce=True, zero3_prefetch=True,
-        decode_cuda_graphs=True, logits_all_gather=True, decode_drops_finished=True, attention_kernels=VLLM_ATTENTION,
+        decode_cuda_graphs=True, logits_all_gather=True, decode_drops_finished=True, paged_kv=True, max_num_seqs=VLLM_MAX_NUM_SEQS,
+        attention_kernels=VLLM_ATTENTION,
         layouts=VLLM_LAYOUTS,
     ),
     # Fused AdamW over fp32 p, g, m, v: read 16, write 12, zero the gradient 4. A micro-batch's

@@ -18,7 +18,12 @@ kernels cost the host nothing (`Framework.decode_cuda_graphs`).
 How the decode layout's ``micro_batches`` = m splits a replica's sequences:
 
 - pp = 1: m *waves* run one after another (prefill then decode of each), so only one wave's
-  key/value cache is resident: generation trades time for memory;
+  key/value cache is resident: generation trades time for memory. A stack with a paged cache
+  (`Framework.paged_kv`: vLLM) has no waves: the m waves' cache at the length cap is the KV
+  budget of one engine, whose scheduler runs as many rows as their tokens so far fit (up to
+  `max_num_seqs`), admitting waiting rows as others end and preempting the newest when a step finds
+  no room (`cost_models.lengths.paged_schedule`); its steps are priced at the rows and cached
+  tokens that schedule runs, and the preempted rows' second prefills are added;
 - pp > 1: m *groups* are pipelined through the stages, all resident, and a token takes
   ``max(m, pp)`` stage times (each stage works on one group while the others wait their turn).
 """
@@ -31,7 +36,7 @@ from dataclasses import dataclass
 from cost_models import comm
 from cost_models.framework import Framework
 from cost_models.hardware import Hardware
-from cost_models.lengths import LengthDist, decode_segments
+from cost_models.lengths import LengthDist, decode_segments, paged_schedule
 from cost_models.memory import kv_cache_bytes
 from cost_models.ops import (
     embedding_work,
@@ -137,18 +142,29 @@ def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout,
     layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, layout.pp, layout.interleave))
     cache = kv_cache_bytes(spec, seqs=per_rank, ctx=prompt_len, layers=layers, tp=layout.tp)
     out.add("prefill", cache / hw.mem_bytes_s)
-    # The rows that decode until the longest of them ends: a wave, or all the pipelined groups.
-    rows = split.seqs_per_group * (split.groups if decode.pp > 1 else 1)
+    if fw.paged_kv and decode.pp == 1 and decode.cp == 1:
+        # One scheduler per replica runs all its rows in the KV budget the waves' cache would hold.
+        rows = -(-seqs // decode.dp)
+        sched = paged_schedule(lengths, cap=gen_len, rows=rows, prompt=prompt_len, max_seqs=fw.max_num_seqs,
+                               kv_tokens=split.seqs_per_group * (prompt_len + gen_len))
+        if sched.recomputed_tokens:  # preempted rows prefill their prompt and their tokens again
+            out.add("prefill", pre.total_s * sched.recomputed_tokens / (rows * prompt_len))
+        segments, waves, ctx0 = list(sched.segments), 1, 0
+    else:
+        # The rows that decode until the longest of them ends: a wave, or all the pipelined groups.
+        rows = split.seqs_per_group * (split.groups if decode.pp > 1 else 1)
+        segments = decode_segments(lengths, cap=gen_len, rows=rows, drops_finished=fw.decode_drops_finished)
+        waves, ctx0 = split.waves, prompt_len
     total = 0.0
-    for n, mid, running in decode_segments(lengths, cap=gen_len, rows=rows, drops_finished=fw.decode_drops_finished):
+    for n, ctx, running in segments:
         b = -(-running // split.groups) if decode.pp > 1 else running
         step, tp_comm, ep_comm, cp_comm = decode_step_s(spec, fw, hw, decode, topo, b=b, groups=split.groups,
-                                                        ctx=prompt_len + int(mid), load_cv=load_cv)
-        steps = split.waves * n
+                                                        ctx=ctx0 + int(ctx), load_cv=load_cv)
+        steps = waves * n
         total += n
         out.add("decode", steps * (step - tp_comm - ep_comm - cp_comm))
         out.add("tp_comm", steps * tp_comm)
         out.add("ep_comm", steps * ep_comm)
         out.add("cp_comm", steps * cp_comm)
-    out.add("overhead", split.waves * (total + 1) * hw.decode_step_overhead_s)
+    out.add("overhead", waves * (total + 1) * hw.decode_step_overhead_s)
     return out

@@ -116,3 +116,127 @@ def decode_segments(dist: LengthDist | None, *, cap: int, rows: int, drops_finis
         running = max(1, int(np.ceil(rows * share)))
         out.append((float(b - a), float((a + b) / 2), running))
     return out
+
+
+PAGED_SEGMENTS = 8  # a paged batch's decode steps are priced in this many stretches of equal length
+
+
+@dataclass(frozen=True)
+class PagedSchedule:
+    """How a paged engine runs a batch (`paged_schedule`): stretches of decode steps as (steps,
+    cached tokens per running row, prompt included; running rows), the decode steps in all, the
+    tokens prefilled again when preempted rows come back, and how many preemptions there were."""
+
+    segments: tuple[tuple[float, float, int], ...]
+    steps: int
+    recomputed_tokens: int
+    preemptions: int
+    row_steps: int  # tokens the decode steps made (the prefills make each row's first, and a resumed row's next)
+    peak_tokens: int  # the most tokens cached at once
+
+
+def quantile_lengths(dist: LengthDist | None, *, cap: int, rows: int) -> list[int]:
+    """`rows` response lengths standing for the distribution: its quantiles at (i + 1/2) / rows,
+    in the order a random batch mixes them (a fixed stride of about 0.618 rows through the sorted
+    quantiles, so long and short responses come spread out, as independent draws do)."""
+    if dist is None:
+        return [cap] * rows
+    qs = (np.arange(rows) + 0.5) / rows
+    ranked = np.clip(np.searchsorted(np.asarray(dist.cdf), qs, side="left"), 1, cap)
+    stride = max(1, round(rows * 0.6180339887))
+    while np.gcd(stride, rows) != 1:
+        stride += 1
+    return [int(ranked[(i * stride) % rows]) for i in range(rows)]
+
+
+@lru_cache(maxsize=4096)
+def paged_schedule(dist: LengthDist | None, *, cap: int, rows: int, prompt: int, kv_tokens: int,
+                   max_seqs: int | None) -> PagedSchedule:
+    """The decode steps of `rows` responses (after their prefills) on one engine whose KV cache
+    holds `kv_tokens` tokens, as vLLM V1's scheduler runs them (`vllm/v1/core/sched/scheduler.py`):
+
+    - each step, every running row takes a slot for one more token; when one does not fit, the most
+      recently admitted row is preempted (its cache freed; it goes back to the head of the queue,
+      its tokens so far kept) until the rest fit, and no row is admitted in that step;
+    - otherwise waiting rows are admitted in order while fewer than `max_seqs` run and their
+      tokens so far fit beside the running rows' (with room for the step that follows: the fluid
+      stand-in for the cache's 16-token blocks); a fresh row's prefill makes its first token, a
+      preempted one's prefills its prompt and every token it had made again (`recomputed_tokens`);
+    - a row leaves, freeing its cache, when it has made its length.
+
+    Lengths are the distribution's quantiles (`quantile_lengths`; all `cap` without one). Steps
+    are simulated from event to event (a row ending, the cache filling), so the cost is in rows,
+    not in steps."""
+    import heapq
+    from collections import deque
+
+    lengths = quantile_lengths(dist, cap=cap, rows=rows)
+    limit = max_seqs or rows
+    waiting: deque[tuple[int, int]] = deque((i, 0) for i in range(rows))  # (row, tokens made so far)
+    running: dict[int, tuple[int, int, int]] = {}  # row -> (its cache less the step count, last step, admission)
+    ends: list[tuple[int, int, int]] = []  # (last step, admission, row)
+    now = base_sum = admissions = recomputed = preemptions = 0
+    stretches: list[tuple[int, int, float]] = []  # (steps, running rows, mean cached tokens)
+    preempted = False
+    while waiting or running:
+        if not preempted:
+            while waiting and len(running) < limit:
+                row, made = waiting[0]
+                cached = prompt + made
+                used = base_sum + len(running) * now
+                if running and used + cached + len(running) + 1 > kv_tokens:
+                    break
+                waiting.popleft()
+                recomputed += cached if made else 0
+                made += 1  # the prefill's last position makes the next token
+                if made >= lengths[row]:
+                    continue
+                admissions += 1
+                last = now + lengths[row] - made
+                running[row] = (cached - now, last, admissions)
+                base_sum += cached - now
+                heapq.heappush(ends, (last, admissions, row))
+        r = len(running)
+        used = base_sum + r * now
+        if used + r > kv_tokens and r > 1:  # no room for this step: preempt the newest row
+            row, (base, last, _) = running.popitem()
+            base_sum -= base
+            waiting.appendleft((row, lengths[row] - (last - now)))
+            preemptions += 1
+            preempted = True
+            continue
+        preempted = False
+        if r == 0:
+            continue
+        while ends and running.get(ends[0][2], (0, -1, -1))[2] != ends[0][1]:
+            heapq.heappop(ends)  # a preempted row's old end
+        steps = min(ends[0][0] - now, max(1, (kv_tokens - used) // r))
+        stretches.append((steps, r, used + r * (steps + 1) / 2))
+        now += steps
+        while ends and ends[0][0] == now:
+            _, admission, row = heapq.heappop(ends)
+            if running.get(row, (0, -1, -1))[2] == admission:
+                base_sum -= running.pop(row)[0]
+    return PagedSchedule(_paged_segments(stretches, now), now, recomputed, preemptions,
+                         row_steps=sum(k * r for k, r, _ in stretches),
+                         peak_tokens=int(max((u + r * (k - 1) / 2 for k, r, u in stretches), default=0)))
+
+
+def _paged_segments(stretches: list[tuple[int, int, float]], total: int) -> tuple[tuple[float, float, int], ...]:
+    """`PAGED_SEGMENTS` stretches of equal steps, each at its mean running rows and mean cached
+    tokens per running row (so the tokens read per step keep their mean)."""
+    if total == 0:
+        return ()
+    k = np.array([s[0] for s in stretches], dtype=np.float64)
+    r = np.array([s[1] for s in stretches], dtype=np.float64)
+    u = np.array([s[2] for s in stretches], dtype=np.float64)
+    end = np.cumsum(k)
+    start = end - k
+    out = []
+    for a, b in zip(*(lambda e: (e[:-1], e[1:]))(np.linspace(0.0, float(total), min(PAGED_SEGMENTS, total) + 1))):
+        w = np.clip(np.minimum(end, b) - np.maximum(start, a), 0.0, None)
+        rows = float(np.sum(w * r))
+        if rows == 0:
+            continue
+        out.append((float(b - a), float(np.sum(w * u)) / rows, max(1, int(np.ceil(rows / (b - a))))))
+    return tuple(out)

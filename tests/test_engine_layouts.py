@@ -303,3 +303,20 @@ def test_verls_actor_worker_runs_its_log_probs_on_its_training_layout() -> None:
     rule = engine_rule(plan.graph(), CostModel(plan.cluster, framework="rlhf-engine"), SearchSpace())
     assert rule is not None and rule.tied == frozenset({"actor", "critic"})
     assert not any("one layout" in x for x in export_plan(plan, "verl").cannot_express)
+
+
+def test_verl_takes_a_paged_rollouts_waves_as_its_kv_budget() -> None:
+    """A plan costed for verl's stacks prices the rollout's waves as the KV budget vLLM's scheduler
+    runs in, which rollout.gpu_memory_utilization sets, so the export expresses it (and the rows
+    vLLM runs at once, max_num_seqs); a plan costed for the planner's runtime ran static waves,
+    which verl cannot."""
+    graph = ppo("llama-3-8b", batch=256, prompt_len=512, gen_len=2048, name="ppo_waves", policy_logprobs=True)
+    plan = compile_graph(graph, parse_cluster("h100-sxm:1x8"), time_limit_s=1, framework="verl-fsdp")
+    gen = plan.call("actor_generate")
+    waves = plan.model_copy(update={"calls": [c.model_copy(update={"layout": c.layout.model_copy(
+        update={"micro_batches": 2})}) if c.name == gen.name else c for c in plan.calls]})
+    paged = export_plan(waves, "verl")
+    assert not any("waves" in x for x in paged.cannot_express)
+    assert paged.data["actor_rollout_ref"]["rollout"]["max_num_seqs"] == FRAMEWORKS["verl-fsdp"].max_num_seqs
+    as_runtime = waves.model_copy(update={"estimate": waves.estimate.model_copy(update={"framework": None})})
+    assert any("2 waves" in x for x in export_plan(as_runtime, "verl").cannot_express)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cost_models import CostModel
-from cost_models.lengths import decode_segments, empirical, geometric, length_dist
+from cost_models.lengths import decode_segments, empirical, geometric, length_dist, paged_schedule, quantile_lengths
 from planner.graph import Graph
 from plans import Layout, Mesh, parse_cluster, resolve_model
 from plans.checkpoint import graph_fingerprint
@@ -75,6 +75,68 @@ def test_shorter_responses_cost_less_where_the_engine_drops_finished_rows() -> N
     capped = ResponseLengths(samples=(GEN,) * 4)
     assert _generate_cost("torch", capped).time_s == pytest.approx(torch_full.time_s, rel=1e-12)
     assert _generate_cost("vllm", capped).time_s == pytest.approx(vllm_full.time_s, rel=0.01)
+
+
+def test_a_paged_cache_runs_the_rows_whose_tokens_fit_and_preempts_the_newest() -> None:
+    """vLLM's scheduler (`paged_schedule`): every token is made once, by a prefill or a decode
+    step; the cache never holds more than its budget; rows wait for max_num_seqs; a budget that
+    cannot hold every row at once preempts and recomputes, and takes more steps than one that can."""
+    dist = geometric(300.0, 2048)
+    lengths = quantile_lengths(dist, cap=2048, rows=200)
+    assert sorted(lengths) == sorted(lengths) and abs(np.mean(lengths) - 300) < 15  # the distribution's quantiles
+    assert lengths[:3] != sorted(lengths)[:3]  # mixed, as independent draws come
+    runs = {budget: paged_schedule(dist, cap=2048, rows=200, prompt=256, kv_tokens=budget, max_seqs=128)
+            for budget in (10**9, 16 * 2048, 4 * 2048)}
+    for budget, run in runs.items():
+        # A row's first token comes from its prefill, a resumed row's next one from its prefill again.
+        assert run.row_steps + 200 + run.preemptions == sum(lengths)
+        assert run.peak_tokens <= budget
+        assert sum(n for n, _, _ in run.segments) == pytest.approx(run.steps)
+    ample, tight, tighter = runs.values()
+    assert ample.preemptions == ample.recomputed_tokens == 0
+    assert ample.steps < tight.steps < tighter.steps and 0 < tight.preemptions <= tighter.preemptions
+    assert tight.recomputed_tokens >= tight.preemptions * 256  # a resumed row prefills its prompt and more
+    # Rows beyond max_num_seqs wait for a slot: 1024 rows of 512 tokens run 256 at a time.
+    assert paged_schedule(None, cap=512, rows=1024, prompt=64, kv_tokens=10**9, max_seqs=256).steps == 4 * 511
+    # With room for every row and no limit on rows, the steps are the longest response's (as for
+    # an engine that drops finished rows), and the rows still running fall step by step.
+    one = paged_schedule(dist, cap=2048, rows=64, prompt=256, kv_tokens=10**9, max_seqs=None)
+    assert one.steps == max(quantile_lengths(dist, cap=2048, rows=64)) - 1
+    assert abs(one.steps - (dist.expected_max(64) - 1)) < 0.1 * one.steps
+    running = [r for _, _, r in one.segments]
+    assert running == sorted(running, reverse=True) and running[0] <= 64
+    # Every row at the cap in a budget of a quarter of them at the cap: fewer steps than four static
+    # waves, as rows start small and the newest wait when the cache fills.
+    static = 4 * 511
+    quarter = paged_schedule(None, cap=512, rows=64, prompt=512, kv_tokens=16 * 1024, max_seqs=256)
+    assert quarter.steps < static and quarter.preemptions > 0
+
+
+def test_a_paged_engines_rollout_costs_its_schedule_not_static_waves() -> None:
+    """The vLLM stacks cost a generate call's waves as the KV budget its scheduler runs in: a long
+    cap with short responses in two waves' budget costs what one wave costs (every row's tokens fit
+    at once) where static waves would take more steps; the planner's runtime keeps its waves."""
+    import dataclasses
+
+    from cost_models.framework import resolve_framework
+
+    spec = resolve_model("llama-3-8b")
+    call = Call(name="gen", model="m", kind="generate", seqs=512, seq_len=512 + 4096, gen_len=4096,
+                response_len=ResponseLengths(mean=500.0))
+    static_vllm = dataclasses.replace(resolve_framework("vllm"), paged_kv=False, max_num_seqs=None)
+
+    def cost(framework, waves: int):  # noqa: ANN001, ANN202
+        cm = CostModel(parse_cluster("h100-sxm:1x8"), framework=framework)
+        return cm.call_cost(call, ModelDecl(spec=spec), Mesh.block(0, 8), Layout(dp=8, micro_batches=waves))
+
+    paged_one, paged_two = cost("vllm", 1), cost("vllm", 2)
+    static_one, static_two = cost(static_vllm, 1), cost(static_vllm, 2)
+    assert paged_two.time_s == pytest.approx(paged_one.time_s, rel=0.01)
+    assert paged_two.peak_mem_bytes < paged_one.peak_mem_bytes  # the smaller budget is what it holds
+    assert static_two.breakdown_s["decode"] > 1.3 * paged_two.breakdown_s["decode"]
+    # With room for every row and 64 rows per engine (under max_num_seqs), paging changes nothing.
+    assert paged_one.breakdown_s["decode"] == pytest.approx(static_one.breakdown_s["decode"], rel=0.05)
+    assert not resolve_framework("torch").paged_kv  # the runtime generates in static waves
 
 
 def test_response_lengths_are_checked_and_do_not_change_the_fingerprint() -> None:

@@ -99,9 +99,11 @@ def overrides(settings: dict[str, Any]) -> list[str]:
     return [f"{'+' if any(f'.{a}.' in f'.{k}' for a in APPENDED) else ''}{k}={_value(v)}" for k, v in flat]
 
 
-def _layout_limits(r: Roles, strategy: str) -> list[str]:
-    """Per-role layouts verl cannot give: a role's calls with different degrees, pipelined or
-    micro-batched generation, and ZeRO stages the worker does not have."""
+def _layout_limits(r: Roles, strategy: str, paged: bool) -> list[str]:
+    """Per-role layouts verl cannot give: a role's calls with different degrees, pipelined
+    generation, generation in static waves (`paged`: the plan's stack costed the waves as the KV
+    budget vLLM's scheduler runs in, which gpu_memory_utilization sets), and ZeRO stages the worker
+    does not have."""
     out = []
     workers: tuple[tuple[str, list[PlanCall | None]], ...] = (("actor", [r.actor_train, r.actor_inference]),
                                                               ("critic", [r.critic_train, r.critic_inference]))
@@ -121,7 +123,7 @@ def _layout_limits(r: Roles, strategy: str) -> list[str]:
     if max(gen.layout.cp, dec.cp) > 1:
         out.append(f"{gen.name}: context-parallel prefill / KV-parallel decode (cp={max(gen.layout.cp, dec.cp)}); "
                    "vLLM rollout keeps each sequence on one tensor-parallel group")
-    if gen.layout.micro_batches > 1:
+    if gen.layout.micro_batches > 1 and not paged:
         out.append(f"{gen.name}: generation in {gen.layout.micro_batches} waves per replica; vLLM schedules "
                    "sequences itself (max_num_seqs)")
     for c in (r.actor_inference, r.ref_inference, r.critic_inference):
@@ -190,7 +192,10 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
         if c.mesh.size != pool_gpus:
             limits.append(f"{c.name} runs on GPUs {c.mesh.short()} only; verl runs every role on its whole resource "
                           f"pool of {pool_gpus} GPUs, one role after another")
-    limits += _layout_limits(r, strategy)
+    from cost_models.framework import resolve_framework  # the cost model is heavy to import
+
+    stack = resolve_framework(plan.estimate.framework or "torch")
+    limits += _layout_limits(r, strategy, stack.paged_kv)
     if r.extra_calls:
         limits.append(f"calls {', '.join(r.extra_calls)}: verl's PPO trainer has no role for them")
     n = r.generate.samples_per_prompt
@@ -221,6 +226,7 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
         "tensor_model_parallel_size": decode_layout(gen).tp,
         **_rollout_experts(decode_layout(gen), gen.name, limits),
         "gpu_memory_utilization": memory_fraction(plan, gen),
+        **({"max_num_seqs": stack.max_num_seqs} if stack.paged_kv and stack.max_num_seqs else {}),
         "free_cache_engine": True,
         # The actor worker's forward over the samples (verl's old log-probs), on either strategy.
         "log_prob_micro_batch_size_per_gpu": (_micro(r.actor_inference, pool_gpus, strategy, notes)
