@@ -18,8 +18,8 @@ passes tensors); arguments with a default are plain Python values.
 
 1. **Trace.** The first call runs the function once with placeholders (`planner.tracing`),
    recording its model calls, data edges and host steps into a graph.
-2. **Plan.** The graph is hashed with the cluster, the models and the compile options that
-   change the plan (`plan_hash`); the plan file at `plan` is reused when it carries that hash,
+2. **Plan.** The graph is hashed with the cluster, the models, the compile options that
+   change the plan and the planner's own code (`plan_hash`); the plan file at `plan` is reused when it carries that hash,
    else the graph is compiled and the plan written there (atomically) with it. The search's
    time budget is not hashed: a longer search finds a better plan for the same problem.
    `planner compile FILE.py` compiles a file's decorated function the same way.
@@ -40,6 +40,7 @@ import inspect
 import json
 import sys
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +66,32 @@ def model(spec: str | ModelSpec | dict[str, Any], *, trainable: bool = False, he
     return ModelDecl(spec=resolve_model(spec), trainable=trainable, head=head, weights=weights_directory(spec))
 
 
+PLANNING_PACKAGES = ("plans", "cost_models", "planner")  # the code a plan is compiled by (not the runtime)
+
+
+@lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """SHA-256 over the planner's own code and data that make a plan: every .py and .json file of
+    `PLANNING_PACKAGES`, by path, so a plan cached by another version of the cost model or the
+    search is compiled again (a few milliseconds, once per process)."""
+    import importlib
+
+    digest = hashlib.sha256()
+    for name in PLANNING_PACKAGES:
+        root = Path(importlib.import_module(name).__file__ or "").parent
+        for f in sorted(root.rglob("*")):
+            if f.suffix in (".py", ".json") and "__pycache__" not in f.parts and f.is_file():
+                digest.update(f.relative_to(root.parent).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def plan_hash(graph: GraphSpec, *, cluster: ClusterSpec, baseline: str | None = None,
               calibration_sha256: str | None = None, offload: bool = True, galore: GaLore | None = None,
               node_ranges: bool | None = None) -> str:
     """SHA-256 of canonical JSON of what a plan is compiled from: the graph (models, calls, data
-    edges, host steps with their source hashes, algorithm), the cluster and the options that
-    change the plan."""
-    payload = {"plan_version": PLAN_VERSION, "graph": graph.model_dump(mode="json"),
+    edges, host steps with their source hashes, algorithm), the cluster, the options that change
+    the plan, and the planner's own code (`code_fingerprint`)."""
+    payload = {"plan_version": PLAN_VERSION, "code": code_fingerprint(), "graph": graph.model_dump(mode="json"),
                "cluster": cluster.model_dump(mode="json"), "baseline": baseline,
                "calibration_sha256": calibration_sha256}
     if not offload:  # a plan searched with every state on the GPU (`planner compile --no-offload`)
@@ -100,7 +120,7 @@ def ensure_plan(graph: GraphSpec, *, cluster: ClusterSpec, path: Path, digest: s
                 say(f"planner: reusing {path} (the loop, cluster and models are unchanged)")
                 return cached, False
             why = "it was compiled from a graph file" if cached.source_hash is None else \
-                "it was compiled from another version of the loop, cluster or models"
+                "it was compiled from another version of the loop, cluster or models, or by another version of planner"
     else:
         why = "no plan there yet"
     say(f"planner: compiling {graph.name!r} for {cluster.short()} into {path} ({why})")

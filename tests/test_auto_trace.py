@@ -216,6 +216,25 @@ def test_the_hash_covers_calls_host_sources_cluster_and_options(tmp_path):
     assert plan_hash(graph, cluster=cluster, baseline="colocate") != digest
 
 
+def test_a_plan_cached_by_another_version_of_planner_is_compiled_again(tmp_path, monkeypatch):
+    """The cache key covers the planner's own code (`code_fingerprint`: every .py and .json of
+    plans/, cost_models/ and planner/), so upgrading the cost model or the search recompiles."""
+    import importlib
+
+    auto = importlib.import_module("planner.auto")  # the module (planner.auto is also the decorator)
+    fingerprint = auto.code_fingerprint()
+    assert len(fingerprint) == 64 and fingerprint == auto.code_fingerprint()
+    loop = _load(tmp_path, LOOP)
+    _, compiled = loop.compile()
+    assert compiled and not _load(tmp_path, LOOP).compile()[1]
+    before = loop.source_hash()
+    monkeypatch.setattr(auto, "code_fingerprint", lambda: "another version")
+    upgraded = _load(tmp_path, LOOP)
+    assert upgraded.source_hash() != before
+    plan, compiled = upgraded.compile()
+    assert compiled and plan.source_hash == upgraded.source_hash()
+
+
 def test_the_same_loop_reuses_its_plan_and_an_edited_loop_recompiles(tmp_path):
     loop = _load(tmp_path, LOOP)
     plan, compiled = loop.compile()
