@@ -66,7 +66,8 @@ The protocol, fixed before any of these rows was predicted:
   responses of mean G-Average Seq len less the prompt, taken as geometric (the planner's rule for a
   mean alone), in the fewest waves that fit gpu_memory_utilization 0.6 and vLLM's default
   max_num_seqs 256 (`planner.imports.vllm_waves`, as verl and OpenRLHF imports are costed; since
-  the change below, those waves' cache is the KV budget vLLM's scheduler runs in);
+  the change below, those waves' cache is the KV budget vLLM's scheduler runs in, at most 256 rows
+  at once);
 - log-probs and training: sequence packing (the base config's, into bins of
   max_total_sequence_length x train_micro_batch_size tokens, or x logprob_batch_size), costed as
   sequences of G-Average Seq len tokens, as many per micro-batch as a bin holds (at least one);

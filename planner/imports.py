@@ -89,12 +89,14 @@ FRAMEWORK_OF = {"verl": "rlhf-engine", "openrlhf": "rlhf-engine-hf", "megatron":
 
 def vllm_waves(graph: Graph, cluster: ClusterSpec, call: str, mesh: Mesh, layout: Layout, *, memory_share: float,
                max_num_seqs: int | None) -> tuple[Layout, str | None]:
-    """The generate layout of a vLLM rollout: vLLM runs as many sequences at once as its KV budget
-    (`gpu_memory_utilization` of each GPU) and `max_num_seqs` allow, so the batch of each engine
-    goes in the fewest waves that fit both, as costed; a note when even one sequence at a time
-    does not fit. vLLM's tensor parallelism splits every expert of a mixture of experts as it
-    splits the dense MLP (its fused MoE layer shards the experts' intermediate dimension unless
-    `--enable-expert-parallel`), so an MoE rollout's experts are split over tp (etp = tp)."""
+    """The generate layout of a vLLM rollout: the fewest waves whose KV cache at the length cap fits
+    vLLM's budget (`gpu_memory_utilization` of each GPU), the budget its scheduler then runs the
+    engine's rows in (`cost_models.lengths.paged_schedule`, at most the stack's max_num_seqs at
+    once); a note when even one sequence at a time does not fit, or when the config's
+    `max_num_seqs` is not the one costed. vLLM's tensor parallelism splits every expert of a
+    mixture of experts as it splits the dense MLP (its fused MoE layer shards the experts'
+    intermediate dimension unless `--enable-expert-parallel`), so an MoE rollout's experts are
+    split over tp (etp = tp)."""
     from cost_models import CostModel
     from planner.candidates import costed_view
 
@@ -103,17 +105,18 @@ def vllm_waves(graph: Graph, cluster: ClusterSpec, call: str, mesh: Mesh, layout
         layout = layout.model_copy(update={"etp": layout.tp})
     view = costed_view(c, graph.models[c.model])
     cm = CostModel(cluster, framework="vllm")
+    costed = cm.framework.max_num_seqs
+    other = (f"{call}: costed with vLLM running at most {costed} sequences at once (max_num_seqs), where the config "
+             f"sets {max_num_seqs}") if max_num_seqs is not None and max_num_seqs != costed else None
     per = c.seqs // layout.dp
     budget = memory_share * cluster.mem_bytes
     for mb in (m for m in range(1, per + 1) if per % m == 0):
-        if max_num_seqs is not None and per // mb > max_num_seqs:
-            continue
         lay = layout.model_copy(update={"micro_batches": mb})
         if cm.call_cost(c, view, mesh, lay).peak_mem_bytes <= budget:
-            return lay, None
+            return lay, other
     lay = layout.model_copy(update={"micro_batches": per})
-    return lay, (f"{call}: not even one sequence per engine fits gpu_memory_utilization {memory_share} as costed; "
-                 "costed one at a time")
+    return lay, "; ".join(x for x in (f"{call}: not even one sequence per engine fits gpu_memory_utilization "
+                                        f"{memory_share} as costed; costed one at a time", other) if x)
 
 
 # ---- verl ------------------------------------------------------------------------------------

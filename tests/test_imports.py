@@ -330,3 +330,22 @@ def test_a_verl_config_without_the_log_prob_micro_batch_costs_the_pass_at_the_tr
     got = imports.from_verl(imports.verl_config(None, base + ["algorithm.rollout_correction.bypass_mode=true"]), cluster, {})
     assert "actor_logprobs" not in got.placements and all(c.name != "actor_logprobs" for c in got.graph.calls)
     assert any("bypass_mode" in n for n in got.notes)
+
+
+def test_a_vllm_rollout_imports_as_the_kv_budget_its_scheduler_runs_in() -> None:
+    """An engine's rows beyond max_num_seqs wait in vLLM's scheduler, not in waves of their own:
+    a rollout whose every row fits gpu_memory_utilization at the cap is one budget even with more
+    rows than max_num_seqs; a config whose max_num_seqs is not the costed one says so."""
+    base = ["data.train_batch_size=2048", "actor_rollout_ref.model.path=llama-2-7b", "critic.model.path=llama-2-7b",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=8", "data.max_prompt_length=64",
+            "data.max_response_length=64"]
+    cluster = parse_cluster("h100-sxm:1x8")
+    got = imports.from_verl(imports.verl_config(None, base), cluster, {})
+    gen = got.placements["actor_generate"][1]
+    assert gen.dp == 1 and gen.micro_batches == 1  # 2,048 rows on one engine, one budget: no waves of 256
+    assert not any("max_num_seqs" in n for n in got.notes)
+    got = imports.from_verl(imports.verl_config(None, base + ["actor_rollout_ref.rollout.max_num_seqs=1024"]), cluster, {})
+    assert any("max_num_seqs" in n and "1024" in n for n in got.notes)
