@@ -25,7 +25,7 @@ from cost_models.calibration import Calibration, default_calibration
 from cost_models.compute import attention_anchor
 from cost_models.framework import Framework, resolve_framework, uncalibrated_attention_share
 from cost_models.galore import galore_stage
-from cost_models.generation import decode_split, generate_times
+from cost_models.generation import decode_split, generate_times, pages
 from cost_models.hardware import Hardware, core_share, effective_hardware, matmul_ceiling_ratio
 from cost_models.lengths import length_dist
 from cost_models.memory import (
@@ -603,7 +603,7 @@ class CostModel:
         # run at once (vLLM sizes its step's activations and logits for max_num_seqs).
         fw = self.framework.for_rollouts()
         step_rows = split.seqs_per_group
-        if fw.paged_kv and dec.pp == 1 and dec.cp == 1:
+        if pages(fw, dec):
             step_rows = min(-(-call.seqs // dec.dp), fw.max_num_seqs or call.seqs)
         decode["logits"] = int(LOGIT_INFER_BYTES * step_rows * spec.vocab_size / dec.tp)
         moe = self._moe(decl, dec, step_rows)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from cost_models import comm
 from cost_models.framework import Framework
 from cost_models.hardware import Hardware
-from cost_models.lengths import LengthDist, decode_segments, paged_schedule
+from cost_models.lengths import LengthDist, PagedSchedule, decode_segments, paged_schedule
 from cost_models.memory import kv_cache_bytes
 from cost_models.ops import (
     embedding_work,
@@ -120,6 +120,24 @@ def decode_step_s(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, 
             turns * crit_s.ep_comm_s, turns * crit_s.cp_comm_s)
 
 
+def pages(fw: Framework, decode: Layout) -> bool:
+    """Whether `fw`'s rollout engine runs `decode` with a paged KV cache and its scheduler (not
+    for pipelined or KV-parallel decode, which the vLLM stacks do not run)."""
+    return fw.paged_kv and decode.pp == 1 and decode.cp == 1
+
+
+def paged_rollout(fw: Framework, decode: Layout, *, seqs: int, prompt_len: int, gen_len: int,
+                  lengths: LengthDist | None) -> PagedSchedule | None:
+    """How one engine of a paged stack (`Framework.paged_kv`, the rollout engine's traits) runs its
+    rows: in the KV budget its decode layout's waves would hold at the length cap; None where the
+    generation is not paged (static waves, or pipelined or KV-parallel decode)."""
+    if not pages(fw, decode):
+        return None
+    split = decode_split(seqs, decode)
+    return paged_schedule(lengths, cap=gen_len, rows=-(-seqs // decode.dp), prompt=prompt_len,
+                          max_seqs=fw.max_num_seqs, kv_tokens=split.seqs_per_group * (prompt_len + gen_len))
+
+
 def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, decode: Layout, topo: Topology, *,
                    seqs: int, prompt_len: int, gen_len: int, load_cv: float = 0.0,
                    lengths: LengthDist | None = None) -> StepTimes:
@@ -142,11 +160,9 @@ def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout,
     layers = max(len(x) for x in stage_layers(spec.num_hidden_layers, layout.pp, layout.interleave))
     cache = kv_cache_bytes(spec, seqs=per_rank, ctx=prompt_len, layers=layers, tp=layout.tp)
     out.add("prefill", cache / hw.mem_bytes_s)
-    if fw.paged_kv and decode.pp == 1 and decode.cp == 1:
-        # One scheduler per replica runs all its rows in the KV budget the waves' cache would hold.
+    sched = paged_rollout(fw, decode, seqs=seqs, prompt_len=prompt_len, gen_len=gen_len, lengths=lengths)
+    if sched is not None:
         rows = -(-seqs // decode.dp)
-        sched = paged_schedule(lengths, cap=gen_len, rows=rows, prompt=prompt_len, max_seqs=fw.max_num_seqs,
-                               kv_tokens=split.seqs_per_group * (prompt_len + gen_len))
         if sched.recomputed_tokens:  # preempted rows prefill their prompt and their tokens again
             out.add("prefill", pre.total_s * sched.recomputed_tokens / (rows * prompt_len))
         segments, waves, ctx0 = list(sched.segments), 1, 0

@@ -133,6 +133,7 @@ class PagedSchedule:
     preemptions: int
     row_steps: int  # tokens the decode steps made (the prefills make each row's first, and a resumed row's next)
     peak_tokens: int  # the most tokens cached at once
+    peak_rows: int  # the most rows running at once
 
 
 def quantile_lengths(dist: LengthDist | None, *, cap: int, rows: int) -> list[int]:
@@ -219,7 +220,8 @@ def paged_schedule(dist: LengthDist | None, *, cap: int, rows: int, prompt: int,
                 base_sum -= running.pop(row)[0]
     return PagedSchedule(_paged_segments(stretches, now), now, recomputed, preemptions,
                          row_steps=sum(k * r for k, r, _ in stretches),
-                         peak_tokens=int(max((u + r * (k - 1) / 2 for k, r, u in stretches), default=0)))
+                         peak_tokens=int(max((u + r * (k - 1) / 2 for k, r, u in stretches), default=0)),
+                         peak_rows=max((r for _, r, _ in stretches), default=0))
 
 
 def _paged_segments(stretches: list[tuple[int, int, float]], total: int) -> tuple[tuple[float, float, int], ...]:

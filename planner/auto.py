@@ -308,20 +308,25 @@ class AutoFunction:
         if not launch.distributed:
             return self.compile()[0]
         if launch.rank == 0:
-            outcome: tuple[str, str, str | None] = ("error", "rank 0 stopped while making the plan", None)
+            outcome: tuple[str, str, str | None, str] = ("error", "rank 0 stopped while making the plan", None,
+                                                         code_fingerprint())
             try:
                 plan, _ = self.compile()
-                outcome = ("ok", plan_to_json(plan), None)
+                outcome = ("ok", plan_to_json(plan), None, code_fingerprint())
             except PlannerError as e:
-                outcome = ("error", e.message, e.hint)
+                outcome = ("error", e.message, e.hint, code_fingerprint())
                 raise
             finally:
                 launch.share(outcome)
             return plan
-        status, text, hint = launch.share(None)
+        status, text, hint, code = launch.share(None)
         if status != "ok":
             raise PlannerError(f"rank 0 could not make the plan: {text}", hint=hint)
         plan = parse_plan(text, source=f"the plan rank 0 sent ({self.plan_path})")
+        if code != code_fingerprint():
+            raise PlannerError(f"rank {launch.rank} runs another version of planner than rank 0 (its plans/, "
+                               f"cost_models/ and planner/ hash to {code_fingerprint()[:12]}, rank 0's to {code[:12]})",
+                               hint="install the same planner on every node")
         if plan.source_hash != self.source_hash(graph):
             raise PlannerError(f"rank {launch.rank} traced another loop than rank 0",
                                hint="every rank must run the same program with the same arguments")

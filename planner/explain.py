@@ -19,6 +19,8 @@ from typing import Any
 
 from cost_models import CallCost, CostModel
 from cost_models.api import OFFLOADED
+from cost_models.generation import paged_rollout
+from cost_models.lengths import length_dist
 from cost_models.memory import state_bytes
 from cost_models.training import stage_param_counts
 from planner.baselines import Restriction
@@ -164,6 +166,28 @@ def expert_note(plan: Plan, pc: PlanCall, cm: CostModel) -> str | None:
     return text + (f"; at ep{other_ep} ({other.short()}) {expert_gib(other):.1f} GiB, all-to-all "
                    f"{alt.breakdown_s.get('ep_comm', 0.0):.3g} s, the call {alt.time_s:.3g} s and peak "
                    f"{alt.peak_mem_bytes / 2**30:.1f} GiB" + ("" if fits else " (does not fit)"))
+
+def rollout_note(plan: Plan, pc: PlanCall, cm: CostModel) -> str | None:
+    """How a paged engine (vLLM) runs a generate call, as costed: its KV budget, the rows running
+    at once, the decode steps and the preemptions (`cost_models.lengths.paged_schedule`)."""
+    if pc.kind != "generate":
+        return None
+    dec = pc.decode_layout or pc.layout
+    fw = cm.framework.for_rollouts()
+    sched = paged_rollout(fw, dec, seqs=pc.seqs, prompt_len=pc.prompt_len, gen_len=pc.gen_len,
+                          lengths=length_dist(pc.response_len, pc.gen_len))
+    if sched is None:
+        return None
+    rows = -(-pc.seqs // dec.dp)
+    budget = -(-pc.seqs // (dec.dp * dec.micro_batches))
+    text = (f"{pc.name}: {dec.dp} vLLM engine{'s' if dec.dp > 1 else ''} of {rows} rows each, in a KV budget of "
+            f"{budget} rows at the {pc.seq_len}-token cap ({sched.peak_tokens:,} tokens held at most): at most "
+            f"{sched.peak_rows} running at once (max_num_seqs {fw.max_num_seqs}), {sched.steps:,} decode steps")
+    if sched.preemptions:
+        text += (f", {sched.preemptions:,} preemptions ({sched.recomputed_tokens:,} tokens prefilled again; a larger "
+                 "budget, fewer waves, avoids them)")
+    return text
+
 
 def _view(plan: Plan, call_name: str) -> ModelDecl:
     c = plan.call(call_name)
@@ -462,6 +486,7 @@ def explain_plan(plan: Plan, *, cm: CostModel | None = None, space: SearchSpace 
             notes.append(f"{pc.name}: the plan states {pc.est_time_s:.4g} s but this cost model gives {t:.4g} s "
                          "(was it compiled with --calibration?)")
     notes += [n for pc in plan.calls if (n := expert_note(plan, pc, cm))]
+    notes += [n for pc in plan.calls if (n := rollout_note(plan, pc, cm))]
     path = critical_path(plan)
     calls_on_path = [p for p in path if p.kind == "call"]
     bottleneck = max(calls_on_path, key=lambda p: p.time_s) if calls_on_path else None

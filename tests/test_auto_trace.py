@@ -235,6 +235,42 @@ def test_a_plan_cached_by_another_version_of_planner_is_compiled_again(tmp_path,
     assert compiled and plan.source_hash == upgraded.source_hash()
 
 
+def _version_worker(rank: int, port: int, out_dir: str) -> None:
+    """One of two gloo ranks making a loop's plan; rank 1 runs "another version" of planner."""
+    import importlib
+
+    import torch.distributed as dist
+
+    from runtime.session import Launch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if rank == 1:
+        importlib.import_module("planner.auto").code_fingerprint = lambda: "another version"
+    loop = _load(Path(out_dir), LOOP)
+    loop._launch = Launch(rank=rank, world_size=2, torchrun=True, device=torch.device("cpu"), owns_group=False)
+    try:
+        loop._plan_everywhere(loop.trace())
+        outcome = "ok"
+    except PlannerError as e:
+        outcome = f"{e.message} | {e.hint}"
+    Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+    dist.destroy_process_group()
+
+
+def test_a_rank_running_another_version_of_planner_is_told_so(tmp_path):
+    """Rank 0 makes the plan and sends it with its code's hash; a rank whose planner differs says
+    that, not that it traced another loop."""
+    import torch.multiprocessing as mp
+
+    from tests.test_runtime_parallel import _free_port
+
+    mp.spawn(_version_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    assert (tmp_path / "rank0.txt").read_text() == "ok"
+    told = (tmp_path / "rank1.txt").read_text()
+    assert "rank 1 runs another version of planner than rank 0" in told and "same planner on every node" in told
+
+
 def test_the_same_loop_reuses_its_plan_and_an_edited_loop_recompiles(tmp_path):
     loop = _load(tmp_path, LOOP)
     plan, compiled = loop.compile()

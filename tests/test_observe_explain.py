@@ -118,3 +118,25 @@ def test_explain_cli(cli, tmp_path) -> None:  # noqa: ANN001
     assert all(len(c["alternatives"]) <= 2 for c in data["calls"])
     r = cli("explain", str(path), "--calibration", str(tmp_path / "cpu.json"))
     assert r.code == 0 and "critical path" in r.out and "bottleneck: actor_train" in r.out
+
+
+def test_a_vllm_rollout_says_how_its_scheduler_runs_it() -> None:
+    """For a stack whose rollouts run on vLLM, explain says each engine's rows, KV budget, the rows
+    running at once, the decode steps and the preemptions its schedule has; the runtime's plans,
+    in static waves, have no such note."""
+    from planner.algorithms import grpo
+    from planner.compile import compile_graph
+    from plans.cluster import parse_cluster
+    from plans.graph import ResponseLengths
+
+    graph = grpo("llama-3-8b", reward_fn="math:verify", batch=64, samples_per_prompt=8, prompt_len=256, gen_len=2048,
+                 policy_logprobs=True)
+    graph = graph.model_copy(update={"calls": [c.model_copy(update={"response_len": ResponseLengths(mean=400.0)})
+                                               if c.kind == "generate" else c for c in graph.calls]})
+    plan = compile_graph(graph, parse_cluster("h100-sxm:1x8"), time_limit_s=1, framework="rlhf-engine")
+    gen = plan.call("actor_generate")
+    engines = gen.layout.dp
+    notes = [n for n in explain_plan(plan, top=1).notes if n.startswith("actor_generate:")]
+    assert len(notes) == 1 and f"{engines} vLLM engine" in notes[0] and f"{512 // engines} rows each" in notes[0]
+    assert "decode steps" in notes[0] and "max_num_seqs 256" in notes[0]
+    assert not any("vLLM engine" in n for n in explain_plan(tiny_ppo(), cm=cpu_model(tiny_ppo().cluster), top=1).notes)
