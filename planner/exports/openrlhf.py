@@ -148,7 +148,9 @@ def export(plan: Plan, *, call: str | None = None) -> Export:  # noqa: ARG001 - 
     flags += [("--vllm.num_engines", engines), ("--vllm.tensor_parallel_size", dec.tp),
               ("--vllm.gpu_memory_utilization", memory_fraction(plan, gen))]
     notes.append(f"{gen.name}: --vllm.gpu_memory_utilization is the share of GPU memory the plan costed generation "
-                 "with (weights, KV cache, activations)")
+                 "with (weights, KV cache, activations); OpenRLHF's vLLM engines run at most vLLM's default "
+                 "max_num_seqs sequences at once (it has no flag for it; it differs by vLLM release and GPU), where "
+                 "the vLLM stacks cost 256")
     if colocate_all:
         flags += [("--train.colocate_all", None), ("--vllm.enable_sleep", None), ("--ds.enable_sleep", None)]
     else:
