@@ -102,6 +102,10 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     for c in plan.calls:
         if c.response_len is not None:
             console.print(f"{c.name}: costed at {response_len_text(c)}", highlight=False, soft_wrap=True)
+        elif c.kind == "generate":
+            console.print(f"{c.name}: every response costed at the {c.gen_len}-token cap (compile with "
+                          "--response-len-mean N or --response-len-from METRICS.jsonl to cost how long they really "
+                          "are)", highlight=False, soft_wrap=True)
     code_lines(plan, console)
     for line in estimate_lines(plan):
         console.print(line, highlight=False)
