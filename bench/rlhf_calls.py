@@ -91,7 +91,8 @@ these responses average about 900 tokens. A comparison with waves by the tokens 
 after the result) gave -32.4%, +9.2%, -22.4%. Then, also after seeing these rows, the vLLM stacks'
 rollouts were costed as vLLM V1's scheduler runs them (`cost_models.lengths.paged_schedule`, from
 vLLM's ``vllm/v1/core/sched/scheduler.py``; the waves' cache at the cap is the engine's KV budget):
--33.3%, +11.1%, -18.3%. The bench prints the rows with static waves beside them. Llama's rollout is
+-33.3%, +11.1%, -18.3%. The bench prints the rows with static waves beside them (+41.4%, +32.2%, +4.9%
+since a call lasts as long as its slowest engine: the wave that drew the longest response of all). Llama's rollout is
 one pass of 3,967 steps (its longest response reaches the cap), 37.7 s, so its step's missing 31 s
 are not in the rollout's GPU work as modelled.
 

@@ -134,8 +134,10 @@ def paged_rollout(fw: Framework, decode: Layout, *, seqs: int, prompt_len: int, 
     if not pages(fw, decode):
         return None
     split = decode_split(seqs, decode)
+    # The call ends with its slowest engine: the one that drew the longest response of all.
     return paged_schedule(lengths, cap=gen_len, rows=-(-seqs // decode.dp), prompt=prompt_len,
-                          max_seqs=fw.max_num_seqs, kv_tokens=split.seqs_per_group * (prompt_len + gen_len))
+                          max_seqs=fw.max_num_seqs, kv_tokens=split.seqs_per_group * (prompt_len + gen_len),
+                          longest_of=seqs if decode.dp > 1 else None)
 
 
 def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout, decode: Layout, topo: Topology, *,
@@ -165,22 +167,27 @@ def generate_times(spec: ModelSpec, fw: Framework, hw: Hardware, layout: Layout,
         rows = -(-seqs // decode.dp)
         if sched.recomputed_tokens:  # preempted rows prefill their prompt and their tokens again
             out.add("prefill", pre.total_s * sched.recomputed_tokens / (rows * prompt_len))
-        segments, waves, ctx0 = list(sched.segments), 1, 0
+        batches, ctx0 = [(1, list(sched.segments))], 0
     else:
         # The rows that decode until the longest of them ends: a wave, or all the pipelined groups.
+        # The call ends with its slowest replica, whose last wave drew the longest response of all.
         rows = split.seqs_per_group * (split.groups if decode.pp > 1 else 1)
-        segments = decode_segments(lengths, cap=gen_len, rows=rows, drops_finished=fw.decode_drops_finished)
-        waves, ctx0 = split.waves, prompt_len
-    total = 0.0
-    for n, ctx, running in segments:
-        b = -(-running // split.groups) if decode.pp > 1 else running
-        step, tp_comm, ep_comm, cp_comm = decode_step_s(spec, fw, hw, decode, topo, b=b, groups=split.groups,
-                                                        ctx=ctx0 + int(ctx), load_cv=load_cv)
-        steps = waves * n
-        total += n
-        out.add("decode", steps * (step - tp_comm - ep_comm - cp_comm))
-        out.add("tp_comm", steps * tp_comm)
-        out.add("ep_comm", steps * ep_comm)
-        out.add("cp_comm", steps * cp_comm)
-    out.add("overhead", waves * (total + 1) * hw.decode_step_overhead_s)
+        drops = fw.decode_drops_finished
+        batches = [(split.waves - 1, decode_segments(lengths, cap=gen_len, rows=rows, drops_finished=drops)),
+                   (1, decode_segments(lengths, cap=gen_len, rows=rows, drops_finished=drops,
+                                       longest_of=rows * split.waves * decode.dp))]
+        ctx0 = prompt_len
+    for count, segments in batches:
+        if count == 0:
+            continue
+        for n, ctx, running in segments:
+            b = -(-running // split.groups) if decode.pp > 1 else running
+            step, tp_comm, ep_comm, cp_comm = decode_step_s(spec, fw, hw, decode, topo, b=b, groups=split.groups,
+                                                            ctx=ctx0 + int(ctx), load_cv=load_cv)
+            steps = count * n
+            out.add("decode", steps * (step - tp_comm - ep_comm - cp_comm))
+            out.add("tp_comm", steps * tp_comm)
+            out.add("ep_comm", steps * ep_comm)
+            out.add("cp_comm", steps * cp_comm)
+        out.add("overhead", count * (sum(n for n, _, _ in segments) + 1) * hw.decode_step_overhead_s)
     return out

@@ -97,13 +97,15 @@ def length_dist(lengths: ResponseLengths | None, cap: int) -> LengthDist | None:
     return geometric(float(lengths.mean), cap)  # type: ignore[arg-type]
 
 
-def decode_segments(dist: LengthDist | None, *, cap: int, rows: int, drops_finished: bool) -> list[tuple[float, float, int]]:
+def decode_segments(dist: LengthDist | None, *, cap: int, rows: int, drops_finished: bool,
+                    longest_of: int | None = None) -> list[tuple[float, float, int]]:
     """The decode steps of a batch of `rows` (after the prefill's first token), as stretches of
     (steps, mean generated length so far, running rows): every step of a stretch is priced at its
-    running rows and the context at its middle."""
+    running rows and the context at its middle. `longest_of`: the batch holds the longest of that
+    many responses (the slowest of several batches; default `rows`), which sets its steps."""
     if dist is None:
         return [(float(cap - 1), (cap + 1) / 2, rows)]
-    steps = max(0.0, dist.expected_max(rows) - 1.0)
+    steps = max(0.0, dist.expected_max(max(rows, longest_of or rows)) - 1.0)
     if not drops_finished or steps == 0:
         return [(steps, (steps + 2) / 2, rows)]
     out = []
@@ -136,13 +138,17 @@ class PagedSchedule:
     peak_rows: int  # the most rows running at once
 
 
-def quantile_lengths(dist: LengthDist | None, *, cap: int, rows: int) -> list[int]:
+def quantile_lengths(dist: LengthDist | None, *, cap: int, rows: int, longest_of: int | None = None) -> list[int]:
     """`rows` response lengths standing for the distribution: its quantiles at (i + 1/2) / rows,
     in the order a random batch mixes them (a fixed stride of about 0.618 rows through the sorted
-    quantiles, so long and short responses come spread out, as independent draws do)."""
+    quantiles, so long and short responses come spread out, as independent draws do). With
+    `longest_of` the longest is the quantile at 1 - 1/(2 longest_of): the batch that drew the
+    longest of that many responses (the slowest of several engines)."""
     if dist is None:
         return [cap] * rows
     qs = (np.arange(rows) + 0.5) / rows
+    if longest_of is not None and longest_of > rows:
+        qs[-1] = 1.0 - 0.5 / longest_of
     ranked = np.clip(np.searchsorted(np.asarray(dist.cdf), qs, side="left"), 1, cap)
     stride = max(1, round(rows * 0.6180339887))
     while np.gcd(stride, rows) != 1:
@@ -152,7 +158,7 @@ def quantile_lengths(dist: LengthDist | None, *, cap: int, rows: int) -> list[in
 
 @lru_cache(maxsize=4096)
 def paged_schedule(dist: LengthDist | None, *, cap: int, rows: int, prompt: int, kv_tokens: int,
-                   max_seqs: int | None) -> PagedSchedule:
+                   max_seqs: int | None, longest_of: int | None = None) -> PagedSchedule:
     """The decode steps of `rows` responses (after their prefills) on one engine whose KV cache
     holds `kv_tokens` tokens, as vLLM V1's scheduler runs them (`vllm/v1/core/sched/scheduler.py`):
 
@@ -165,13 +171,14 @@ def paged_schedule(dist: LengthDist | None, *, cap: int, rows: int, prompt: int,
       preempted one's prefills its prompt and every token it had made again (`recomputed_tokens`);
     - a row leaves, freeing its cache, when it has made its length.
 
-    Lengths are the distribution's quantiles (`quantile_lengths`; all `cap` without one). Steps
+    Lengths are the distribution's quantiles (`quantile_lengths`; all `cap` without one), the
+    longest that of `longest_of` responses where the engine is the slowest of several. Steps
     are simulated from event to event (a row ending, the cache filling), so the cost is in rows,
     not in steps."""
     import heapq
     from collections import deque
 
-    lengths = quantile_lengths(dist, cap=cap, rows=rows)
+    lengths = quantile_lengths(dist, cap=cap, rows=rows, longest_of=longest_of)
     limit = max_seqs or rows
     waiting: deque[tuple[int, int]] = deque((i, 0) for i in range(rows))  # (row, tokens made so far)
     running: dict[int, tuple[int, int, int]] = {}  # row -> (its cache less the step count, last step, admission)

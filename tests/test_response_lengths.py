@@ -63,10 +63,12 @@ def test_shorter_responses_cost_less_where_the_engine_drops_finished_rows() -> N
     short = ResponseLengths(mean=200.0)
     vllm_full, vllm_short = _generate_cost("vllm", None), _generate_cost("vllm", short)
     torch_full, torch_short = _generate_cost("torch", None), _generate_cost("torch", short)
-    # The runtime decodes every row until the batch's longest ends: 64 rows of mean 200 take 881 steps
-    # of the 1024 (expected longest of 64 geometric lengths), so it saves only about that share...
+    # The runtime decodes every row until the batch's longest ends, and the call until its slowest
+    # replica's: 64 rows of mean 200 take 881 steps of the 1024 (expected longest of 64 geometric
+    # lengths), but one of the 8 replicas holds the longest of all 512 (1,022 expected), so it saves
+    # almost nothing...
     saved = torch_short.breakdown_s["decode"] / torch_full.breakdown_s["decode"]
-    assert 0.75 < saved < 881 / 1024
+    assert 881 / 1024 < saved < 1.0
     # ...while vLLM runs the later steps at the few rows still going.
     assert vllm_short.breakdown_s["decode"] < 0.6 * vllm_full.breakdown_s["decode"]
     # ...and the useful FLOPs are the tokens really generated, whoever runs them.
@@ -110,6 +112,29 @@ def test_a_paged_cache_runs_the_rows_whose_tokens_fit_and_preempts_the_newest() 
     static = 4 * 511
     quarter = paged_schedule(None, cap=512, rows=64, prompt=512, kv_tokens=16 * 1024, max_seqs=256)
     assert quarter.steps < static and quarter.preemptions > 0
+
+
+def test_a_call_lasts_as_long_as_its_slowest_engine() -> None:
+    """Engines decode their own rows; the call ends when the one that drew the longest response of
+    all ends, so more engines with the same rows each take more steps (geometric lengths: about
+    ln(engines) / p more), paged or not."""
+    dist = geometric(200.0, 8192)
+    alone = paged_schedule(dist, cap=8192, rows=64, prompt=128, kv_tokens=10**9, max_seqs=256)
+    slowest = paged_schedule(dist, cap=8192, rows=64, prompt=128, kv_tokens=10**9, max_seqs=256, longest_of=512)
+    assert slowest.steps - alone.steps == pytest.approx(200 * np.log(8), rel=0.1)
+    assert slowest.row_steps - alone.row_steps == slowest.steps - alone.steps  # one row runs longer
+    static = decode_segments(dist, cap=8192, rows=64, drops_finished=False, longest_of=512)
+    assert static[0][0] == pytest.approx(dist.expected_max(512) - 1)
+    spec = resolve_model("llama-3-8b")
+
+    def decode_s(framework: str, engines: int) -> float:
+        call = Call(name="gen", model="m", kind="generate", seqs=64 * engines, seq_len=128 + 8192, gen_len=8192,
+                    response_len=ResponseLengths(mean=200.0))
+        cm = CostModel(parse_cluster(f"h100-sxm:1x{engines}"), framework=framework)
+        return cm.call_cost(call, ModelDecl(spec=spec), Mesh.block(0, engines), Layout(dp=engines)).breakdown_s["decode"]
+
+    for framework in ("vllm", "torch"):
+        assert decode_s(framework, 8) > 1.15 * decode_s(framework, 1), framework
 
 
 def test_a_paged_engines_rollout_costs_its_schedule_not_static_waves() -> None:
