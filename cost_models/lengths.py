@@ -242,7 +242,8 @@ def _paged_segments(stretches: list[tuple[int, int, float]], total: int) -> tupl
     end = np.cumsum(k)
     start = end - k
     out = []
-    for a, b in zip(*(lambda e: (e[:-1], e[1:]))(np.linspace(0.0, float(total), min(PAGED_SEGMENTS, total) + 1))):
+    edges = np.linspace(0.0, float(total), min(PAGED_SEGMENTS, total) + 1)
+    for a, b in zip(edges[:-1], edges[1:]):
         w = np.clip(np.minimum(end, b) - np.maximum(start, a), 0.0, None)
         rows = float(np.sum(w * r))
         if rows == 0:
