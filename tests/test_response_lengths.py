@@ -85,7 +85,7 @@ def test_a_paged_cache_runs_the_rows_whose_tokens_fit_and_preempts_the_newest() 
     cannot hold every row at once preempts and recomputes, and takes more steps than one that can."""
     dist = geometric(300.0, 2048)
     lengths = quantile_lengths(dist, cap=2048, rows=200)
-    assert sorted(lengths) == sorted(lengths) and abs(np.mean(lengths) - 300) < 15  # the distribution's quantiles
+    assert 1 <= min(lengths) and max(lengths) <= 2048 and abs(np.mean(lengths) - 300) < 15  # the distribution's quantiles
     assert lengths[:3] != sorted(lengths)[:3]  # mixed, as independent draws come
     runs = {budget: paged_schedule(dist, cap=2048, rows=200, prompt=256, kv_tokens=budget, max_seqs=128)
             for budget in (10**9, 16 * 2048, 4 * 2048)}
